@@ -1,0 +1,33 @@
+"""Test configuration: the `cuda` marker skips without a GPU (fails with RAMSTREAM_REQUIRE_CUDA=1)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _gpu_ready() -> tuple[bool, str]:
+    try:
+        import torch
+
+        from ramstream._native import cuda_available
+    except Exception as e:  # pragma: no cover
+        return False, f"import failed: {e}"
+    if not torch.cuda.is_available():
+        return False, "torch sees no GPU"
+    if not cuda_available():
+        from ramstream._native import lib
+
+        return False, f"ramstream built without usable CUDA: {lib().cuda_unavailable_reason()}"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = _gpu_ready()
+    if ok:
+        return
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if cuda_items and os.environ.get("RAMSTREAM_REQUIRE_CUDA") == "1":
+        raise pytest.UsageError(f"RAMSTREAM_REQUIRE_CUDA=1 but no usable GPU: {why}")
+    for item in cuda_items:
+        item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {why}"))

@@ -1,0 +1,133 @@
+"""wrap() options: names, accepted values, defaults, and validation with errors that list them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_MOMENT_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _fail(name: str, value: Any, accepted: str) -> ValueError:
+    return ValueError(f"wrap(): option {name}={value!r} is not accepted; accepted: {accepted}")
+
+
+def parse_moment_dtype(value: Any, *, allow_auto: bool = True, where: str = "wrap(): option") -> str:
+    """'float32' / 'bfloat16' (or 'auto') from a string or torch dtype; ValueError otherwise."""
+    if value is torch.float32:
+        return "float32"
+    if value is torch.bfloat16:
+        return "bfloat16"
+    if isinstance(value, str) and value in _MOMENT_DTYPES and (allow_auto or value != "auto"):
+        return _MOMENT_DTYPES[value]
+    accepted = "'float32', 'bfloat16', 'bf16', torch.float32, torch.bfloat16"
+    if allow_auto:
+        accepted = "'auto', " + accepted
+    raise ValueError(f"{where} moment_dtype={value!r} is not accepted; accepted: {accepted}")
+
+
+def parse_max_grad_norm(value: Any, where: str = "wrap(): option") -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{where} max_grad_norm={value!r} is not accepted; accepted: None or a "
+                         "finite number > 0")
+    return float(value)
+
+
+def parse_accumulation_steps(value: Any, where: str = "wrap(): option") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where} accumulation_steps={value!r} is not accepted; accepted: an "
+                         "integer >= 1")
+    return int(value)
+
+
+def parse_threads(value: Any, where: str = "wrap(): option") -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where} threads={value!r} is not accepted; accepted: None (all cores) "
+                         "or an integer >= 1")
+    return int(value)
+
+
+def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
+    if value not in ("cpu", "gpu", "auto") or not isinstance(value, str):
+        raise ValueError(f"{where}={value!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
+    return value
+
+
+@dataclass
+class WrapOptions:
+    """Every wrap() option with its default. See README "Options" for what each does."""
+
+    optimizer_mode: str = "cpu"
+    offload: Any = "auto"
+    device: Any = None
+    distributed: Any = None
+    guard_params: bool = True
+    max_grad_norm: float | None = None
+    accumulation_steps: int = 1
+    moment_dtype: str = "auto"
+    threads: int | None = None
+    lr: float = 1e-3
+    verbose: bool = False
+    bucket_bytes: int = 32 << 20
+    vram_headroom: float = 0.10
+    _extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls) if not f.name.startswith("_"))
+
+    @classmethod
+    def parse(cls, **options: Any) -> "WrapOptions":
+        known = set(cls.names())
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"wrap(): unknown option(s) {', '.join(unknown)}; accepted options: "
+                             f"{', '.join(sorted(known))}")
+        o = cls(**options)
+        o.optimizer_mode = parse_mode(o.optimizer_mode)
+        if not (o.offload == "auto" and isinstance(o.offload, str)) and o.offload is not True:
+            raise _fail("offload", o.offload, "'auto', True")
+        o.device = parse_device(o.device)
+        if o.distributed not in (None, True, False):
+            raise _fail("distributed", o.distributed, "None (auto), True, False")
+        for name in ("guard_params", "verbose"):
+            if not isinstance(getattr(o, name), bool):
+                raise _fail(name, getattr(o, name), "True, False")
+        o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)
+        o.accumulation_steps = parse_accumulation_steps(o.accumulation_steps)
+        o.moment_dtype = parse_moment_dtype(o.moment_dtype)
+        o.threads = parse_threads(o.threads)
+        if isinstance(o.lr, bool) or not isinstance(o.lr, (int, float)) or not math.isfinite(o.lr) \
+                or o.lr < 0:
+            raise _fail("lr", o.lr, "a finite number >= 0")
+        o.lr = float(o.lr)
+        if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, int) \
+                or o.bucket_bytes < (1 << 16):
+            raise _fail("bucket_bytes", o.bucket_bytes, "an integer >= 65536")
+        if isinstance(o.vram_headroom, bool) or not isinstance(o.vram_headroom, (int, float)) \
+                or not 0.0 <= o.vram_headroom < 1.0:
+            raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")
+        return o
+
+
+def parse_device(value: Any) -> torch.device | None:
+    """None, 'cpu', 'cuda', 'cuda:N' or a torch.device; ValueError otherwise."""
+    if value is None:
+        return None
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise _fail("device", value, "None, 'cpu', 'cuda', 'cuda:N', a torch.device") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise _fail("device", value, "None, 'cpu', 'cuda', 'cuda:N', a torch.device")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return dev

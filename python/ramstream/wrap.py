@@ -1,0 +1,197 @@
+"""wrap(model, optimizer) -> (model, optimizer): one line to offload; unwrap(); memory_report()."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .hardware import host_memory
+from .optim import OffloadAdamW
+from .options import WrapOptions
+from .report import EventLog
+
+
+class _Wrapped:
+    """What wrap() leaves on the model (model._ramstream)."""
+
+    def __init__(self, model, optimizer, options: WrapOptions, log: EventLog) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.log = log
+        self.handles: list = []
+        self.orig_apply = None
+        self.plan: dict = {}
+
+
+def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(model.parameters())
+
+
+def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
+    """(param_groups, state_dict or None) from a torch AdamW/Adam/OffloadAdamW or None."""
+    if optimizer is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("wrap(): the model has no trainable parameters")
+        return [{"params": params, "lr": opts.lr}], None, {}
+    if isinstance(optimizer, OffloadAdamW):
+        sd = optimizer.state_dict()
+        groups = [dict(g) for g in optimizer.param_groups]
+        optimizer.close()
+        return groups, sd, {}
+    if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
+        name = type(optimizer).__name__
+        for g in optimizer.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError(f"wrap(): {name} with amsgrad or maximize is not supported")
+            if name == "Adam" and g.get("weight_decay", 0) != 0 \
+                    and not g.get("decoupled_weight_decay", False):
+                raise ValueError("wrap(): torch.optim.Adam with weight_decay != 0 adds L2 decay to "
+                                 "the gradient, which ramstream's AdamW does not do; use "
+                                 "torch.optim.AdamW, or Adam with weight_decay=0")
+        keep = ("lr", "betas", "eps", "weight_decay")
+        groups = [{**{k: g[k] for k in keep}, "params": list(g["params"])}
+                  for g in optimizer.param_groups]
+        for g in groups:
+            if torch.is_tensor(g["lr"]):
+                g["lr"] = float(g["lr"])
+        sd = optimizer.state_dict() if optimizer.state else None
+        return groups, sd, {}
+    raise ValueError(f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
+                     "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None")
+
+
+def _pick_moment_dtype(opts: WrapOptions, numel: int, log: EventLog) -> torch.dtype:
+    if opts.moment_dtype == "float32":
+        return torch.float32
+    if opts.moment_dtype == "bfloat16":
+        return torch.bfloat16
+    avail = host_memory()["available"]
+    need32 = numel * (4 + 8 + 4)   # master + two fp32 moments + landing
+    need16 = numel * (4 + 4 + 4)
+    if need32 <= 0.9 * avail:
+        log(f"moment_dtype=auto -> float32 ({need32 / 2**30:.2f} GiB of host state <= 90% of "
+            f"{avail / 2**30:.2f} GiB available)")
+        return torch.float32
+    if need16 <= 0.9 * avail:
+        log(f"moment_dtype=auto -> bfloat16 (float32 needs {need32 / 2**30:.2f} GiB > 90% of "
+            f"{avail / 2**30:.2f} GiB available; bfloat16 needs {need16 / 2**30:.2f} GiB)")
+        return torch.bfloat16
+    raise MemoryError(
+        f"wrap(): host state does not fit: {numel:,} trained parameters x 12 bytes (fp32 master + "
+        f"bf16 moments + landing buffer) = {need16 / 2**30:.2f} GiB > 90% of "
+        f"{avail / 2**30:.2f} GiB available RAM")
+
+
+def wrap(model: torch.nn.Module, optimizer=None, **options):
+    """Offloads optimizer state and gradients of `model` to host RAM.
+
+    Returns (model, optimizer): the same model object (hooks installed, parameters now views
+    of flat buffers) and a ramstream.OffloadAdamW holding the converted optimizer's groups and
+    state. See README "Options" for every option.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap(): model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "_ramstream", None) is not None:
+        raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
+    opts = WrapOptions.parse(**options)
+    log = EventLog(opts.verbose)
+    if opts.optimizer_mode != "cpu":
+        raise ValueError(f"wrap(): option optimizer_mode={opts.optimizer_mode!r} is not accepted "
+                         "by this version; accepted: 'cpu'")
+    if opts.distributed:
+        raise ValueError("wrap(): option distributed=True is not accepted by this version; "
+                         "accepted: None, False")
+    devices = {p.device for p in model.parameters()}
+    device = opts.device
+    if device is None:
+        if len(devices) != 1:
+            raise ValueError(f"wrap(): the model's parameters are on {sorted(map(str, devices))}; "
+                             "pass device=")
+        device = devices.pop()
+    if any(d != device for d in {p.device for p in model.parameters()}):
+        log(f"moving the model to {device}")
+        model.to(device)
+    groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
+    numel = sum(p.numel() for g in groups for p in g["params"])
+    moment_dtype = _pick_moment_dtype(opts, numel, log)
+    g0 = groups[0]
+    opt = OffloadAdamW(groups, lr=g0.get("lr", opts.lr), betas=g0.get("betas", (0.9, 0.999)),
+                       eps=g0.get("eps", 1e-8), weight_decay=g0.get("weight_decay", 1e-2),
+                       max_grad_norm=opts.max_grad_norm, accumulation_steps=opts.accumulation_steps,
+                       moment_dtype=moment_dtype, threads=opts.threads, device=device,
+                       guard_params=opts.guard_params, bucket_bytes=opts.bucket_bytes,
+                       _order=_forward_order(model), _log=log)
+    if old_state is not None:
+        opt.load_state_dict(old_state)
+        log("optimizer state migrated from the given optimizer")
+    w = _Wrapped(model, opt, opts, log)
+    engine = opt._engine
+    engine.attach_forward_waits(model)
+    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
+    w.handles.append(model.register_load_state_dict_post_hook(
+        lambda module, keys: engine.resync_masters()))
+    w.orig_apply = model.__dict__.get("_apply")
+
+    def _apply(self, fn, *args, **kwargs):
+        engine.synchronize()
+        out = type(self)._apply(self, fn, *args, **kwargs)
+        engine.rebind()
+        return out
+
+    model._apply = types.MethodType(_apply, model)
+    model._ramstream = w
+    log(f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
+        f"buckets on {device}; moments {str(moment_dtype).replace('torch.', '')}; "
+        f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}")
+    return model, opt
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Waits for pending updates and returns the model as a plain module: current weights on
+    its device, no hooks, plain nn.Parameters. The optimizer returned by wrap() is closed."""
+    w = getattr(model, "_ramstream", None)
+    if w is None:
+        raise ValueError("unwrap(): this model is not wrapped by ramstream")
+    w.optimizer.close()
+    for h in w.handles:
+        h.remove()
+    if "_apply" in model.__dict__:
+        del model._apply
+    if w.orig_apply is not None:
+        model._apply = w.orig_apply
+    del model._ramstream
+    return model
+
+
+def memory_report(model: torch.nn.Module) -> dict:
+    """What ramstream decided and holds for a wrapped model: events, params, optimizer, plan."""
+    w = getattr(model, "_ramstream", None)
+    if w is None:
+        raise ValueError("memory_report(): this model is not wrapped by ramstream")
+    e = w.optimizer._engine
+    host_state = sum(b.master.nbytes + b.exp_avg.nbytes + b.exp_avg_sq.nbytes
+                     + (b.acc.nbytes if b.acc is not None else 0) for b in e.buckets)
+    landing = sum(b.landing.nbytes for b in e.buckets)
+    return {
+        "events": list(w.log.lines),
+        "params": {
+            "count": len(e.slots),
+            "numel": sum(s.numel for s in e.slots),
+            "device": str(e.device),
+            "buckets": len(e.buckets),
+            "bucket_numel": [b.numel for b in e.buckets],
+            "paged_blocks": [],
+            "quantize": None,
+        },
+        "optimizer": {
+            "mode": "cpu",
+            "resident": w.optimizer.resident,
+            "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
+            "host_state_bytes": host_state,
+            "landing_bytes": landing,
+            "stats": w.optimizer.stats(),
+        },
+        "plan": {**w.plan, "history": list(w.plan.get("history", []))},
+    }

@@ -119,6 +119,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Waits until every queued update has reached the model's weights."""
         self._engine.synchronize()
 
+    def master_weights(self) -> list[torch.Tensor]:
+        """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
+        like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
+        self._engine.synchronize()
+        by_index = {s.index: s for s in self._engine.slots}
+        out = []
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                s = by_index.get(i)
+                if s is None:
+                    out.append(p.detach().float().cpu().clone())
+                else:
+                    b = s.bucket
+                    out.append(b.master[s.offset:s.offset + s.numel].view(p.shape).clone())
+                i += 1
+        return out
+
     def stats(self) -> dict:
         """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits."""
         return dict(self._engine.stats)

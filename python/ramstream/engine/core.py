@@ -286,6 +286,8 @@ class Engine:
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         self.worker.raise_if_failed()
+        for s in self.slots:
+            self._check_device(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
         if todo:
             hypers = self._hypers()

@@ -1,0 +1,101 @@
+"""`ramstream` command line: info (what ramstream sees), bench (host AdamW vs torch), demo.
+
+    ramstream info
+    ramstream bench [--params N] [--repeat R]
+    ramstream demo  [--device cpu|cuda] [--steps N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def _cmd_info(args) -> int:
+    from .hardware import describe
+
+    d = describe()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    ram = d["ram"]
+    print(f"ramstream {__import__('ramstream').__version__}  torch {d['torch']}")
+    print(f"host: ISA {d['isa']} (best {d['best_isa']}), {d['threads']} threads, "
+          f"RAM {ram['total'] / 2**30:.1f} GiB total / {ram['available'] / 2**30:.1f} GiB available")
+    cuda = f"CUDA runtime {d['cuda_runtime']}" if d["built_with_cuda"] else "no CUDA in this build"
+    print(f"build: {cuda}; GPUs seen by ramstream: {d['cuda_devices']}"
+          + (f" ({d['cuda_unavailable_reason']})" if d["cuda_devices"] == 0 else ""))
+    for i, g in enumerate(d["gpus"]):
+        print(f"  cuda:{i} {g['name']}: {g['total'] / 2**30:.1f} GiB, usable now "
+              f"{g['free'] / 2**30:.1f} GiB")
+    return 0
+
+
+def _time(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cmd_bench(args) -> int:
+    from . import functional as F
+
+    n = args.params
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g)
+    m, v = torch.zeros(n), torch.zeros(n)
+    step = [0]
+
+    def ours():
+        step[0] += 1
+        F.adamw_(p, grad, m, v, step=step[0], lr=1e-3)
+
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = grad.clone()
+    topt = torch.optim.AdamW([tp], lr=1e-3, fused=True)
+    t_ours = _time(ours, args.repeat)
+    t_torch = _time(topt.step, args.repeat)
+    print(f"host AdamW fp32, {n / 1e6:.0f}M params, {torch.get_num_threads()} torch threads")
+    print(f"  ramstream        {n / t_ours / 1e9:6.2f} G params/s  {32 * n / t_ours / 1e9:6.1f} GB/s")
+    print(f"  torch fused CPU  {n / t_torch / 1e9:6.2f} G params/s  {32 * n / t_torch / 1e9:6.1f} GB/s")
+    print(f"  ratio ramstream / torch: {t_torch / t_ours:.2f}x")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(device=args.device, steps=args.steps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ramstream", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="print the hardware ramstream sees")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_cmd_info)
+    p = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
+    p.add_argument("--params", type=int, default=16_000_000)
+    p.add_argument("--repeat", type=int, default=5)
+    p.set_defaults(fn=_cmd_bench)
+    p = sub.add_parser("demo", help="train a small GPT wrapped by ramstream next to plain torch")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--steps", type=int, default=20)
+    p.set_defaults(fn=_cmd_demo)
+    args = ap.parse_args(argv)
+    if getattr(args, "params", 1) < 1 or getattr(args, "repeat", 1) < 1 or getattr(args, "steps", 1) < 1:
+        ap.error("--params, --repeat and --steps must be >= 1")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

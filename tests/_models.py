@@ -1,0 +1,97 @@
+"""Small models and a torch reference trainer shared by the engine tests."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """Embedding, a stack of blocks, final norm, head tied to the embedding."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, n_blocks: int = 3, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def make_model(seed: int = 0, dtype=torch.float32, **kw) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(**kw).to(dtype)
+
+
+def batches(n: int, vocab: int = 64, b: int = 4, t: int = 8, seed: int = 1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (b, t), generator=g).to(device),
+             torch.randint(0, vocab, (b, t), generator=g).to(device)) for _ in range(n)]
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
+               for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def train_torch(model, opt, data, *, accumulation: int = 1, max_grad_norm=None, scheduler=None,
+                steps=None):
+    """A plain torch training loop over `data` (list of batches), grouped into `accumulation`
+    micro-batches per step. Returns the losses."""
+    losses = []
+    n = len(data) // accumulation if steps is None else steps
+    for i in range(n):
+        for j in range(accumulation):
+            x, y = data[i * accumulation + j]
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def train_master_reference(model, data, lr=1e-3, weight_decay=1e-2, betas=(0.9, 0.999)):
+    """torch AdamW on fp32 masters of a low-precision model (the working copy is the master
+    cast to the model's dtype after every step). Returns the fp32 masters."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+    for x, y in data:
+        model(x, y).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    return masters

@@ -43,51 +43,80 @@ std::string fmt_ptr(const void* p) {
   return buf;
 }
 
-// ---- driver calls (all made without the arena's lock) ---------------------------------------
+// ---- the CUDA driver (all calls are made without the arena's lock) ---------------------------
 #ifdef RAMSTREAM_WITH_CUDA
 Status select_device(int device) {
   if (device < 0) return Status::ok();
   return cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice");
 }
 
-Status driver_pin(int device, std::size_t bytes, void** out) {
+std::string cuda_availability() {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no usable CUDA driver or GPU (cudaGetDeviceCount: ") +
+           cudaGetErrorName(err) + ", " + cudaGetErrorString(err) + ")";
+  }
+  return n > 0 ? std::string() : std::string("no CUDA device visible");
+}
+
+Status cuda_pin(int device, std::size_t bytes, void** out) {
+  *out = nullptr;
   RAMSTREAM_RETURN_IF_ERROR(select_device(device));
   cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
   if (err != cudaSuccess) {
     cudaGetLastError();
     *out = nullptr;
-    return cuda::from_cuda(err, ("cudaHostAlloc(" + std::to_string(bytes) + " bytes)").c_str());
   }
-  return Status::ok();
+  return cuda::from_cuda(err, ("cudaHostAlloc(" + std::to_string(bytes) + " bytes)").c_str());
 }
 
-void driver_unpin(int device, void* p) {
+void cuda_unpin(int device, void* p) {
   (void)select_device(device);
-  if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // nothing to do about it
+  if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // nothing else to do about it
 }
 
-Status driver_register(int device, void* p, std::size_t bytes) {
+Status cuda_register(int device, void* p, std::size_t bytes) {
   RAMSTREAM_RETURN_IF_ERROR(select_device(device));
   cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
   if (err != cudaSuccess) cudaGetLastError();
   return cuda::from_cuda(err, "cudaHostRegister");
 }
 
-Status driver_unregister(int device, void* p) {
+Status cuda_unregister(int device, void* p) {
   RAMSTREAM_RETURN_IF_ERROR(select_device(device));
   cudaError_t err = cudaHostUnregister(p);
   if (err != cudaSuccess) cudaGetLastError();
   return cuda::from_cuda(err, "cudaHostUnregister");
 }
+
+Status cuda_device_pointer(int device, void* host, void** dev) {
+  *dev = nullptr;
+  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
+  cudaError_t err = cudaHostGetDevicePointer(dev, host, 0);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    *dev = nullptr;
+  }
+  return cuda::from_cuda(err, ("cudaHostGetDevicePointer(" + fmt_ptr(host) + ")").c_str());
+}
 #else
 Status no_cuda() { return Status::unsupported("ramstream was built without CUDA"); }
-Status driver_pin(int, std::size_t, void** out) {
+std::string cuda_availability() {
+  return "ramstream was built without CUDA (RAMSTREAM_CUDA=OFF or no toolkit)";
+}
+Status cuda_pin(int, std::size_t, void** out) {
   *out = nullptr;
   return no_cuda();
 }
-void driver_unpin(int, void*) {}
-Status driver_register(int, void*, std::size_t) { return no_cuda(); }
-Status driver_unregister(int, void*) { return no_cuda(); }
+void cuda_unpin(int, void*) {}
+Status cuda_register(int, void*, std::size_t) { return no_cuda(); }
+Status cuda_unregister(int, void*) { return no_cuda(); }
+Status cuda_device_pointer(int, void*, void** dev) {
+  *dev = nullptr;
+  return no_cuda();
+}
 #endif
 
 bool in_ranges(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_t p) {
@@ -108,6 +137,12 @@ bool overlaps(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_
 }  // namespace
 
 // ---- free functions --------------------------------------------------------------------------
+
+const PinDriver& cuda_pin_driver() {
+  static const PinDriver driver{&cuda_availability, &cuda_pin,        &cuda_unpin,
+                                &cuda_register,     &cuda_unregister, &cuda_device_pointer};
+  return driver;
+}
 
 std::size_t host_size_class(std::size_t bytes) {
   if (bytes <= HostArena::kMinBlock) return HostArena::kMinBlock;
@@ -175,7 +210,7 @@ Status parse_byte_size(const std::string& text, std::uint64_t physical, std::uin
 
 // ---- HostArena -------------------------------------------------------------------------------
 
-HostArena::HostArena() {
+HostArena::HostArena(const PinDriver& driver) : driver_(driver) {
   physical_ = physical_memory_bytes();
   if (physical_ > 0) {
     budget_ = static_cast<std::uint64_t>(static_cast<double>(physical_) * kDefaultBudgetFraction);
@@ -198,36 +233,20 @@ HostArena::HostArena() {
 
 HostArena::~HostArena() {
   std::unique_lock<std::mutex> lock(mu_);
-  for (auto& s : slabs_) driver_unpin(device_, s->base);
+  for (auto& s : slabs_) driver_.unpin(device_, s->base);
   for (auto& kv : live_) {
-    if (kv.second.kind == Kind::kDedicated) driver_unpin(device_, kv.first);
+    if (kv.second.kind == Kind::kDedicated) driver_.unpin(device_, kv.first);
     if (kv.second.kind == Kind::kFallback) std::free(kv.first);
   }
-  for (auto& kv : free_dedicated_) driver_unpin(device_, kv.second);
+  for (auto& kv : free_dedicated_) driver_.unpin(device_, kv.second);
   for (auto& kv : registered_ranges_)
-    (void)driver_unregister(device_, reinterpret_cast<void*>(kv.first));
+    (void)driver_.unregister_range(device_, reinterpret_cast<void*>(kv.first));
 }
 
 bool HostArena::pinning_available_locked() const {
   if (pinning_state_ < 0) {
-#ifdef RAMSTREAM_WITH_CUDA
-    int n = 0;
-    cudaError_t err = cudaGetDeviceCount(&n);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      no_pinning_reason_ = std::string("no usable CUDA driver or GPU (cudaGetDeviceCount: ") +
-                           cudaGetErrorName(err) + ", " + cudaGetErrorString(err) + ")";
-      pinning_state_ = 0;
-    } else if (n == 0) {
-      no_pinning_reason_ = "no CUDA device visible";
-      pinning_state_ = 0;
-    } else {
-      pinning_state_ = 1;
-    }
-#else
-    no_pinning_reason_ = "ramstream was built without CUDA (RAMSTREAM_CUDA=OFF or no toolkit)";
-    pinning_state_ = 0;
-#endif
+    no_pinning_reason_ = driver_.availability();
+    pinning_state_ = no_pinning_reason_.empty() ? 1 : 0;
   }
   return pinning_state_ == 1;
 }
@@ -277,7 +296,7 @@ void HostArena::unpin_cached_locked(std::unique_lock<std::mutex>& lock, std::uin
   // The bytes stay counted in pinned_ until the driver has them back.
   const int device = device_;
   lock.unlock();
-  for (void* p : victims) driver_unpin(device, p);
+  for (void* p : victims) driver_.unpin(device, p);
   lock.lock();
   pinned_ -= got;
   unpin_calls_ += victims.size();
@@ -425,7 +444,7 @@ Status HostArena::allocate(std::size_t bytes, void** out, bool* pinned) {
     const int device = device_;
     lock.unlock();
     void* base = nullptr;
-    Status s = driver_pin(device, pin_bytes, &base);
+    Status s = driver_.pin(device, pin_bytes, &base);
     lock.lock();
     reserved_ -= pin_bytes;
     if (!s.is_ok()) return fallback_locked(bytes, s.message(), out);
@@ -526,7 +545,7 @@ Status HostArena::register_memory(void* ptr, std::size_t bytes) {
   reserved_ += bytes;
   const int device = device_;
   lock.unlock();
-  Status s = driver_register(device, ptr, bytes);
+  Status s = driver_.register_range(device, ptr, bytes);
   lock.lock();
   reserved_ -= bytes;
   RAMSTREAM_RETURN_IF_ERROR(s);
@@ -547,7 +566,7 @@ Status HostArena::unregister_memory(void* ptr) {
   registered_ranges_.erase(it);
   const int device = device_;
   lock.unlock();
-  Status s = driver_unregister(device, ptr);
+  Status s = driver_.unregister_range(device, ptr);
   lock.lock();
   if (!s.is_ok()) {
     registered_ranges_[reinterpret_cast<std::uintptr_t>(ptr)] = bytes;  // still page-locked
@@ -568,18 +587,7 @@ Status HostArena::device_pointer(void* host, void** dev) {
                                  no_pinning_reason_);
     device = device_;
   }
-#ifdef RAMSTREAM_WITH_CUDA
-  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
-  cudaError_t err = cudaHostGetDevicePointer(dev, host, 0);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    *dev = nullptr;
-  }
-  return cuda::from_cuda(err, ("cudaHostGetDevicePointer(" + fmt_ptr(host) + ")").c_str());
-#else
-  (void)device;
-  return Status::unsupported("device_pointer: ramstream was built without CUDA");
-#endif
+  return driver_.device_pointer(device, host, dev);
 }
 
 bool HostArena::is_pinned(const void* ptr) const {

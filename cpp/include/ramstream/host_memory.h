@@ -57,6 +57,23 @@ struct HostMemoryStats {
   std::string budget_error;                // a bad RAMSTREAM_PIN_BUDGET value, or ""
 };
 
+// The page-locking calls the arena makes, as plain function pointers so that tests can run the
+// arena's pinned path on a machine without a GPU. Called without the arena's lock, possibly from
+// several threads at once. `device` is the arena's set_device() value (-1: leave it alone).
+struct PinDriver {
+  // "" when page-locking can be used, otherwise why not (asked once, at first need).
+  std::string (*availability)();
+  Status (*pin)(int device, std::size_t bytes, void** out);  // cudaHostAlloc(Portable|Mapped)
+  void (*unpin)(int device, void* ptr);                       // cudaFreeHost
+  Status (*register_range)(int device, void* ptr, std::size_t bytes);  // cudaHostRegister
+  Status (*unregister_range)(int device, void* ptr);                    // cudaHostUnregister
+  Status (*device_pointer)(int device, void* host, void** dev);         // cudaHostGetDevicePointer
+};
+
+// The CUDA runtime's calls (statically linked); without a CUDA build, a driver that is never
+// available.
+const PinDriver& cuda_pin_driver();
+
 class HostArena {
  public:
   static constexpr std::size_t kAlignment = 4096;
@@ -67,7 +84,7 @@ class HostArena {
   static constexpr double kDefaultBudgetFraction = 0.5;
 
   // Reads RAMSTREAM_PIN_BUDGET; touches no driver (that happens on the first allocation).
-  HostArena();
+  explicit HostArena(const PinDriver& driver = cuda_pin_driver());
   // Unpins everything it holds; blocks still in use become dangling. The process-wide arena is
   // never destroyed (tensors may outlive interpreter shutdown).
   ~HostArena();
@@ -146,6 +163,7 @@ class HostArena {
   // Serves a request from std::aligned_alloc, counted as a fallback with `reason`.
   Status fallback_locked(std::size_t bytes, const std::string& reason, void** out);
 
+  const PinDriver driver_;
   mutable std::mutex mu_;
   int device_ = -1;
   mutable int pinning_state_ = -1;  // -1 unknown, 0 no, 1 yes (decided at first need)

@@ -159,6 +159,29 @@ def test_bad_dtype(dtype):
         ramstream.pinned_empty(4, dtype)
 
 
+@pytest.mark.parametrize("code,dtype", [(0, torch.float32), (1, torch.bfloat16), (2, torch.float16),
+                                        (3, torch.uint8), (4, torch.int8)])
+def test_binding_dtype_codes(code, dtype):
+    """The raw binding takes the core's dtype codes (cpp/include/ramstream/dtype.h)."""
+    t = lib().pinned_empty([3, 0, 2] if code == 4 else [3, 5], code)
+    assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert tuple(t.shape) == ((3, 0, 2) if code == 4 else (3, 5))
+    assert t._base is None
+
+
+def test_binding_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="dtype_code must be 0..4"):
+        lib().pinned_empty([4], 5)
+    with pytest.raises(ValueError, match="non-negative"):
+        lib().pinned_empty([4, -1], 0)
+    with pytest.raises(ValueError, match="overflows"):
+        lib().pinned_empty([1 << 40, 1 << 40], 0)
+    with pytest.raises(ValueError, match="unsupported DLPack dtype"):
+        lib().pinned_empty_dlpack([4], 5, 32)
+    with pytest.raises(ValueError, match="unsupported DLPack dtype"):
+        lib().pinned_empty_dlpack([4], 2, 12)
+
+
 def test_absurd_size_is_memory_error():
     with pytest.raises(MemoryError, match="more than any host has"):
         ramstream.pinned_empty(1 << 52, torch.uint8)
@@ -183,7 +206,7 @@ def test_unsatisfiable_allocation_reports_arithmetic():
 def test_block_returns_when_tensor_and_views_die():
     gc.collect()
     start = stats()
-    t = ramstream.pinned_empty((1000,), torch.int32)  # a byte block viewed as int32
+    t = ramstream.pinned_empty((1000,), torch.int32)
     v = t[10:20]
     s1 = stats()
     assert s1["bytes_in_use"] == start["bytes_in_use"] + 4096

@@ -30,13 +30,10 @@ nb::dlpack::dtype dlpack_dtype(DType t) {
 
 void release_block(void* p) noexcept { (void)global_arena().release(p); }
 
-TorchArray pinned_empty(const std::vector<std::int64_t>& shape, int dtype_code) {
-  if (dtype_code < 0 || dtype_code > static_cast<int>(DType::kInt8))
-    raise_value_error("pinned_empty: dtype_code must be 0..4 (float32, bfloat16, float16, uint8, "
-                      "int8), got " + std::to_string(dtype_code));
-  const DType dtype = static_cast<DType>(dtype_code);
+// An arena-backed tensor of `shape` with elements of DLPack type `dt` (bits a multiple of 8).
+TorchArray arena_tensor(const std::vector<std::int64_t>& shape, nb::dlpack::dtype dt) {
   std::vector<std::size_t> dims(shape.size());
-  std::size_t bytes = dtype_size(dtype);
+  std::size_t bytes = (dt.bits * dt.lanes + 7) / 8;
   bool overflow = false;
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0)
@@ -55,8 +52,26 @@ TorchArray pinned_empty(const std::vector<std::int64_t>& shape, int dtype_code) 
   }
   check(s);
   nb::capsule owner(p, &release_block);  // frees the block when the tensor's storage dies
-  return TorchArray(p, dims.size(), dims.data(), owner, nullptr, dlpack_dtype(dtype),
-                    nb::device::cpu::value, 0);
+  return TorchArray(p, dims.size(), dims.data(), owner, nullptr, dt, nb::device::cpu::value, 0);
+}
+
+TorchArray pinned_empty(const std::vector<std::int64_t>& shape, int dtype_code) {
+  if (dtype_code < 0 || dtype_code > static_cast<int>(DType::kInt8))
+    raise_value_error("pinned_empty: dtype_code must be 0..4 (float32, bfloat16, float16, uint8, "
+                      "int8), got " + std::to_string(dtype_code));
+  return arena_tensor(shape, dlpack_dtype(static_cast<DType>(dtype_code)));
+}
+
+TorchArray pinned_empty_dlpack(const std::vector<std::int64_t>& shape, int type_code, int bits) {
+  using C = nb::dlpack::dtype_code;
+  const bool known = type_code == static_cast<int>(C::Int) || type_code == static_cast<int>(C::UInt) ||
+                     type_code == static_cast<int>(C::Float) ||
+                     type_code == static_cast<int>(C::Bfloat) || type_code == static_cast<int>(C::Bool);
+  if (!known || bits < 8 || bits > 64 || bits % 8 != 0 || (bits & (bits - 1)) != 0)
+    raise_value_error("pinned_empty_dlpack: unsupported DLPack dtype (code " +
+                      std::to_string(type_code) + ", " + std::to_string(bits) + " bits)");
+  return arena_tensor(shape, nb::dlpack::dtype{static_cast<std::uint8_t>(type_code),
+                                               static_cast<std::uint8_t>(bits), 1});
 }
 
 nb::dict stats_dict() {
@@ -99,6 +114,10 @@ void bind_memory(nb::module_& m) {
         "An uninitialised CPU torch tensor (C-contiguous) whose storage is an arena block, pinned "
         "when a driver exists; the block returns to the arena when the tensor dies. dtype_code: "
         "0 float32, 1 bfloat16, 2 float16, 3 uint8, 4 int8. Thread-safe; releases the GIL.");
+  m.def("pinned_empty_dlpack", &pinned_empty_dlpack, nb::arg("shape"), nb::arg("type_code"),
+        nb::arg("bits"),
+        "Internal: pinned_empty for any DLPack element type (type_code: 0 int, 1 uint, 2 float, "
+        "4 bfloat, 6 bool; bits 8/16/32/64).");
   m.def("memory_stats", &stats_dict, "A snapshot of the host arena's counters (a dict).");
   m.def(
       "set_pin_budget",

@@ -1,7 +1,6 @@
 """Pinned host memory: arena-backed tensors, the page-lock budget, statistics and registration."""
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from collections.abc import Sequence
@@ -21,18 +20,21 @@ __all__ = [
     "unregister_host_memory",
 ]
 
-# torch dtype -> the arena's dtype code (cpp/include/ramstream/dtype.h); the others are served as
-# bytes and viewed as their dtype (the view keeps the block alive).
-_NATIVE_CODES = {
-    torch.float32: 0,
-    torch.bfloat16: 1,
-    torch.float16: 2,
-    torch.uint8: 3,
-    torch.int8: 4,
+# torch dtype -> (DLPack type code, bits) of the arena tensor (codes: 0 int, 1 uint, 2 float,
+# 4 bfloat, 6 bool). float32/bfloat16/float16/uint8/int8 are the core's own dtypes (dtype.h).
+_DLPACK = {
+    torch.float32: (2, 32),
+    torch.bfloat16: (4, 16),
+    torch.float16: (2, 16),
+    torch.uint8: (1, 8),
+    torch.int8: (0, 8),
+    torch.float64: (2, 64),
+    torch.int16: (0, 16),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.bool: (6, 8),
 }
-_BYTE_VIEW = (torch.float64, torch.int16, torch.int32, torch.int64, torch.bool)
-_ACCEPTED = ", ".join(str(d).replace("torch.", "") for d in (*_NATIVE_CODES, *_BYTE_VIEW))
-_UINT8_CODE = 3
+_ACCEPTED = ", ".join(str(d).replace("torch.", "") for d in _DLPACK)
 
 
 class _State:
@@ -65,7 +67,11 @@ def _first_use() -> None:
 def _before_pinning() -> None:
     """Makes the arena pin through the device torch uses (no stray context on GPU 0)."""
     _first_use()
-    if not _State.device_set and _gpu() and torch.cuda.is_initialized():
+    if _State.device_set:
+        return
+    if not _gpu():
+        _State.device_set = True  # nothing to choose
+    elif torch.cuda.is_initialized():
         lib().set_pin_device(torch.cuda.current_device())
         _State.device_set = True
 
@@ -109,8 +115,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
     Args:
         shape: an int or a sequence of non-negative ints (0 allowed).
-        dtype: float32, bfloat16, float16, uint8, int8 (native), or float64, int16, int32, int64,
-            bool (a byte block viewed as ``dtype``; the view keeps the block alive).
+        dtype: float32, bfloat16, float16, uint8, int8, float64, int16, int32, int64 or bool.
 
     Returns a CPU tensor usable like any other. With a CUDA driver and GPU its memory is
     page-locked (``is_pinned()`` is True, ``.to("cuda", non_blocking=True)`` is asynchronous);
@@ -120,16 +125,14 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     arena's cache and is reused without pinning again. Thread-safe.
     """
     dims = _shape_of(shape)
-    if not isinstance(dtype, torch.dtype) or (dtype not in _NATIVE_CODES and dtype not in _BYTE_VIEW):
+    dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if dl is None:
         raise TypeError(f"pinned_empty: dtype must be one of {_ACCEPTED}, got {dtype!r}")
-    _before_pinning()
-    code = _NATIVE_CODES.get(dtype)
-    if code is not None:
-        t = lib().pinned_empty(list(dims), code)
-    else:
-        nbytes = math.prod(dims) * dtype.itemsize
-        t = lib().pinned_empty([nbytes], _UINT8_CODE).view(dtype).view(dims)
-    if t.numel() > 0:  # torch reports data_ptr() == 0 for empty tensors
+    if not _State.device_set:
+        _before_pinning()
+    t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1])
+    # torch reports data_ptr() == 0 for empty tensors: nothing to check there.
+    if not _State.fallback_warned and _gpu() and t.numel() > 0:
         _after_allocation(t.data_ptr())
     return t
 

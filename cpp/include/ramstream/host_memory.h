@@ -16,9 +16,15 @@
 // cudaHostAlloc fails, a block comes from std::aligned_alloc(4096) instead. It is counted
 // (fallback_allocations, fallback_bytes_in_use) and the last reason is kept (fallback_reason).
 //
+// Streams: the arena knows none. A released block may be handed out again at once, so the caller
+// must make sure no asynchronous copy still reads or writes it (wait for the copy's event first);
+// unlike torch's pin_memory() allocator nothing is recorded on streams.
+//
 // Thread-safety: every member function may be called from any thread concurrently; none needs
 // the Python GIL. Driver calls (pinning, unpinning, registering) run outside the arena's lock.
-// No stream is used: cudaFreeHost (trim only) synchronises the device, release() never calls it.
+// release() never calls the driver. cudaFreeHost synchronises the device: it runs in trim(),
+// set_budget() and, under budget pressure only, in allocate()/register_memory() when unpinning
+// cached blocks makes room for the request.
 #pragma once
 #include <cstddef>
 #include <cstdint>

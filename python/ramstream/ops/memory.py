@@ -123,6 +123,10 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ``memory_stats()["fallback_allocations"]`` and, on a machine with a GPU, reported by one
     RuntimeWarning per process. When the tensor and its views die the block returns to the
     arena's cache and is reused without pinning again. Thread-safe.
+
+    Asynchronous copies: unlike ``torch.empty(pin_memory=True)``, the arena does not track streams.
+    Keep the tensor alive until every ``non_blocking`` copy from or to it has completed (e.g.
+    synchronise the stream or wait for an event), otherwise its memory may be reused under the copy.
     """
     dims = _shape_of(shape)
     dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None

@@ -180,6 +180,9 @@ def test_binding_rejects_bad_arguments():
         lib().pinned_empty_dlpack([4], 5, 32)
     with pytest.raises(ValueError, match="unsupported DLPack dtype"):
         lib().pinned_empty_dlpack([4], 2, 12)
+    with pytest.raises(ValueError, match="device must be >= -1"):
+        lib().set_pin_device(-2)
+    lib().set_pin_device(-1)  # the default: the runtime's current device
 
 
 def test_absurd_size_is_memory_error():

@@ -7,7 +7,23 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import functional  # noqa: E402
+from .ops.memory import (  # noqa: E402
+    empty_cache,
+    memory_stats,
+    pin_budget,
+    pinned_empty,
+    register_host_memory,
+    reset_peak_memory_stats,
+    set_pin_budget,
+    unregister_host_memory,
+)
 from .optim import OffloadAdamW  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
-__all__ = ["OffloadAdamW", "functional", "memory_report", "unwrap", "wrap", "__version__"]
+__all__ = [
+    "__version__",
+    "OffloadAdamW", "wrap", "unwrap", "memory_report", "functional",
+    # pinned host memory
+    "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
+    "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",
+]

@@ -5,4 +5,25 @@ in-place arguments are never copied silently.
 """
 from __future__ import annotations
 
-__all__: list[str] = []
+from .ops.memory import (
+    empty_cache,
+    memory_stats,
+    pin_budget,
+    pinned_empty,
+    register_host_memory,
+    reset_peak_memory_stats,
+    set_pin_budget,
+    unregister_host_memory,
+)
+
+__all__: list[str] = [
+    # pinned host memory (ops/memory.py)
+    "pinned_empty",
+    "memory_stats",
+    "set_pin_budget",
+    "pin_budget",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "register_host_memory",
+    "unregister_host_memory",
+]

@@ -1,0 +1,1 @@
+"""ramstream.ops: the Python wrappers of the compiled core, one module per area."""

@@ -1,0 +1,239 @@
+"""Pinned host memory: arena-backed tensors, the page-lock budget, statistics and registration."""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .._native import lib
+
+__all__ = [
+    "pinned_empty",
+    "memory_stats",
+    "set_pin_budget",
+    "pin_budget",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "register_host_memory",
+    "unregister_host_memory",
+]
+
+# torch dtype -> (DLPack type code, bits) of the arena tensor (codes: 0 int, 1 uint, 2 float,
+# 4 bfloat, 6 bool). float32/bfloat16/float16/uint8/int8 are the core's own dtypes (dtype.h).
+_DLPACK = {
+    torch.float32: (2, 32),
+    torch.bfloat16: (4, 16),
+    torch.float16: (2, 16),
+    torch.uint8: (1, 8),
+    torch.int8: (0, 8),
+    torch.float64: (2, 64),
+    torch.int16: (0, 16),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.bool: (6, 8),
+}
+_ACCEPTED = ", ".join(str(d).replace("torch.", "") for d in _DLPACK)
+
+
+class _State:
+    lock = threading.Lock()
+    gpu: bool | None = None  # torch.cuda.is_available(), asked once
+    fallback_warned = False
+    budget_error_checked = False
+    device_set = False
+
+
+def _gpu() -> bool:
+    if _State.gpu is None:
+        _State.gpu = bool(torch.cuda.is_available())
+    return _State.gpu
+
+
+def _first_use() -> None:
+    """Once per process: report a bad RAMSTREAM_PIN_BUDGET."""
+    if _State.budget_error_checked:
+        return
+    with _State.lock:
+        if _State.budget_error_checked:
+            return
+        _State.budget_error_checked = True
+    err = lib().memory_stats()["budget_error"]
+    if err:
+        warnings.warn(f"ramstream: {err}", RuntimeWarning, stacklevel=3)
+
+
+def _before_pinning() -> None:
+    """Makes the arena pin through the device torch uses (no stray context on GPU 0)."""
+    _first_use()
+    if _State.device_set:
+        return
+    if not _gpu():
+        _State.device_set = True  # nothing to choose
+    elif torch.cuda.is_initialized():
+        lib().set_pin_device(torch.cuda.current_device())
+        _State.device_set = True
+
+
+def _after_allocation(ptr: int) -> None:
+    if _State.fallback_warned or not _gpu() or lib().is_arena_pinned(ptr):
+        return
+    with _State.lock:
+        if _State.fallback_warned:
+            return
+        _State.fallback_warned = True
+    reason = lib().memory_stats()["fallback_reason"]
+    warnings.warn(
+        "ramstream: pinned host memory unavailable, using ordinary pageable memory (copies to and "
+        f"from the GPU are slower and not asynchronous): {reason}. Later fallbacks are counted in "
+        "ramstream.memory_stats()['fallback_allocations'] without a warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _shape_of(shape) -> tuple[int, ...]:
+    if isinstance(shape, bool):
+        raise ValueError(f"pinned_empty: shape must be an int or a sequence of ints, got {shape!r}")
+    if isinstance(shape, int) or (isinstance(shape, torch.Tensor) and shape.ndim == 0):
+        dims = (int(shape),)
+    elif isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
+        dims = tuple(shape)
+    else:
+        raise ValueError(f"pinned_empty: shape must be an int or a sequence of ints, got {shape!r}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(
+                f"pinned_empty: shape must hold non-negative ints, got {shape!r}"
+            )
+    return dims
+
+
+def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised, C-contiguous CPU tensor whose memory comes from the pinned host arena.
+
+    Args:
+        shape: an int or a sequence of non-negative ints (0 allowed).
+        dtype: float32, bfloat16, float16, uint8, int8, float64, int16, int32, int64 or bool.
+
+    Returns a CPU tensor usable like any other. With a CUDA driver and GPU its memory is
+    page-locked (``is_pinned()`` is True, ``.to("cuda", non_blocking=True)`` is asynchronous);
+    otherwise, or above the page-lock budget, it is ordinary memory: counted in
+    ``memory_stats()["fallback_allocations"]`` and, on a machine with a GPU, reported by one
+    RuntimeWarning per process. When the tensor and its views die the block returns to the
+    arena's cache and is reused without pinning again. Thread-safe.
+
+    Asynchronous copies: unlike ``torch.empty(pin_memory=True)``, the arena does not track streams.
+    Keep the tensor alive until every ``non_blocking`` copy from or to it has completed (e.g.
+    synchronise the stream or wait for an event), otherwise its memory may be reused under the copy.
+    """
+    dims = _shape_of(shape)
+    dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if dl is None:
+        raise TypeError(f"pinned_empty: dtype must be one of {_ACCEPTED}, got {dtype!r}")
+    if not _State.device_set:
+        _before_pinning()
+    t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1])
+    # torch reports data_ptr() == 0 for empty tensors: nothing to check there.
+    if not _State.fallback_warned and _gpu() and t.numel() > 0:
+        _after_allocation(t.data_ptr())
+    return t
+
+
+def memory_stats() -> dict:
+    """A snapshot of the pinned host arena's counters.
+
+    Keys (bytes unless noted): ``bytes_pinned`` (page-locked memory held from the driver),
+    ``bytes_in_use`` (blocks handed out, pinned or fallback, rounded to their size class),
+    ``bytes_requested``, ``bytes_cached`` (pinned but free), ``peak_bytes_in_use``,
+    ``bytes_registered`` (register_host_memory), ``fallback_allocations`` (count, cumulative),
+    ``fallback_bytes_in_use``, ``pin_calls`` / ``unpin_calls`` (driver calls: reuse adds none),
+    ``budget``, ``allocations`` and ``reuse_hits`` (counts), ``slabs``, ``dedicated_blocks``,
+    ``physical_memory``, ``pinning_available`` (bool), ``fallback_reason``, ``budget_source``,
+    ``budget_error`` (str).
+    """
+    _first_use()
+    return dict(lib().memory_stats())
+
+
+def pin_budget() -> int:
+    """The page-lock budget in bytes (default: half of physical RAM; RAMSTREAM_PIN_BUDGET)."""
+    return int(lib().pin_budget())
+
+
+def set_pin_budget(bytes_or_fraction) -> int:
+    """Sets the page-lock budget and returns it in bytes.
+
+    ``bytes_or_fraction``: an int (bytes, >= 0; 0 disables pinning), a float in [0, 1] (a fraction
+    of physical RAM) or a string as RAMSTREAM_PIN_BUDGET takes it ("8G", "512M", "60%").
+    Memory pinned above a lowered budget is unpinned when cached; blocks in use are kept, and
+    later allocations fall back to ordinary memory until usage fits.
+    """
+    v = bytes_or_fraction
+    if isinstance(v, bool):
+        raise TypeError("set_pin_budget: expected int bytes, float fraction or str, got bool")
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"set_pin_budget: bytes must be >= 0, got {v}")
+        n = v
+    elif isinstance(v, float):
+        if not (0.0 <= v <= 1.0):
+            raise ValueError(
+                f"set_pin_budget: a float is a fraction of physical RAM in [0, 1], got {v} "
+                "(pass bytes as an int)"
+            )
+        ram = int(lib().physical_memory_bytes())
+        if ram == 0:
+            raise ValueError("set_pin_budget: physical RAM is unknown; pass bytes as an int")
+        n = int(ram * v)
+    elif isinstance(v, str):
+        n = int(lib().parse_pin_budget(v))
+    else:
+        raise TypeError(
+            f"set_pin_budget: expected int bytes, float fraction or str, got {type(v).__name__}"
+        )
+    lib().set_pin_budget(n)
+    return n
+
+
+def empty_cache() -> None:
+    """Gives fully free pinned slabs and cached large blocks back to the driver (cudaFreeHost).
+
+    Blocks in use are untouched. cudaFreeHost synchronises the device: call it between steps.
+    """
+    lib().empty_cache()
+
+
+def reset_peak_memory_stats() -> None:
+    """Sets ``memory_stats()["peak_bytes_in_use"]`` to the current ``bytes_in_use``."""
+    lib().reset_peak_memory_stats()
+
+
+def _check_host_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: tensor must be on the CPU, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: tensor must be contiguous (call .contiguous() first)")
+    if t.numel() == 0:
+        raise ValueError(f"{name}: tensor has no elements")
+
+
+def register_host_memory(t: torch.Tensor) -> None:
+    """Page-locks a contiguous CPU tensor's memory in place (cudaHostRegister, counted in the budget).
+
+    Afterwards ``t.is_pinned()`` is True. Undo with ``unregister_host_memory(t)`` before the
+    tensor's memory is freed. Raises RuntimeError without a CUDA driver/GPU, MemoryError above the
+    page-lock budget, ValueError for a non-CPU or non-contiguous tensor.
+    """
+    _check_host_tensor("register_host_memory", t)
+    _before_pinning()
+    lib().register_host_memory(t.detach())
+
+
+def unregister_host_memory(t: torch.Tensor) -> None:
+    """Undoes ``register_host_memory(t)`` (the same tensor, or one starting at the same address)."""
+    _check_host_tensor("unregister_host_memory", t)
+    lib().unregister_host_memory(t.detach())

@@ -5,4 +5,11 @@ in-place arguments are never copied silently.
 """
 from __future__ import annotations
 
-__all__: list[str] = []
+from .ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+
+__all__: list[str] = [
+    "quantize_nf4",
+    "dequantize_nf4",
+    "quantize_int8",
+    "dequantize_int8",
+]

@@ -3,7 +3,6 @@
 // float operations, comparisons, exact conversions), so all ISAs give the same bytes.
 #include "cpu/quant_kernels.h"
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -113,6 +112,13 @@ inline void store_s<F16>(void* base, int64_t i, float v) {
   static_cast<uint16_t*>(base)[i] = f32_to_f16(v);
 }
 
+// |f| by clearing the sign bit (no libm / std:: inline function in a per-ISA file).
+inline float abs_s(float f) { return u2f(f2u(f) & 0x7FFFFFFFu); }
+
+// Round to the nearest integer, ties to even, for |q| < 2^22: adding 1.5 * 2^23 leaves no
+// fraction bits (the add rounds to nearest even), subtracting it back is exact.
+inline float round_even_s(float q) { return (q + 12582912.0f) - 12582912.0f; }
+
 // max(a, m) that ignores a NaN `a` (the semantics of x86 maxps(a, m)).
 inline float max_ignore_nan(float a, float m) { return a > m ? a : m; }
 
@@ -132,7 +138,7 @@ inline uint32_t nf4_code(float s) {
 
 inline std::int8_t int8_code(float v, float amax) {
   float q = (v / amax) * kInt8Levels;
-  q = (q == q) ? std::nearbyint(q) : 0.0f;  // |q| <= 127 for every non-NaN q
+  q = (q == q) ? round_even_s(q) : 0.0f;  // |q| <= 127 for every non-NaN q
   return static_cast<std::int8_t>(static_cast<int>(q));
 }
 
@@ -353,7 +359,7 @@ float block_absmax(const void* x, int64_t e0, int64_t cnt) {
     m = vhmax(vmax(m0, m1));
   }
 #endif
-  for (; i < cnt; ++i) m = max_ignore_nan(std::fabs(load_s<T>(x, e0 + i)), m);
+  for (; i < cnt; ++i) m = max_ignore_nan(abs_s(load_s<T>(x, e0 + i)), m);
   return m;
 }
 

@@ -15,15 +15,12 @@ from .ops.memory import (
     set_pin_budget,
     unregister_host_memory,
 )
+from .ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 __all__: list[str] = [
     # pinned host memory (ops/memory.py)
-    "pinned_empty",
-    "memory_stats",
-    "set_pin_budget",
-    "pin_budget",
-    "empty_cache",
-    "reset_peak_memory_stats",
-    "register_host_memory",
-    "unregister_host_memory",
+    "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
+    "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",
+    # blockwise quantization (ops/quant.py)
+    "quantize_nf4", "dequantize_nf4", "quantize_int8", "dequantize_int8",
 ]

@@ -1,1 +1,1 @@
-"""ramstream.ops: the Python wrappers of the compiled core, one module per area."""
+"""ramstream.ops: one module per kernel area (validation in Python, work in ramstream._C)."""

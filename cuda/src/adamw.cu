@@ -230,30 +230,6 @@ Status validate_buffers(const AdamWBuffers& b) {
   return Status::ok();
 }
 
-// The float coefficients of SPEC rule 3, each computed in double and rounded once.
-detail::AdamWCoef make_coef(const AdamWHyper& h) {
-  detail::AdamWCoef c;
-  // volatile: keeps the host compiler from contracting 1 - lr*wd into an FMA (e.g. on aarch64),
-  // which could change the last bit of the double and so, rarely, the float.
-  volatile double lr_wd = h.lr * h.weight_decay;
-  c.apply_decay = h.weight_decay != 0.0;
-  c.decay = static_cast<float>(1.0 - lr_wd);
-  const float w = static_cast<float>(1.0 - h.beta1);
-  c.lerp_from_grad = !(std::fabs(w) < 0.5f);
-  c.lerp_coeff = c.lerp_from_grad ? w - 1.0f : w;
-  c.beta2 = static_cast<float>(h.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  const double step = static_cast<double>(h.step);
-  const double bias_correction1 = 1.0 - std::pow(h.beta1, step);
-  const double bias_correction2 = 1.0 - std::pow(h.beta2, step);
-  c.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
-  c.eps = static_cast<float>(h.eps);
-  c.apply_scale = h.grad_scale != 1.0f;
-  c.grad_scale = h.grad_scale;
-  return c;
-}
-
 template <typename M>
 Status launch(const AdamWArgs& a, bool vector, cudaStream_t stream) {
   (void)cudaGetLastError();  // errors of earlier calls were reported by those calls
@@ -283,7 +259,7 @@ Status adamw(const AdamWBuffers& b, const AdamWHyper& h, cudaStream_t stream) {
   a.sr_base = detail::sr_key_base(h.seed, h.step);
   a.grad_dtype = b.grad_dtype;
   a.out_dtype = b.out_dtype;
-  a.c = make_coef(h);
+  a.c = detail::make_adamw_coef(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.grad_scale);
 
   // 4 elements per access: 16 bytes for float32 arrays, 8 bytes for 16-bit ones.
   auto width = [](DType t) -> std::uintptr_t { return t == DType::kFloat32 ? 16 : 8; };

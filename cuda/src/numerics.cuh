@@ -124,8 +124,8 @@ RS_HD std::uint16_t float_to_bf16_sr(float f, std::uint32_t r) {
 }
 
 // ---- AdamW (rule 3: the vector-body formula of cpp/include/ramstream/adamw.h) ---------------
-// Coefficients are computed on the host in double and rounded to float once (make_adamw_coef
-// in adamw.cu). lerp: m = fma(lerp_coeff, g - m, lerp_from_grad ? g : m), which is torch's
+// Coefficients are computed on the host in double and rounded to float once (make_adamw_coef).
+// lerp: m = fma(lerp_coeff, g - m, lerp_from_grad ? g : m), which is torch's
 // lerp(m, g, w) with lerp_coeff = w, base m for |w| < 0.5 and lerp_coeff = w - 1, base g else.
 struct AdamWCoef {
   float decay = 1.0f;           // float(1 - lr*wd), used when apply_decay
@@ -140,6 +140,31 @@ struct AdamWCoef {
   bool apply_decay = false;     // weight_decay != 0
   bool apply_scale = false;     // grad_scale != 1
 };
+
+// The coefficients from the double hyper-parameters, each computed in double and rounded to float
+// once (host only). Bias corrections use std::pow(beta, step), as torch does.
+inline AdamWCoef make_adamw_coef(double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, std::int64_t step, float grad_scale) {
+  AdamWCoef c;
+  // volatile: keeps the host compiler from contracting 1 - lr*wd into an FMA (e.g. on aarch64),
+  // which could change the last bit of the double and so, rarely, the float.
+  volatile double lr_wd = lr * weight_decay;
+  c.apply_decay = weight_decay != 0.0;
+  c.decay = static_cast<float>(1.0 - lr_wd);
+  const float w = static_cast<float>(1.0 - beta1);
+  c.lerp_from_grad = !(std::fabs(w) < 0.5f);
+  c.lerp_coeff = c.lerp_from_grad ? w - 1.0f : w;
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  c.eps = static_cast<float>(eps);
+  c.apply_scale = grad_scale != 1.0f;
+  c.grad_scale = grad_scale;
+  return c;
+}
 
 // One element: p, m, v updated in place from g (all float32).
 RS_HD void adamw_math(const AdamWCoef& c, float& p, float g, float& m, float& v) {

@@ -1,0 +1,1 @@
+"""ramstream.ops: one module per kernel area (validation in Python, work in ramstream._C)."""

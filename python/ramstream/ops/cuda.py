@@ -41,6 +41,15 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _launch(device: torch.device, fn, *args, **kwargs):
+    """Calls a binding with torch's current device set to ``device``: torch refuses to export
+    (DLPack) a CUDA tensor of another device than its current one."""
+    if device.index == torch.cuda.current_device():
+        return fn(*args, **kwargs)
+    with torch.cuda.device(device):
+        return fn(*args, **kwargs)
+
+
 def _require_cuda(op: str, name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
     if t.device.type != "cuda":
         raise ValueError(f"{op}: {name} must be a CUDA tensor, got a tensor on {t.device}")
@@ -110,8 +119,8 @@ def dequantize_nf4(
     dims, block_size = _dequant_args(op, "packed", packed, torch.uint8, absmax, shape, dtype,
                                      block_size, even=True)
     out = torch.empty(dims, dtype=dtype, device=packed.device)
-    lib().cuda_dequantize_nf4(packed.detach(), absmax.detach(), out, block_size,
-                              _stream(packed.device), packed.device.index)
+    _launch(packed.device, lib().cuda_dequantize_nf4, packed.detach(), absmax.detach(), out,
+            block_size, _stream(packed.device), packed.device.index)
     return out
 
 
@@ -139,8 +148,8 @@ def dequantize_int8(
     dims, block_size = _dequant_args(op, "codes", codes, torch.int8, absmax, shape, dtype,
                                      block_size, even=False)
     out = torch.empty(dims, dtype=dtype, device=codes.device)
-    lib().cuda_dequantize_int8(codes.detach(), absmax.detach(), out, block_size,
-                               _stream(codes.device), codes.device.index)
+    _launch(codes.device, lib().cuda_dequantize_int8, codes.detach(), absmax.detach(), out,
+            block_size, _stream(codes.device), codes.device.index)
     return out
 
 
@@ -211,9 +220,9 @@ def adamw_(
             )
         # pinned-ness of host moments is checked by the binding (cudaPointerGetAttributes)
     # detach(): DLPack refuses tensors that require grad (e.g. an nn.Parameter); same storage.
-    lib().cuda_adamw_(param.detach(), grad.detach(), exp_avg.detach(), exp_avg_sq.detach(),
-                      None if out is None else out.detach(), **hp, stream=_stream(device),
-                      device=device.index)
+    _launch(device, lib().cuda_adamw_, param.detach(), grad.detach(), exp_avg.detach(),
+            exp_avg_sq.detach(), None if out is None else out.detach(), **hp,
+            stream=_stream(device), device=device.index)
 
 
 def sq_norm(tensor: torch.Tensor) -> float:
@@ -228,6 +237,6 @@ def sq_norm(tensor: torch.Tensor) -> float:
     _require_cuda(op, "tensor", tensor)
     x = tensor.detach().contiguous()
     out = torch.empty(1, dtype=torch.float64, device=x.device)
-    lib().cuda_sq_norm(x, out, stream=_stream(x.device), device=x.device.index)
+    _launch(x.device, lib().cuda_sq_norm, x, out, stream=_stream(x.device), device=x.device.index)
     return out.item()
 

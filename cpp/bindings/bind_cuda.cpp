@@ -1,8 +1,302 @@
-// Bindings for the cuda area (filled in by its feature).
+// Bindings for the CUDA kernels: NF4/int8 dequantization, AdamW with device or host-mapped moments
+// ("gpu" optimizer mode) and squared norms. Compiled in every build; without CUDA each function
+// raises RuntimeError.
+//
+// Streams are plain integers (torch.cuda.current_stream(device).cuda_stream). ramstream links the
+// CUDA runtime statically, so it keeps its own "current device" apart from torch's dynamic
+// runtime (both share the driver's primary context, hence pointers and streams interoperate):
+// every function therefore takes `device` (default: the device of its first CUDA tensor) and
+// calls cudaSetDevice(device) on the calling thread before touching memory or launching.
+// Checks run before any CUDA call; launches are asynchronous on `stream`, with the GIL released.
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
 #include "common.h"
 
-namespace ramstream::py {
+#ifdef RAMSTREAM_WITH_CUDA
+#include <cuda_runtime_api.h>
 
-void bind_cuda(nb::module_& m) { (void)m; }
+#include "ramstream/adamw.h"
+#include "ramstream/cuda/adamw.h"
+#include "ramstream/cuda/common.h"
+#include "ramstream/cuda/dequant.h"
+#include "ramstream/cuda/norm.h"
+#endif
+
+namespace ramstream::py {
+namespace {
+
+using namespace nb::literals;
+
+using OptArray = std::optional<Array>;
+using OptDevice = std::optional<int>;
+
+#ifdef RAMSTREAM_WITH_CUDA
+
+// Contiguous CUDA tensor (device index checked later, once the device is chosen).
+void require_cuda_buffer(const Array& a, const char* arg) {
+  require_cuda(a, arg);
+  require_contiguous(a, arg);
+}
+
+// Makes `device` (default: the device of `first`) current for this thread's CUDA runtime.
+int select_device(OptDevice device, const Array& first) {
+  const int d = device ? *device : first.device_id();
+  if (d < 0) raise_value_error("device: must be >= 0, got " + std::to_string(d));
+  check(cuda::from_cuda(cudaSetDevice(d), "cudaSetDevice"));
+  return d;
+}
+
+void require_on_device(const Array& a, int device, const char* arg) {
+  if (a.device_id() != device)
+    raise_value_error(std::string(arg) + ": is on cuda:" + std::to_string(a.device_id()) +
+                      ", expected cuda:" + std::to_string(device) + " (the device of the call)");
+}
+
+void require_float_dtype(const Array& a, const char* arg) {
+  const DType t = dtype_of(a, arg);
+  if (!is_float_dtype(t))
+    raise_type_error(std::string(arg) + ": expected float32, bfloat16 or float16, got " +
+                     dtype_name(t));
+}
+
+void require_same_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
+  if (numel(a) != n)
+    raise_value_error(std::string(arg) + ": has " + std::to_string(numel(a)) + " elements, " + ref +
+                      " has " + std::to_string(n));
+}
+
+std::string cuda_error_text(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+
+// The device address of an optimizer moment: a CUDA tensor on `device`, or host memory that is
+// pinned and mapped into the device's address space (the GPU then reads/writes it over PCIe).
+void* moment_pointer(const Array& a, int device, const char* arg) {
+  require_contiguous(a, arg);
+  if (a.device_type() == nb::device::cuda::value) {
+    require_on_device(a, device, arg);
+    return a.data();
+  }
+  require_host(a, arg);  // anything else (e.g. another accelerator) is a ValueError
+  void* host = a.data();
+  if (numel(a) == 0) return host;  // never dereferenced
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    raise_value_error(std::string(arg) + ": cannot query the host memory (" + cuda_error_text(err) +
+                      "); allocate it pinned (pin_memory=True)");
+  }
+  if (attr.type == cudaMemoryTypeUnregistered)
+    raise_value_error(std::string(arg) +
+                      ": host tensor is not pinned; the GPU can only access pinned memory "
+                      "(allocate it with pin_memory=True or call .pin_memory())");
+  if (attr.devicePointer != nullptr) return attr.devicePointer;
+  void* dev = nullptr;
+  err = cudaHostGetDevicePointer(&dev, host, 0);
+  if (err != cudaSuccess || dev == nullptr) {
+    cudaGetLastError();
+    raise_value_error(std::string(arg) + ": pinned host memory is not mapped for cuda:" +
+                      std::to_string(device) + " (" + cuda_error_text(err) +
+                      "); pin it with cudaHostAllocMapped / cudaHostRegisterMapped");
+  }
+  return dev;
+}
+
+void cuda_dequantize_nf4(const Array& packed, const Array& absmax, const Array& out,
+                         int block_size, std::uintptr_t stream, OptDevice device) {
+  require_cuda_buffer(packed, "packed");
+  require_dtype(packed, DType::kUInt8, "packed");
+  require_cuda_buffer(absmax, "absmax");
+  require_dtype(absmax, DType::kFloat32, "absmax");
+  require_cuda_buffer(out, "out");
+  require_float_dtype(out, "out");
+  if (block_size < 2 || block_size % 2 != 0)
+    raise_value_error("block_size: must be even and >= 2, got " + std::to_string(block_size));
+  const std::int64_t n = numel(out);
+  require_same_numel(packed, "packed", (n + 1) / 2, "(out's elements + 1) // 2");
+  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
+  const int d = select_device(device, out);
+  require_on_device(packed, d, "packed");
+  require_on_device(absmax, d, "absmax");
+  require_on_device(out, d, "out");
+  const auto* p = static_cast<const std::uint8_t*>(packed.data());
+  const auto* a = static_cast<const float*>(absmax.data());
+  const DType t = dtype_of(out, "out");
+  void* o = out.data();
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = cuda::dequantize_nf4(p, a, n, block_size, o, t, cuda::as_stream(stream));
+  }
+  check(s);
+}
+
+void cuda_dequantize_int8(const Array& codes, const Array& absmax, const Array& out,
+                          int block_size, std::uintptr_t stream, OptDevice device) {
+  require_cuda_buffer(codes, "codes");
+  require_dtype(codes, DType::kInt8, "codes");
+  require_cuda_buffer(absmax, "absmax");
+  require_dtype(absmax, DType::kFloat32, "absmax");
+  require_cuda_buffer(out, "out");
+  require_float_dtype(out, "out");
+  if (block_size < 1) raise_value_error("block_size: must be >= 1, got " + std::to_string(block_size));
+  const std::int64_t n = numel(out);
+  require_same_numel(codes, "codes", n, "out");
+  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
+  const int d = select_device(device, out);
+  require_on_device(codes, d, "codes");
+  require_on_device(absmax, d, "absmax");
+  require_on_device(out, d, "out");
+  const auto* c = static_cast<const std::int8_t*>(codes.data());
+  const auto* a = static_cast<const float*>(absmax.data());
+  const DType t = dtype_of(out, "out");
+  void* o = out.data();
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = cuda::dequantize_int8(c, a, n, block_size, o, t, cuda::as_stream(stream));
+  }
+  check(s);
+}
+
+void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
+                const Array& exp_avg_sq, const OptArray& out, double lr, double beta1,
+                double beta2, double eps, double weight_decay, std::int64_t step,
+                double grad_scale, std::uint64_t seed, std::int64_t offset, std::uintptr_t stream,
+                OptDevice device) {
+  require_cuda_buffer(param, "param");
+  require_dtype(param, DType::kFloat32, "param");
+  require_cuda_buffer(grad, "grad");
+  require_float_dtype(grad, "grad");
+  const DType mt = dtype_of(exp_avg, "exp_avg");
+  if (mt != DType::kFloat32 && mt != DType::kBFloat16)
+    raise_type_error(std::string("exp_avg: expected float32 or bfloat16, got ") + dtype_name(mt));
+  require_dtype(exp_avg_sq, mt, "exp_avg_sq");
+  if (out) {
+    require_cuda_buffer(*out, "out");
+    require_float_dtype(*out, "out");
+  }
+  const std::int64_t n = numel(param);
+  require_same_numel(grad, "grad", n, "param");
+  require_same_numel(exp_avg, "exp_avg", n, "param");
+  require_same_numel(exp_avg_sq, "exp_avg_sq", n, "param");
+  if (out) require_same_numel(*out, "out", n, "param");
+
+  const int d = select_device(device, param);
+  require_on_device(param, d, "param");
+  require_on_device(grad, d, "grad");
+  if (out) require_on_device(*out, d, "out");
+
+  AdamWBuffers b;
+  b.param = static_cast<float*>(param.data());
+  b.grad = grad.data();
+  b.grad_dtype = dtype_of(grad, "grad");
+  b.exp_avg = moment_pointer(exp_avg, d, "exp_avg");
+  b.exp_avg_sq = moment_pointer(exp_avg_sq, d, "exp_avg_sq");
+  b.moment_dtype = mt;
+  if (out) {
+    b.out = out->data();
+    b.out_dtype = dtype_of(*out, "out");
+  }
+  b.n = n;
+  b.offset = offset;
+
+  AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.seed = seed;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = cuda::adamw(b, h, cuda::as_stream(stream));
+  }
+  check(s);
+}
+
+void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintptr_t stream,
+                  OptDevice device) {
+  require_cuda_buffer(x, "x");
+  require_float_dtype(x, "x");
+  require_cuda_buffer(out, "out");
+  if (!(out.dtype() == nb::dtype<double>()) || numel(out) != 1)
+    raise_type_error("out: expected a 1-element float64 CUDA tensor");
+  const int d = select_device(device, x);
+  require_on_device(x, d, "x");
+  require_on_device(out, d, "out");
+  const void* p = x.data();
+  const DType t = dtype_of(x, "x");
+  const std::int64_t n = numel(x);
+  auto* o = static_cast<double*>(out.data());
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate);
+  }
+  check(s);
+}
+
+#else  // no CUDA in this build: same signatures, each raises RuntimeError
+
+[[noreturn]] void no_cuda(const char* fn) {
+  throw std::runtime_error(std::string(fn) +
+                           ": this build has no CUDA support (ramstream was built with "
+                           "RAMSTREAM_CUDA=OFF or without a CUDA toolkit)");
+}
+
+void cuda_dequantize_nf4(const Array&, const Array&, const Array&, int, std::uintptr_t, OptDevice) {
+  no_cuda("cuda_dequantize_nf4");
+}
+void cuda_dequantize_int8(const Array&, const Array&, const Array&, int, std::uintptr_t, OptDevice) {
+  no_cuda("cuda_dequantize_int8");
+}
+void cuda_adamw(const Array&, const Array&, const Array&, const Array&, const OptArray&, double,
+                double, double, double, double, std::int64_t, double, std::uint64_t, std::int64_t,
+                std::uintptr_t, OptDevice) {
+  no_cuda("cuda_adamw_");
+}
+void cuda_sq_norm(const Array&, const Array&, bool, std::uintptr_t, OptDevice) {
+  no_cuda("cuda_sq_norm");
+}
+
+#endif
+
+}  // namespace
+
+void bind_cuda(nb::module_& m) {
+  m.def("cuda_dequantize_nf4", &cuda_dequantize_nf4, "packed"_a.noconvert(), "absmax"_a.noconvert(),
+        "out"_a.noconvert(), "block_size"_a = 64, "stream"_a = 0, "device"_a = nb::none(),
+        "out[:] = NF4 codes `packed` (uint8, (n+1)//2) times `absmax` (float32, ceil(n/block_size)),\n"
+        "n = out.numel(); out float32/bfloat16/float16. All CUDA, contiguous, on `device`.\n"
+        "Asynchronous on `stream` (an integer cudaStream_t); GIL released.");
+  m.def("cuda_dequantize_int8", &cuda_dequantize_int8, "codes"_a.noconvert(), "absmax"_a.noconvert(),
+        "out"_a.noconvert(), "block_size"_a = 64, "stream"_a = 0, "device"_a = nb::none(),
+        "out[:] = int8 `codes` (n) times absmax/127 (float32, ceil(n/block_size)); as above.");
+  m.def("cuda_adamw_", &cuda_adamw, "param"_a.noconvert(), "grad"_a.noconvert(),
+        "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(), "out"_a.noconvert().none(),
+        nb::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
+        "grad_scale"_a = 1.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0,
+        "device"_a = nb::none(),
+        "One AdamW step in place. param (float32), grad (float32/bfloat16/float16) and out\n"
+        "(optional, float32/bfloat16/float16: the new weight, RNE) are CUDA tensors; exp_avg and\n"
+        "exp_avg_sq (float32, or bfloat16 with stochastic rounding) are CUDA tensors or pinned\n"
+        "host tensors, which the kernel reads and writes over PCIe. Same numel, contiguous.\n"
+        "Asynchronous on `stream`; GIL released.");
+  m.def("cuda_sq_norm", &cuda_sq_norm, "x"_a.noconvert(), "out"_a.noconvert(), nb::kw_only(),
+        "accumulate"_a = false, "stream"_a = 0, "device"_a = nb::none(),
+        "out[0] (a 1-element float64 CUDA tensor) = sum of squares of x (float32/bfloat16/\n"
+        "float16, CUDA, contiguous) in double; zeroed first unless accumulate. Asynchronous on\n"
+        "`stream` (read out after it); GIL released.");
+}
 
 }  // namespace ramstream::py

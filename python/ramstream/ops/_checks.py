@@ -1,0 +1,98 @@
+"""Cheap argument validation shared by the ops modules: messages name the function and argument."""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import torch
+
+__all__ = [
+    "check_float",
+    "check_int",
+    "check_tensor",
+    "check_adamw_hyper",
+    "FLOAT_DTYPES",
+    "MOMENT_DTYPES",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _names(dtypes) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_float(op: str, name: str, value, *, ge=None, gt=None, lt=None, le=None) -> float:
+    """``float(value)``; ValueError "op: name must be a finite float >= 0, got nan" unless it is a
+    finite real number within the given bounds (ge: >=, gt: >, lt: <, le: <=). TypeError for
+    non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
+    v = float(value)
+    rule = "a finite float"
+    if ge is not None:
+        rule += f" >= {ge:g}"
+    if gt is not None:
+        rule += f" > {gt:g}"
+    if lt is not None:
+        rule += f"{' and' if ge is not None or gt is not None else ''} < {lt:g}"
+    if le is not None:
+        rule += f" and <= {le:g}"
+    ok = math.isfinite(v)
+    ok = ok and (ge is None or v >= ge) and (gt is None or v > gt)
+    ok = ok and (lt is None or v < lt) and (le is None or v <= le)
+    if not ok:
+        raise ValueError(f"{op}: {name} must be {rule}, got {v!r}")
+    return v
+
+
+def check_int(op: str, name: str, value, *, ge=None, lt=None) -> int:
+    """``int(value)`` for a true integer (bool rejected) within [ge, lt); TypeError or ValueError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be an int, got bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
+    if (ge is not None and v < ge) or (lt is not None and v >= lt):
+        rule = " and ".join(s for s in (f">= {ge}" if ge is not None else "",
+                                          f"< {lt}" if lt is not None else "") if s)
+        raise ValueError(f"{op}: {name} must be an int {rule}, got {v}")
+    return v
+
+
+def check_tensor(op: str, name: str, t, dtypes=None, *, contiguous: bool = True) -> torch.Tensor:
+    """TypeError unless ``t`` is a tensor of one of ``dtypes``; ValueError if it must be contiguous
+    and is not (in-place arguments are never copied silently)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must be {_names(dtypes)}, got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {name} must be contiguous (call .contiguous() first; an in-place argument "
+            "is never copied silently)"
+        )
+    return t
+
+
+def check_adamw_hyper(op: str, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
+                      seed=0, offset=0) -> dict:
+    """Validates AdamW hyper-parameters like the host kernel (finite, lr >= 0, 0 <= beta < 1,
+    eps > 0, weight_decay >= 0, grad_scale finite in float32, step >= 1, 0 <= seed < 2**64,
+    offset >= 0) and returns them
+    normalised (floats and ints) as a dict of keyword arguments."""
+    return {
+        "lr": check_float(op, "lr", lr, ge=0),
+        "beta1": check_float(op, "beta1", beta1, ge=0, lt=1),
+        "beta2": check_float(op, "beta2", beta2, ge=0, lt=1),
+        "eps": check_float(op, "eps", eps, gt=0),
+        "weight_decay": check_float(op, "weight_decay", weight_decay, ge=0),
+        "step": check_int(op, "step", step, ge=1, lt=2**63),
+        "grad_scale": check_float(op, "grad_scale", grad_scale, ge=-_FLOAT32_MAX, le=_FLOAT32_MAX),
+        "seed": check_int(op, "seed", seed, ge=0, lt=2**64),
+        "offset": check_int(op, "offset", offset, ge=0, lt=2**63),
+    }

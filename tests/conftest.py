@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     ok, why = _gpu_ready()
     if ok:
         return
-    cuda_items = [item for item in items if "cuda" in item.keywords]
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if cuda_items and os.environ.get("RAMSTREAM_REQUIRE_CUDA") == "1":
         raise pytest.UsageError(f"RAMSTREAM_REQUIRE_CUDA=1 but no usable GPU: {why}")
     for item in cuda_items:

@@ -5,4 +5,7 @@ in-place arguments are never copied silently.
 """
 from __future__ import annotations
 
+from .ops.adamw import accumulate_, adamw_, sq_norm
+
 __all__: list[str] = []
+__all__ += ["adamw_", "sq_norm", "accumulate_"]

@@ -134,15 +134,24 @@ inline __m512 load16(const void* p, std::int64_t i) {
   }
 }
 
+// The high 16 bits of each 32-bit lane, packed: one vpermw.
+inline __m256i high_halves16(__m512i x) {
+  const __m512i idx = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                        0x001B0019, 0x001F001D, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, x));
+}
+
+inline __mmask16 is_nan16(__m512 x) { return _mm512_fpclass_ps_mask(x, 0x81); }  // QNaN | SNaN
+
 inline __m256i f32x16_to_bf16_rne(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __m512i qnan = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
-                                       _mm512_set1_epi32(0x7FC0));
-  r = _mm512_mask_blend_epi32(nan, r, qnan);
-  return _mm512_cvtepi32_epi16(r);
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  // NaN: sign | 0x7FC0 (in the upper half): (u & 0x80000000) | 0x7FC00000
+  const __m512i qnan = _mm512_ternarylogic_epi32(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)),
+                                                 _mm512_set1_epi32(0x7FC00000), 0xEA);  // (A & B) | C
+  r = _mm512_mask_mov_epi32(r, is_nan16(x), qnan);
+  return high_halves16(r);
 }
 
 // Random bits for 16 consecutive indices: t = sr_index_term(idx0 + j), uniform high word.
@@ -155,14 +164,13 @@ inline __m512i sr_finish16(__m512i k) {
   return _mm512_and_si512(k, _mm512_set1_epi32(0xFFFF));
 }
 
+// Rule 2 with one special case: adding r < 2^16 to inf's bits leaves the upper half alone, so only
+// NaN needs care ((bits >> 16) | 0x40 instead of (bits + r) >> 16).
 inline __m256i f32x16_to_bf16_sr(__m512 x, __m512i r) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i expo = _mm512_set1_epi32(0x7F800000);
-  const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);
-  const __mmask16 nan = _mm512_mask_test_epi32_mask(special, u, _mm512_set1_epi32(0x7FFFFF));
-  __m512i res = _mm512_srli_epi32(_mm512_mask_blend_epi32(special, _mm512_add_epi32(u, r), u), 16);
-  res = _mm512_mask_or_epi32(res, nan, res, _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(res);
+  const __m512i sum = _mm512_add_epi32(u, r);
+  // NaN lanes: (u | 0x00400000) >> 16 == (u >> 16) | 0x40
+  return high_halves16(_mm512_mask_or_epi32(sum, is_nan16(x), u, _mm512_set1_epi32(0x00400000)));
 }
 
 template <int D>
@@ -196,19 +204,21 @@ inline __m256 load8(const void* p, std::int64_t i) {
   }
 }
 
-// 8 x u32 holding values <= 0xFFFF -> 8 x u16.
-inline __m128i narrow8(__m256i r) {
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+// The high 16 bits of each 32-bit lane, packed: vpshufb within lanes, then vpermq.
+inline __m128i high_halves8(__m256i x) {
+  const __m256i pick = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), 0x08));
 }
 
 inline __m128i f32x8_to_bf16_rne(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i qnan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
-                                       _mm256_set1_epi32(0x7FC0));
-  return narrow8(_mm256_blendv_epi8(r, qnan, nan));
+  const __m256i qnan = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u))),
+                                       _mm256_set1_epi32(0x7FC00000));
+  return high_halves8(_mm256_blendv_epi8(r, qnan, nan));
 }
 
 inline __m256i sr_finish8(__m256i k) {
@@ -220,17 +230,12 @@ inline __m256i sr_finish8(__m256i k) {
   return _mm256_and_si256(k, _mm256_set1_epi32(0xFFFF));
 }
 
+// See f32x16_to_bf16_sr.
 inline __m128i f32x8_to_bf16_sr(__m256 x, __m256i r) {
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i expo = _mm256_set1_epi32(0x7F800000);
-  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo);
-  const __m256i mant_nz = _mm256_xor_si256(
-      _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFF)), _mm256_setzero_si256()),
-      _mm256_set1_epi32(-1));
-  const __m256i nan = _mm256_and_si256(special, mant_nz);
-  __m256i res = _mm256_srli_epi32(_mm256_blendv_epi8(_mm256_add_epi32(u, r), u, special), 16);
-  res = _mm256_or_si256(res, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
-  return narrow8(res);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i res = _mm256_blendv_epi8(_mm256_add_epi32(u, r), _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+  return high_halves8(res);
 }
 
 template <int D>

@@ -21,7 +21,8 @@ namespace {
 
 constexpr std::int64_t kGranule = 16;         // chunk boundaries: multiples of 16 elements
 constexpr std::int64_t kMinChunk = 32 * 1024;  // below this a call runs inline
-constexpr std::int64_t kStreamMinElems = 1 << 18;
+constexpr std::int64_t kStreamMinElems = 1 << 18;  // out gets non-temporal stores from here on
+constexpr int kTasksPerThread = 4;  // several tasks per thread: the pool balances late threads
 
 std::string num(double v) {
   char buf[64];
@@ -138,8 +139,9 @@ Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool) 
   a.sr_key[1] = sr_key(h.seed, h.step, 1);
 
   const AdamWRangeFn fn = pick_adamw_kernel();
-  pool.parallel_for(b.n, kGranule, kMinChunk,
-                    [&](std::int64_t begin, std::int64_t end) { fn(a, begin, end); });
+  pool.parallel_for(
+      b.n, kGranule, kMinChunk, [&](std::int64_t begin, std::int64_t end) { fn(a, begin, end); },
+      kTasksPerThread * pool.size());
   return Status::ok();
 }
 

@@ -13,6 +13,7 @@ namespace {
 constexpr std::int64_t kGranule = 16;
 constexpr std::int64_t kMinChunk = 64 * 1024;       // element-wise ops below this run inline
 constexpr std::int64_t kSqNormBlock = 64 * 1024;    // fixed summation blocks (multiple of 32)
+constexpr int kTasksPerThread = 4;                  // the pool balances late threads
 
 struct NormFns {
   void (*accumulate)(float*, const void*, int, std::int64_t, std::int64_t);
@@ -53,8 +54,9 @@ Status accumulate(float* dst, const void* src, DType src_dtype, std::int64_t n, 
   if (dst == nullptr || src == nullptr) return Status::invalid("accumulate: null pointer");
   const auto fn = pick().accumulate;
   const int dt = static_cast<int>(src_dtype);
-  pool.parallel_for(n, kGranule, kMinChunk,
-                    [&](std::int64_t b, std::int64_t e) { fn(dst, src, dt, b, e); });
+  pool.parallel_for(
+      n, kGranule, kMinChunk, [&](std::int64_t b, std::int64_t e) { fn(dst, src, dt, b, e); },
+      kTasksPerThread * pool.size());
   return Status::ok();
 }
 
@@ -67,8 +69,10 @@ Status cast_to_float(float* dst, const void* src, DType src_dtype, std::int64_t 
   const auto fn = pick().cast;
   const int dt = static_cast<int>(src_dtype);
   const bool has_scale = scale != 1.0f;
-  pool.parallel_for(n, kGranule, kMinChunk,
-                    [&](std::int64_t b, std::int64_t e) { fn(dst, src, dt, scale, has_scale, b, e); });
+  pool.parallel_for(
+      n, kGranule, kMinChunk,
+      [&](std::int64_t b, std::int64_t e) { fn(dst, src, dt, scale, has_scale, b, e); },
+      kTasksPerThread * pool.size());
   return Status::ok();
 }
 
@@ -92,7 +96,7 @@ Status sq_norm(const void* x, DType dtype, std::int64_t n, ThreadPool& pool, dou
       const std::int64_t end = (k + 1) * kSqNormBlock < n ? (k + 1) * kSqNormBlock : n;
       partial[static_cast<std::size_t>(k)] = fn(x, dt, k * kSqNormBlock, end);
     }
-  });
+  }, kTasksPerThread * pool.size());
   double s = 0.0;
   for (double p : partial) s += p;  // index order: the same sum for every thread count
   *out = s;

@@ -229,6 +229,32 @@ def test_out_equals_param_cast(isa, out_dtype):
         assert_bits_equal(out, p.to(out_dtype), f"{isa} out {out_dtype}")
 
 
+def test_out_random_bit_patterns(isa):
+    """Every exponent range (fp16 subnormals, overflow, NaN payloads): lr = 0 and g = 0 leave the
+    weights as they are, so `out` must be the rule-1 / IEEE cast of arbitrary float bit patterns."""
+    rng = np.random.default_rng(0)
+    n = 1 << 16
+    u = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    # half of them with exponents around fp16's subnormal, normal and overflow thresholds
+    expo = rng.integers(98, 146, size=n // 2, dtype=np.uint32)
+    u[: n // 2] = (u[: n // 2] & np.uint32(0x807FFFFF)) | (expo << np.uint32(23))
+    p = torch.from_numpy(u.view(np.int32).copy()).view(torch.float32)
+    zero = torch.zeros(n)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        q = p.clone()
+        out = torch.empty(n, dtype=dt)
+        F.adamw_(q, zero, torch.zeros(n), torch.zeros(n), step=1, lr=0.0, weight_decay=0.0, out=out)
+        nan = torch.isnan(q)
+        if dt == torch.bfloat16:
+            np.testing.assert_array_equal(bits(out), _bf16_rne_reference(q))
+        else:
+            assert torch.isnan(out[nan]).all()
+            assert_bits_equal(out[~nan], q[~nan].to(dt), f"{isa} {dt}")
+            if dt == torch.float16:  # F16C's NaN: sign | 0x7E00 | payload >> 13
+                want = ((u[nan.numpy()] >> 16) & 0x8000) | 0x7E00 | ((u[nan.numpy()] >> 13) & 0x3FF)
+                np.testing.assert_array_equal(bits(out[nan]).view(np.uint16), want.astype(np.uint16))
+
+
 def test_out_nan_rule(isa):
     n = 40
     p = torch.randn(n)

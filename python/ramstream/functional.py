@@ -5,6 +5,7 @@ in-place arguments are never copied silently.
 """
 from __future__ import annotations
 
+from .ops.adamw import accumulate_, adamw_, sq_norm
 from .ops.memory import (
     empty_cache,
     memory_stats,
@@ -18,6 +19,8 @@ from .ops.memory import (
 from .ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 __all__: list[str] = [
+    # host AdamW and norms (ops/adamw.py)
+    "adamw_", "sq_norm", "accumulate_",
     # pinned host memory (ops/memory.py)
     "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
     "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",

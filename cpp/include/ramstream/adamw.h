@@ -1,22 +1,28 @@
-// Host AdamW, gradient accumulation and squared L2 norms over flat buffers, multithreaded.
+// Host AdamW, gradient accumulation, squared L2 norms and casts over flat buffers, multithreaded.
 //
-// Numerics (the contract): per element, with g = grad * grad_scale (the multiply is skipped when
-// grad_scale == 1), all in float32 unless noted:
-//   p  = p * float(1 - lr*wd)                     (skipped when wd == 0)
-//   m  = fma(float(1-beta1), g - m, m)            (torch's lerp; for 1-beta1 >= 0.5:
-//                                                   m = fma(float(1-beta1) - 1, g - m, g))
-//   v  = v * float(beta2) + (float(1-beta2) * g) * g
+// Numerics (the contract, verified bit for bit against torch 2.13's fused CPU AdamW,
+// torch.optim.AdamW(fused=True), for fp32 state). Per element, all in float32 unless noted,
+// with coefficients computed in double and rounded to float once:
+//   g  = grad * float(grad_scale)                  (skipped when grad_scale == 1)
+//   p  = p * float(1 - lr*wd)                      (skipped when wd == 0)
+//   m  = fma(c, g - m, m)     with c = float(1-beta1)       when |c| <  0.5 (torch's lerp)
+//   m  = fma(c - 1, g - m, g)                               when |c| >= 0.5 (beta1 <= 0.5)
+//   v  = fma(float(1-beta2) * g, g, v * float(beta2))       (every element but the last n % 8)
+//   v  = fma(v, float(beta2), (float(1-beta2) * g) * g)     (the last n % 8 elements)
 //   d  = sqrt(v) / float(sqrt(1 - beta2^step)) + float(eps)
 //   p  = p + (float(-lr / (1 - beta1^step)) * m) / d
-// coefficients computed in double and rounded to float once. This is torch's fused CPU AdamW
-// (vector body); the last (n mod 16) elements of a buffer follow torch's scalar tail, where
-// the products by 1-lr*wd, beta2 and 1-beta2 are taken in double. Results are identical for
-// every ISA and thread count. Chunk boundaries are multiples of 16 elements.
+// Why two forms of v: torch's kernel is compiled with floating-point contraction, so its
+// `v*beta2 + (c2*g)*g` becomes an FMA; the vector body (16 floats) and the auto-vectorised
+// 8-wide part of its scalar tail fuse the second product, the scalar remainder (n % 8) fuses
+// the first. Only the n % 8 elements at the very end of the buffer are affected (torch splits
+// work at multiples of 16 elements, and so do we). The CUDA kernel uses the first form for
+// every element (SPEC_SHARED rule 3).
+// Results are identical for every ISA (scalar, AVX2, AVX-512) and every thread count.
 //
-// bf16 moments are stored with stochastic rounding: the float's bits plus 16 random bits,
-// truncated (unbiased). The random bits are a pure function of (seed, step, index + offset,
-// moment), so results do not depend on threading or ISA; see sr_bits() in adamw.cpp for the
-// hash (the CUDA kernel uses the same one).
+// bf16 moments are stored with stochastic rounding (SPEC_SHARED rule 2): the float's bits plus
+// 16 random bits, truncated (unbiased). The random bits are a pure function of (seed, step,
+// index + offset, moment), so results do not depend on threading or ISA. The optional `out`
+// buffer receives the new weight rounded to nearest even (SPEC_SHARED rule 1) in the same pass.
 #pragma once
 #include <cstdint>
 
@@ -50,20 +56,30 @@ struct AdamWBuffers {
   std::int64_t offset = 0;             // index of element 0 in its state (random stream only)
 };
 
-// Validates the hyper-parameters (finite, lr >= 0, 0 <= beta < 1, eps > 0, wd >= 0, step >= 1).
+// Validates the hyper-parameters (finite, lr >= 0, 0 <= beta < 1, eps > 0, wd >= 0, step >= 1,
+// grad_scale finite). kInvalidArgument with a message naming the field otherwise.
 Status validate_adamw_hyper(const AdamWHyper& h);
 
-// One AdamW step over b.n elements on `pool`. Thread-safe for disjoint buffers; no GIL needed.
+// One AdamW step over b.n elements on `pool` (buffers must not overlap one another).
+// Thread-safe for disjoint buffers; no GIL needed. Calls below 32K elements run inline.
+// The "last n % 8 elements" rule above applies to each call: an engine that splits one tensor
+// into several calls should cut it at multiples of 16 elements to match torch on the whole.
 Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool);
 
-// dst[i] += float(src[i]) (src float32/bfloat16/float16), then optionally dst *= scale.
+// dst[i] += float(src[i]) (src float32/bfloat16/float16), one float add per element.
 Status accumulate(float* dst, const void* src, DType src_dtype, std::int64_t n, ThreadPool& pool);
 
-// Sum of squares of x (float32/bfloat16/float16), accumulated in double.
+// Sum of squares of x (float32/bfloat16/float16), squares and sums in double. Blocks of 64K
+// elements are summed in a fixed lane order and the block sums in index order, so the result
+// is identical for every ISA and thread count.
 Status sq_norm(const void* x, DType dtype, std::int64_t n, ThreadPool& pool, double* out);
 
 // dst = float(src) * scale, element-wise cast into a float32 buffer (scale == 1: a plain cast).
 Status cast_to_float(float* dst, const void* src, DType src_dtype, std::int64_t n, float scale,
                      ThreadPool& pool);
+
+// The stochastic-rounding random bits of SPEC_SHARED rule 2 (moment 0 = exp_avg, 1 = exp_avg_sq),
+// exposed for tests and for the CUDA kernel's reference: a value in [0, 65535].
+std::uint32_t sr_bits(std::uint64_t seed, std::int64_t step, std::int64_t index, int moment);
 
 }  // namespace ramstream

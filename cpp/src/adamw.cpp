@@ -1,0 +1,148 @@
+// Host AdamW dispatcher: validates, precomputes the coefficients torch uses, picks the ISA once
+// per call and splits the buffers over the pool at multiples of 16 elements.
+#include "ramstream/adamw.h"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+#include "cpu/adamw_kernels.h"
+#include "ramstream/cpu_features.h"
+
+namespace ramstream {
+
+static_assert(static_cast<int>(DType::kFloat32) == cpu::kKF32 &&
+                  static_cast<int>(DType::kBFloat16) == cpu::kKBF16 &&
+                  static_cast<int>(DType::kFloat16) == cpu::kKF16,
+              "kernel dtype codes must equal ramstream::DType");
+
+namespace {
+
+constexpr std::int64_t kGranule = 16;         // chunk boundaries: multiples of 16 elements
+constexpr std::int64_t kMinChunk = 32 * 1024;  // below this a call runs inline
+constexpr std::int64_t kStreamMinElems = 1 << 18;  // out gets non-temporal stores from here on
+constexpr int kTasksPerThread = 4;  // several tasks per thread: the pool balances late threads
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+using AdamWRangeFn = void (*)(const cpu::AdamWKernelArgs&, std::int64_t, std::int64_t);
+
+AdamWRangeFn pick_adamw_kernel() {
+  switch (active_isa()) {
+#ifdef RAMSTREAM_HAVE_X86_ISAS
+    case Isa::kAvx512: return &cpu::avx512::adamw_range;
+    case Isa::kAvx2: return &cpu::avx2::adamw_range;
+#endif
+    default: return &cpu::scalar::adamw_range;
+  }
+}
+
+std::uint32_t sr_key(std::uint64_t seed, std::int64_t step, int moment) {
+  return static_cast<std::uint32_t>(seed) * 0xC2B2AE3Du +
+         static_cast<std::uint32_t>(seed >> 32) * 0x27D4EB2Fu +
+         static_cast<std::uint32_t>(step) * 0x165667B1u +
+         static_cast<std::uint32_t>(moment) * 0xD3A2646Cu;
+}
+
+}  // namespace
+
+std::uint32_t sr_bits(std::uint64_t seed, std::int64_t step, std::int64_t index, int moment) {
+  const std::uint64_t idx = static_cast<std::uint64_t>(index);
+  std::uint32_t k = static_cast<std::uint32_t>(idx) * 0x9E3779B1u +
+                    static_cast<std::uint32_t>(idx >> 32) * 0x85EBCA77u + sr_key(seed, step, moment);
+  k ^= k >> 16;
+  k *= 0x7FEB352Du;
+  k ^= k >> 15;
+  k *= 0x846CA68Bu;
+  k ^= k >> 16;
+  return k & 0xFFFFu;
+}
+
+Status validate_adamw_hyper(const AdamWHyper& h) {
+  if (!std::isfinite(h.lr) || h.lr < 0)
+    return Status::invalid("adamw: lr must be a finite number >= 0, got " + num(h.lr));
+  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1)
+    return Status::invalid("adamw: beta1 must be in [0, 1), got " + num(h.beta1));
+  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1)
+    return Status::invalid("adamw: beta2 must be in [0, 1), got " + num(h.beta2));
+  if (!std::isfinite(h.eps) || h.eps <= 0)
+    return Status::invalid("adamw: eps must be a finite number > 0, got " + num(h.eps));
+  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0)
+    return Status::invalid("adamw: weight_decay must be a finite number >= 0, got " +
+                           num(h.weight_decay));
+  if (h.step < 1) return Status::invalid("adamw: step must be >= 1, got " + std::to_string(h.step));
+  if (!std::isfinite(h.grad_scale))
+    return Status::invalid("adamw: grad_scale must be finite, got " + num(h.grad_scale));
+  return Status::ok();
+}
+
+Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool) {
+  RAMSTREAM_RETURN_IF_ERROR(validate_adamw_hyper(h));
+  if (b.n < 0) return Status::invalid("adamw: n must be >= 0, got " + std::to_string(b.n));
+  if (b.offset < 0 || b.offset > std::numeric_limits<std::int64_t>::max() - b.n)
+    return Status::invalid("adamw: offset must be >= 0 (and offset + n must fit in int64), got " +
+                           std::to_string(b.offset));
+  if (b.grad_dtype != DType::kFloat32 && b.grad_dtype != DType::kBFloat16 &&
+      b.grad_dtype != DType::kFloat16)
+    return Status::invalid(std::string("adamw: grad dtype must be float32/bfloat16/float16, got ") +
+                           dtype_name(b.grad_dtype));
+  if (b.moment_dtype != DType::kFloat32 && b.moment_dtype != DType::kBFloat16)
+    return Status::invalid(std::string("adamw: moment dtype must be float32/bfloat16, got ") +
+                           dtype_name(b.moment_dtype));
+  if (b.out != nullptr && b.out_dtype != DType::kFloat32 && b.out_dtype != DType::kBFloat16 &&
+      b.out_dtype != DType::kFloat16)
+    return Status::invalid(std::string("adamw: out dtype must be float32/bfloat16/float16, got ") +
+                           dtype_name(b.out_dtype));
+  if (b.n == 0) return Status::ok();
+  if (b.param == nullptr) return Status::invalid("adamw: param is a null pointer");
+  if (b.grad == nullptr) return Status::invalid("adamw: grad is a null pointer");
+  if (b.exp_avg == nullptr) return Status::invalid("adamw: exp_avg is a null pointer");
+  if (b.exp_avg_sq == nullptr) return Status::invalid("adamw: exp_avg_sq is a null pointer");
+
+  // Coefficients exactly as torch's fused CPU AdamW forms them: double, rounded to float once.
+  const double step = static_cast<double>(h.step);
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, step);
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, step);
+  const double step_size = h.lr / bias_correction1;
+  const float c1 = static_cast<float>(1.0 - h.beta1);
+
+  cpu::AdamWKernelArgs a{};
+  a.param = b.param;
+  a.grad = b.grad;
+  a.exp_avg = b.exp_avg;
+  a.exp_avg_sq = b.exp_avg_sq;
+  a.out = b.out;
+  a.grad_dtype = static_cast<int>(b.grad_dtype);
+  a.moment_dtype = static_cast<int>(b.moment_dtype);
+  a.out_dtype = static_cast<int>(b.out_dtype);
+  a.out_streaming = b.out != nullptr && b.n >= kStreamMinElems &&
+                    (reinterpret_cast<std::uintptr_t>(b.out) % 64) == 0;
+  a.tail_begin = b.n - b.n % 8;
+  a.offset = b.offset;
+  a.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  a.has_decay = h.weight_decay != 0.0;
+  a.lerp_small = std::fabs(c1) < 0.5f;
+  a.lerp_coeff = a.lerp_small ? c1 : c1 - 1.0f;
+  a.beta2 = static_cast<float>(h.beta2);
+  a.c2 = static_cast<float>(1.0 - h.beta2);
+  a.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  a.eps = static_cast<float>(h.eps);
+  a.neg_step_size = static_cast<float>(-step_size);
+  a.grad_scale = h.grad_scale;
+  a.has_scale = h.grad_scale != 1.0f;
+  a.sr_key[0] = sr_key(h.seed, h.step, 0);
+  a.sr_key[1] = sr_key(h.seed, h.step, 1);
+
+  const AdamWRangeFn fn = pick_adamw_kernel();
+  pool.parallel_for(
+      b.n, kGranule, kMinChunk, [&](std::int64_t begin, std::int64_t end) { fn(a, begin, end); },
+      kTasksPerThread * pool.size());
+  return Status::ok();
+}
+
+}  // namespace ramstream

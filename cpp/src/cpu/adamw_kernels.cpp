@@ -1,0 +1,204 @@
+// Host AdamW kernel, compiled once per ISA: one pass over param/grad/moments(/out), fp32 math
+// exactly as documented in ramstream/adamw.h, bf16 moments with stochastic rounding.
+#include "cpu/adamw_kernels.h"
+
+#include "cpu/adamw_simd.h"
+
+namespace ramstream::cpu::RAMSTREAM_ISA_NS {
+namespace {
+
+// The reference element update; vector bodies below compute exactly this, lane by lane.
+template <int G, int M, int O>
+inline void adamw_elem(const AdamWKernelArgs& a, std::int64_t i) {
+  float g = load1<G>(a.grad, i);
+  if (a.has_scale) g = g * a.grad_scale;
+  float p = a.param[i];
+  if (a.has_decay) p = p * a.decay;
+  float m = load1<M>(a.exp_avg, i);
+  float v = load1<M>(a.exp_avg_sq, i);
+  m = std::fma(a.lerp_coeff, g - m, a.lerp_small ? m : g);
+  if (i < a.tail_begin) v = std::fma(a.c2 * g, g, v * a.beta2);
+  else v = std::fma(v, a.beta2, (a.c2 * g) * g);
+  const float d = std::sqrt(v) / a.bc2_sqrt + a.eps;
+  p = p + (a.neg_step_size * m) / d;
+  a.param[i] = p;
+  if constexpr (M == 0) {
+    static_cast<float*>(a.exp_avg)[i] = m;
+    static_cast<float*>(a.exp_avg_sq)[i] = v;
+  } else {
+    const std::uint32_t t = sr_index_term(static_cast<std::uint64_t>(i + a.offset));
+    static_cast<std::uint16_t*>(a.exp_avg)[i] = f32_to_bf16_sr(m, sr_finish(t + a.sr_key[0]));
+    static_cast<std::uint16_t*>(a.exp_avg_sq)[i] = f32_to_bf16_sr(v, sr_finish(t + a.sr_key[1]));
+  }
+  if constexpr (O >= 0) store1_rne<O>(a.out, i, p);
+}
+
+// End of the vector part of [begin, end): whole vectors of W elements below tail_begin.
+inline std::int64_t vector_end(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end, int w) {
+  const std::int64_t lim = end < a.tail_begin ? end : a.tail_begin;
+  return lim <= begin ? begin : begin + ((lim - begin) / w) * w;
+}
+
+// The vector loops copy every field they use into locals first: stores through the float
+// pointers could alias `a` as far as the compiler knows, which would force reloads each iteration.
+// Splits the vector range [begin, vend) (whole vectors of W) into runs in which the random-stream
+// index keeps its high 32-bit word, calling run(i0, i1, hi_term) on each; a vector that straddles a
+// 2^32 boundary (once per 4G elements) goes through the scalar element update instead.
+template <int W, int G, int M, int O, typename Run>
+inline void for_each_uniform_run(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t vend, Run run) {
+  std::int64_t i = begin;
+  while (i < vend) {
+    const std::uint64_t idx = static_cast<std::uint64_t>(i + a.offset);
+    const std::uint64_t room = (std::uint64_t{1} << 32) - (idx & 0xFFFFFFFFu);  // until hi changes
+    const std::uint64_t vectors_left = static_cast<std::uint64_t>(vend - i) / W;
+    const std::int64_t nvec = static_cast<std::int64_t>(room / W < vectors_left ? room / W : vectors_left);
+    if (nvec == 0) {
+      for (int j = 0; j < W; ++j) adamw_elem<G, M, O>(a, i + j);
+      i += W;
+      continue;
+    }
+    run(i, i + nvec * W, static_cast<std::uint32_t>(idx >> 32) * kSrIdxHi);
+    i += nvec * W;
+  }
+}
+
+#if RAMSTREAM_ISA_LEVEL >= 2
+template <int G, int M, int O>
+void adamw_run(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  const std::int64_t vend = vector_end(a, begin, end, 16);
+  float* const param = a.param;
+  const void* const grad = a.grad;
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  void* const out = a.out;
+  const std::int64_t offset = a.offset;
+  const bool has_scale = a.has_scale, has_decay = a.has_decay, stream = a.out_streaming;
+  const __m512 decay = _mm512_set1_ps(a.decay), lerp_c = _mm512_set1_ps(a.lerp_coeff);
+  const __m512 beta2 = _mm512_set1_ps(a.beta2), c2 = _mm512_set1_ps(a.c2);
+  const __m512 bc2s = _mm512_set1_ps(a.bc2_sqrt), eps = _mm512_set1_ps(a.eps);
+  const __m512 nss = _mm512_set1_ps(a.neg_step_size), gscale = _mm512_set1_ps(a.grad_scale);
+  const __mmask16 base_is_m = a.lerp_small ? 0xFFFF : 0;
+  const __m512i iota_a = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(kSrIdxLo)));
+  const std::uint32_t key0 = a.sr_key[0], key1 = a.sr_key[1];
+
+  auto run = [&](std::int64_t i0, std::int64_t i1, std::uint32_t hi_term) {
+    // key + idx_lo*A + hi*B for lane 0 of the vector at i0; advances by 16*A per vector
+    std::uint32_t t0 = static_cast<std::uint32_t>(i0 + offset) * kSrIdxLo + hi_term;
+    for (std::int64_t i = i0; i < i1; i += 16, t0 += 16u * kSrIdxLo) {
+      __m512 g = load16<G>(grad, i);
+      if (has_scale) g = _mm512_mul_ps(g, gscale);
+      __m512 p = _mm512_loadu_ps(param + i);
+      if (has_decay) p = _mm512_mul_ps(p, decay);
+      __m512 m = load16<M>(exp_avg, i);
+      __m512 v = load16<M>(exp_avg_sq, i);
+      m = _mm512_fmadd_ps(lerp_c, _mm512_sub_ps(g, m), _mm512_mask_blend_ps(base_is_m, g, m));
+      v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, beta2));
+      const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), d));
+      _mm512_storeu_ps(param + i, p);
+      if constexpr (M == 0) {
+        _mm512_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm512_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else {
+        const __m512i t = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(t0)), iota_a);
+        const __m256i mb = f32x16_to_bf16_sr(m, sr_finish16(_mm512_add_epi32(t, _mm512_set1_epi32(static_cast<int>(key0)))));
+        const __m256i vb = f32x16_to_bf16_sr(v, sr_finish16(_mm512_add_epi32(t, _mm512_set1_epi32(static_cast<int>(key1)))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(exp_avg) + i), mb);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(exp_avg_sq) + i), vb);
+      }
+      if constexpr (O >= 0) store16_rne<O>(out, i, p, stream);
+    }
+  };
+  if constexpr (M == 0) run(begin, vend, 0);
+  else for_each_uniform_run<16, G, M, O>(a, begin, vend, run);
+  if (O >= 0 && stream) _mm_sfence();
+  for (std::int64_t i = vend; i < end; ++i) adamw_elem<G, M, O>(a, i);
+}
+#elif RAMSTREAM_ISA_LEVEL == 1
+template <int G, int M, int O>
+void adamw_run(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  const std::int64_t vend = vector_end(a, begin, end, 8);
+  float* const param = a.param;
+  const void* const grad = a.grad;
+  void* const exp_avg = a.exp_avg;
+  void* const exp_avg_sq = a.exp_avg_sq;
+  void* const out = a.out;
+  const std::int64_t offset = a.offset;
+  const bool has_scale = a.has_scale, has_decay = a.has_decay, stream = a.out_streaming;
+  const __m256 decay = _mm256_set1_ps(a.decay), lerp_c = _mm256_set1_ps(a.lerp_coeff);
+  const __m256 beta2 = _mm256_set1_ps(a.beta2), c2 = _mm256_set1_ps(a.c2);
+  const __m256 bc2s = _mm256_set1_ps(a.bc2_sqrt), eps = _mm256_set1_ps(a.eps);
+  const __m256 nss = _mm256_set1_ps(a.neg_step_size), gscale = _mm256_set1_ps(a.grad_scale);
+  const __m256 base_is_m = _mm256_castsi256_ps(_mm256_set1_epi32(a.lerp_small ? -1 : 0));
+  const __m256i iota_a = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32(static_cast<int>(kSrIdxLo)));
+  const std::uint32_t key0 = a.sr_key[0], key1 = a.sr_key[1];
+
+  auto run = [&](std::int64_t i0, std::int64_t i1, std::uint32_t hi_term) {
+    std::uint32_t t0 = static_cast<std::uint32_t>(i0 + offset) * kSrIdxLo + hi_term;
+    for (std::int64_t i = i0; i < i1; i += 8, t0 += 8u * kSrIdxLo) {
+      __m256 g = load8<G>(grad, i);
+      if (has_scale) g = _mm256_mul_ps(g, gscale);
+      __m256 p = _mm256_loadu_ps(param + i);
+      if (has_decay) p = _mm256_mul_ps(p, decay);
+      __m256 m = load8<M>(exp_avg, i);
+      __m256 v = load8<M>(exp_avg_sq, i);
+      m = _mm256_fmadd_ps(lerp_c, _mm256_sub_ps(g, m), _mm256_blendv_ps(g, m, base_is_m));
+      v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, beta2));
+      const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
+      _mm256_storeu_ps(param + i, p);
+      if constexpr (M == 0) {
+        _mm256_storeu_ps(static_cast<float*>(exp_avg) + i, m);
+        _mm256_storeu_ps(static_cast<float*>(exp_avg_sq) + i, v);
+      } else {
+        const __m256i t = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), iota_a);
+        const __m128i mb = f32x8_to_bf16_sr(m, sr_finish8(_mm256_add_epi32(t, _mm256_set1_epi32(static_cast<int>(key0)))));
+        const __m128i vb = f32x8_to_bf16_sr(v, sr_finish8(_mm256_add_epi32(t, _mm256_set1_epi32(static_cast<int>(key1)))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(exp_avg) + i), mb);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(exp_avg_sq) + i), vb);
+      }
+      if constexpr (O >= 0) store8_rne<O>(out, i, p, stream);
+    }
+  };
+  if constexpr (M == 0) run(begin, vend, 0);
+  else for_each_uniform_run<8, G, M, O>(a, begin, vend, run);
+  if (O >= 0 && stream) _mm_sfence();
+  for (std::int64_t i = vend; i < end; ++i) adamw_elem<G, M, O>(a, i);
+}
+#else
+template <int G, int M, int O>
+void adamw_run(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) adamw_elem<G, M, O>(a, i);
+}
+#endif
+
+template <int G, int M>
+void adamw_by_out(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  if (a.out == nullptr) return adamw_run<G, M, -1>(a, begin, end);
+  switch (a.out_dtype) {
+    case kKF32: return adamw_run<G, M, 0>(a, begin, end);
+    case kKBF16: return adamw_run<G, M, 1>(a, begin, end);
+    default: return adamw_run<G, M, 2>(a, begin, end);
+  }
+}
+
+template <int G>
+void adamw_by_moment(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  if (a.moment_dtype == kKBF16) return adamw_by_out<G, 1>(a, begin, end);
+  return adamw_by_out<G, 0>(a, begin, end);
+}
+
+}  // namespace
+
+void adamw_range(const AdamWKernelArgs& a, std::int64_t begin, std::int64_t end) {
+  switch (a.grad_dtype) {
+    case kKF32: return adamw_by_moment<0>(a, begin, end);
+    case kKBF16: return adamw_by_moment<1>(a, begin, end);
+    default: return adamw_by_moment<2>(a, begin, end);
+  }
+}
+
+}  // namespace ramstream::cpu::RAMSTREAM_ISA_NS

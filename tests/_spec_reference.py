@@ -1,4 +1,4 @@
-"""Independent references of SPEC_SHARED rules 1-5 in torch/numpy (CPU), for the kernel tests."""
+"""Independent references of docs/NUMERICS.md rules 1-5 in torch/numpy (CPU), for the kernel tests."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
 """Host AdamW: bit-exact against torch's fused CPU AdamW, every ISA and thread count, mixed precision,
-stochastic rounding of bf16 moments (SPEC_SHARED rule 2), the low-precision `out` copy, bad input."""
+stochastic rounding of bf16 moments (docs/NUMERICS.md rule 2), the low-precision `out` copy, bad input."""
 from __future__ import annotations
 
 import os
@@ -204,7 +204,7 @@ def test_every_isa_identical_mixed(restore_isa, grad_dtype, moment_dtype, out_dt
 # ---- out: the new weight in low precision, written in the same pass ----------------------------------
 
 def _bf16_rne_reference(x: torch.Tensor) -> np.ndarray:
-    """SPEC_SHARED rule 1 in numpy."""
+    """docs/NUMERICS.md rule 1 in numpy."""
     u = x.numpy().view(np.uint32).astype(np.uint64)
     r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
     nan = np.isnan(x.numpy())
@@ -277,7 +277,7 @@ def test_out_nan_rule(isa):
 # ---- bf16 moments: stochastic rounding ---------------------------------------------------------------
 
 def _sr_bits_reference(seed: int, step: int, index: np.ndarray, moment: int) -> np.ndarray:
-    """SPEC_SHARED rule 2 in numpy (uint32 arithmetic mod 2^32)."""
+    """docs/NUMERICS.md rule 2 in numpy (uint32 arithmetic mod 2^32)."""
     M = 0xFFFFFFFF
     idx = index.astype(np.uint64)
     lo = (idx & M).astype(np.uint64)

@@ -242,7 +242,7 @@ void bind_adamw(nb::module_& m) {
       "Internal: float32 dst[i] += float(src[i]) on raw host addresses. Releases the GIL.");
 
   m.def("sr_bits", &sr_bits, nb::arg("seed"), nb::arg("step"), nb::arg("index"), nb::arg("moment"),
-        "Internal (tests, CUDA reference): the 16 stochastic-rounding bits of SPEC_SHARED rule 2.");
+        "Internal (tests, CUDA reference): the 16 stochastic-rounding bits of docs/NUMERICS.md rule 2.");
 }
 
 }  // namespace ramstream::py

@@ -1,4 +1,4 @@
-// Element numerics shared by the CUDA kernels (SPEC_SHARED rules 1-5), bit for bit the host's.
+// Element numerics shared by the CUDA kernels (docs/NUMERICS.md rules 1-5), bit for bit the host's.
 //
 // Every float operation that must not be contracted into an FMA uses an explicit _rn intrinsic
 // (__fmul_rn, __fadd_rn, ...): nvcc never fuses those, whatever -fmad says. The same functions
@@ -172,7 +172,7 @@ RS_HD void adamw_math(const AdamWCoef& c, float& p, float g, float& m, float& v)
   if (c.apply_decay) p = f_mul(p, c.decay);
   const float base = c.lerp_from_grad ? g : m;
   m = f_fma(c.lerp_coeff, f_sub(g, m), base);
-  v = f_add(f_mul(v, c.beta2), f_mul(f_mul(c.one_minus_beta2, g), g));
+  v = f_fma(f_mul(c.one_minus_beta2, g), g, f_mul(v, c.beta2));  // torch fuses this line
   const float denom = f_add(f_div(f_sqrt(v), c.bc2_sqrt), c.eps);
   p = f_add(p, f_div(f_mul(c.neg_step_size, m), denom));
 }

@@ -16,13 +16,13 @@
 // 8-wide part of its scalar tail fuse the second product, the scalar remainder (n % 8) fuses
 // the first. Only the n % 8 elements at the very end of the buffer are affected (torch splits
 // work at multiples of 16 elements, and so do we). The CUDA kernel uses the first form for
-// every element (SPEC_SHARED rule 3).
+// every element (docs/NUMERICS.md rule 3).
 // Results are identical for every ISA (scalar, AVX2, AVX-512) and every thread count.
 //
-// bf16 moments are stored with stochastic rounding (SPEC_SHARED rule 2): the float's bits plus
+// bf16 moments are stored with stochastic rounding (docs/NUMERICS.md rule 2): the float's bits plus
 // 16 random bits, truncated (unbiased). The random bits are a pure function of (seed, step,
 // index + offset, moment), so results do not depend on threading or ISA. The optional `out`
-// buffer receives the new weight rounded to nearest even (SPEC_SHARED rule 1) in the same pass.
+// buffer receives the new weight rounded to nearest even (docs/NUMERICS.md rule 1) in the same pass.
 #pragma once
 #include <cstdint>
 
@@ -78,7 +78,7 @@ Status sq_norm(const void* x, DType dtype, std::int64_t n, ThreadPool& pool, dou
 Status cast_to_float(float* dst, const void* src, DType src_dtype, std::int64_t n, float scale,
                      ThreadPool& pool);
 
-// The stochastic-rounding random bits of SPEC_SHARED rule 2 (moment 0 = exp_avg, 1 = exp_avg_sq),
+// The stochastic-rounding random bits of docs/NUMERICS.md rule 2 (moment 0 = exp_avg, 1 = exp_avg_sq),
 // exposed for tests and for the CUDA kernel's reference: a value in [0, 65535].
 std::uint32_t sr_bits(std::uint64_t seed, std::int64_t step, std::int64_t index, int moment);
 

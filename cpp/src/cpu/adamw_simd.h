@@ -50,7 +50,7 @@ inline float f16_to_f32(std::uint16_t h) {
   return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-// SPEC_SHARED rule 1: float -> bf16, round to nearest even; NaN -> 0x7FC0 with the sign kept.
+// docs/NUMERICS.md rule 1: float -> bf16, round to nearest even; NaN -> 0x7FC0 with the sign kept.
 inline std::uint16_t f32_to_bf16_rne(float f) {
   const std::uint32_t u = f32_bits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>(((u >> 16) & 0x8000u) | 0x7FC0u);
@@ -82,7 +82,7 @@ inline std::uint16_t f32_to_f16_rne(float f) {
   return static_cast<std::uint16_t>(sign | q);
 }
 
-// SPEC_SHARED rule 2, hash constants.
+// docs/NUMERICS.md rule 2, hash constants.
 constexpr std::uint32_t kSrIdxLo = 0x9E3779B1u;
 constexpr std::uint32_t kSrIdxHi = 0x85EBCA77u;
 constexpr std::uint32_t kSrMix1 = 0x7FEB352Du;

@@ -96,7 +96,8 @@ def adamw_step(p, g, m, v, **hyper):
         p = p * c["decay"]
     base = g if c["from_grad"] else m
     m = (np.float64(c["coeff"]) * (g - m).astype(np.float64) + base.astype(np.float64)).astype(np.float32)
-    v = v * c["beta2"] + (c["c2"] * g) * g
+    v = ((c["c2"] * g).astype(np.float64) * g.astype(np.float64)
+         + (v * c["beta2"]).astype(np.float64)).astype(np.float32)  # fma, as torch fuses it
     d = np.sqrt(v) / c["bc2_sqrt"] + c["eps"]
     p = p + (c["nss"] * m) / d
     return p, m, v

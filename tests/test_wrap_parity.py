@@ -33,7 +33,7 @@ def test_small_buckets_many_jobs_match_torch():
     data = batches(12)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False), data)
     model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                bucket_bytes=1 << 16)
+                                bucket_bytes=1 << 14)
     assert len(opt._engine.buckets) > 3
     train_torch(model, opt, data)
     opt.synchronize()

@@ -110,8 +110,8 @@ class WrapOptions:
             raise _fail("lr", o.lr, "a finite number >= 0")
         o.lr = float(o.lr)
         if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, int) \
-                or o.bucket_bytes < (1 << 16):
-            raise _fail("bucket_bytes", o.bucket_bytes, "an integer >= 65536")
+                or o.bucket_bytes < 4096:
+            raise _fail("bucket_bytes", o.bucket_bytes, "an integer >= 4096")
         if isinstance(o.vram_headroom, bool) or not isinstance(o.vram_headroom, (int, float)) \
                 or not 0.0 <= o.vram_headroom < 1.0:
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")

@@ -137,7 +137,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     def _apply(self, fn, *args, **kwargs):
         engine.synchronize()
         out = type(self)._apply(self, fn, *args, **kwargs)
-        engine.rebind()
+        engine.rebind(self)
         return out
 
     model._apply = types.MethodType(_apply, model)

@@ -50,6 +50,7 @@ class Engine:
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots]
         self._module_hooks: list = []
         self.forward_waits = False
+        self._names: dict = {}
         self.closed = False
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
                       "host_land_s": 0.0, "wait_s": 0.0, "waits": 0}
@@ -298,6 +299,8 @@ class Engine:
 
                 def norm_job() -> None:
                     total = math.sqrt(sum(b.sq_norm for b in self.buckets))
+                    for b in self.buckets:
+                        b.sq_norm = 0.0
                     clip[0] = clip_coefficient(max_norm, total)
                     self.last_grad_norm = total
 
@@ -322,8 +325,6 @@ class Engine:
                 s.expected = True
             s.arrivals = 0
             s.updated = False
-        for b in self.buckets:
-            b.sq_norm = 0.0
         self._micro = 0
         self.stats["steps"] += 1
 
@@ -349,6 +350,8 @@ class Engine:
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
+        self._names = {n: p._ramstream_slot for n, p in model.named_parameters()
+                       if hasattr(p, "_ramstream_slot")}
         for m in model.modules():
             own = [p for p in m.parameters(recurse=False) if hasattr(p, "_ramstream_slot")]
             buckets = sorted({p._ramstream_slot.bucket.index for p in own
@@ -365,12 +368,34 @@ class Engine:
             self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
         self.forward_waits = True
 
-    def rebind(self) -> None:
+    def _adopt_replaced(self, model: torch.nn.Module) -> None:
+        """Module._apply replaces a Parameter object (rather than its .data) when the new tensor
+        is of another kind (e.g. meta): move the slot, its hook and its guard to the new one."""
+        names = self._names
+        for name, p in model.named_parameters():
+            s = names.get(name)
+            if s is None or p is s.param:
+                continue
+            old = s.param
+            idx = self.slots.index(s)
+            self._hooks[idx].remove()
+            _guard.unguard(old)
+            s.param = p
+            p._ramstream_slot, s.engine_wait = s, self.wait_bucket
+            self._hooks[idx] = p.register_post_accumulate_grad_hook(self._on_grad)
+            if self.guard_params:
+                _guard.guard(p)
+            for g in self.param_groups:
+                g["params"] = [p if q is old else q for q in g["params"]]
+
+    def rebind(self, model: torch.nn.Module | None = None) -> None:
         """After model.to()/.half()/...: parameters on the engine's device are re-pointed at
         fresh flat buffers of their (possibly new) dtype, filled from the fp32 masters, so a
         conversion never rounds the masters. Parameters left on another device make the next
         backward or step() raise."""
         self.synchronize()
+        if model is not None:
+            self._adopt_replaced(model)
         for b in self.buckets:
             devices = {s.param.device for s in b.slots}
             if devices != {self.device}:

@@ -46,6 +46,7 @@ class Engine:
         self._submitted = 0
         self._done = 0
         self._in_backward = False
+        self._task = -1
         self._micro = 0
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots]
         self._module_hooks: list = []
@@ -169,9 +170,13 @@ class Engine:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s: Slot = p._ramstream_slot
+        self._check_device(p)
+        task = torch._C._current_graph_task_id()
+        if self._in_backward and task != self._task:
+            self._abandon_backward()
         if not self._in_backward:
             self._begin_backward()
-        self._check_device(p)
+            self._task = task
         b = s.bucket
         if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
             raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
@@ -237,6 +242,20 @@ class Engine:
         if eager:
             b.update_seq = seq
 
+    def _abandon_backward(self) -> None:
+        """The previous backward pass failed before its end: its unqueued gradients are dropped
+        (buckets already queued were processed; nothing else is half-done)."""
+        dropped = 0
+        for b in self.buckets:
+            for s in b.micro_list:
+                s.arrivals -= 1
+                dropped += 1
+            b.micro_list = []
+            b.staging = None
+        self.log(f"a backward pass ended without finishing; {dropped} unqueued gradients dropped")
+        self._end_backward()
+        self._micro -= 1
+
     def _end_backward(self) -> None:
         for b in self.buckets:
             if b.micro_list:
@@ -284,6 +303,8 @@ class Engine:
 
     def step(self) -> None:
         """Queues every update not yet queued; returns without waiting for them."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()      # the last backward raised before its end
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         self.worker.raise_if_failed()

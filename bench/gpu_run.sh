@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool): build, then the stages named in $STAGES
+# (tests, micro, train), each under a time limit, logs under $OUT. Prints a short summary last.
+#   STAGES="tests micro" bash bench/gpu_run.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 RAMSTREAM_CUDA=ON RAMSTREAM_CUDA_ARCHS="${RAMSTREAM_CUDA_ARCHS:-90-real}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}" NCCL_NVLS_ENABLE=0
+OUT="${OUT:-/tmp/ramstream-out}"; mkdir -p "$OUT"
+STAGES="${STAGES:-tests micro train}"
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  lscpu | grep -E "Model name|^CPU\(s\)"; free -g | head -2
+  python3 -c "import torch; print('torch', torch.__version__, torch.backends.cpu.get_cpu_capability())"
+} > "$OUT/machine.txt" 2>&1
+summary "machine: $(head -1 "$OUT/machine.txt") | $(grep torch "$OUT/machine.txt")"
+
+src_hash=$(git ls-files -s cpp cuda CMakeLists.txt cmake pyproject.toml python 2>/dev/null | sha1sum | cut -c1-12)
+if [ "$(cat /tmp/ramstream-built 2>/dev/null)" != "$src_hash" ]; then
+  t0=$(date +%s)
+  if python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1; then
+    echo "$src_hash" > /tmp/ramstream-built; summary "build: ok in $(( $(date +%s) - t0 )) s"
+  else
+    summary "build: FAILED"; tail -30 "$OUT/build.log"; exit 1
+  fi
+fi
+
+for stage in $STAGES; do
+  case "$stage" in
+    tests)
+      (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 300 python3 -m pytest . -q -m cuda -p no:cacheprovider \
+        > "$OUT/tests_cuda.log" 2>&1)
+      summary "tests -m cuda: $(tail -1 "$OUT/tests_cuda.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20
+      (cd tests && timeout 240 python3 -m pytest . -q -m "not cuda" -p no:cacheprovider -x \
+        > "$OUT/tests_cpu.log" 2>&1)
+      summary "tests cpu (torch $(python3 -c 'import torch;print(torch.__version__)')): $(tail -1 "$OUT/tests_cpu.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests_cpu.log" | head -10 ;;
+    micro)
+      for b in adamw copy cuda_kernels quant; do
+        RAMSTREAM_BENCH_PARAMS=256e6 RAMSTREAM_BENCH_ELEMS=256e6 timeout 200 python3 -m pytest \
+          "bench/bench_$b.py" -q -s --benchmark-enable -p no:cacheprovider > "$OUT/bench_$b.log" 2>&1
+        summary "bench_$b: rc=$? $(tail -1 "$OUT/bench_$b.log")"
+      done ;;
+    train)
+      timeout 400 python3 bench/train/bench_offload.py --model "${MODEL:-1.8b}" --batch 8 --seq 512 \
+        --cap-gib 24 --out "$OUT/train.json" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+      summary "train rc=$?"; tail -6 "$OUT/train.log" ;;
+  esac
+done
+echo "==== summary"; cat "$OUT/summary.txt"

@@ -1,0 +1,122 @@
+"""wrap() on the CUDA engine: parity with torch, host residency of state, waits, state dicts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ramstream
+from _models import batches, clone, make_model, max_diff, train_master_reference, train_torch
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def _pair(seed=0, **kw):
+    ref = make_model(seed, **kw).to(DEV)
+    return ref, clone(ref)
+
+
+@pytest.mark.parametrize("kw, torch_kw", [
+    ({}, {}),
+    (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
+    (dict(accumulation_steps=3), dict(accumulation=3)),
+    (dict(bucket_bytes=8192), {}),
+])
+def test_parity_with_torch(kw, torch_kw):
+    ref, model = _pair(n_blocks=4)
+    data = batches(24, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
+                                       foreach=False), data, **torch_kw)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
+                                                         weight_decay=0.05), **kw)
+    assert opt._engine.dev.type == "cuda"
+    train_torch(model, opt, data, accumulation=torch_kw.get("accumulation", 1))
+    opt.synchronize()
+    assert max_diff(ref, model) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_fp32_master(dtype):
+    ref, model = _pair(dtype=dtype)
+    data = batches(20, device=DEV)
+    masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
+                                                         weight_decay=0.01))
+    train_torch(model, opt, data)
+    masters = opt.master_weights()
+    assert max(float((a - b.cpu()).abs().max()) for a, b in zip(masters, masters_ref)) < 1e-5
+
+
+def test_state_dict_round_trip_into_torch_adamw():
+    ref, model = _pair()
+    data = batches(10, device=DEV)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, foreach=False)
+    train_torch(ref, ropt, data[:5])
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3))
+    train_torch(model, opt, data[:5])
+    plain = make_model(0).to(DEV)
+    plain.load_state_dict(model.state_dict())
+    topt = torch.optim.AdamW(plain.parameters(), lr=2e-3, foreach=False)
+    topt.load_state_dict(opt.state_dict())
+    train_torch(plain, topt, data[5:])
+    train_torch(ref, ropt, data[5:])
+    assert max_diff(ref, plain) < 1e-5
+
+
+def test_gradients_and_state_live_in_host_ram():
+    torch.manual_seed(0)
+    d = 1024
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(16)]).to(DEV)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    x = torch.randn(64, d, device=DEV)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                offload=True)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+    opt.synchronize()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+    opt.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # stock AdamW would add 2 x weights of moments + 1 x weights of gradients; we allow
+    # activations (64 x 1024 x 16 x 4 B x a few) plus a margin of 1/4 of the weights
+    assert peak < weights * 0.25 + 64 * d * 16 * 4 * 4, (peak, weights)
+    for p in model.parameters():
+        assert p.grad is None
+    b = opt._engine.buckets[0]
+    assert b.landing.is_pinned() and b.exp_avg.device.type == "cpu"
+
+
+def test_guard_waits_on_gpu():
+    ref, model = _pair()
+    data = batches(1, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False), data)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = data[0]
+    model(x, y).backward()
+    opt.step()
+    w = model.blocks[1].fc1.weight
+    got = (w * 1.0).detach().cpu()      # waits for the update and its H2D copy
+    assert torch.allclose(got, ref.blocks[1].fc1.weight.detach().cpu(), atol=1e-5, rtol=0)
+
+
+def test_to_cpu_and_back_and_wrong_device_error():
+    ref, model = _pair()
+    data = batches(6, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    train_torch(model, opt, data[:3])
+    model.to("cpu")
+    x, y = data[3]
+    with pytest.raises(RuntimeError, match="model.to"):
+        model(x.cpu(), y.cpu()).backward()
+    model.to(DEV)
+    opt.zero_grad()
+    train_torch(model, opt, data[3:])
+    opt.synchronize()
+    assert max_diff(ref, model) < 1e-5

@@ -14,7 +14,7 @@ import torch
 import ramstream.functional as rf
 from ramstream._native import lib
 
-N = int(os.environ.get("RAMSTREAM_BENCH_ELEMS", 64 * 2**20))
+N = int(float(os.environ.get("RAMSTREAM_BENCH_ELEMS", 64 * 2**20)))
 ROUNDS = int(os.environ.get("RAMSTREAM_BENCH_ROUNDS", 5))
 BLOCK = 64
 

@@ -29,18 +29,19 @@ for stage in $STAGES; do
   case "$stage" in
     tests)
       (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 300 python3 -m pytest . -q -m cuda -p no:cacheprovider \
-        > "$OUT/tests_cuda.log" 2>&1)
+        --tb=short ${TEST_ARGS:-} > "$OUT/tests_cuda.log" 2>&1)
       summary "tests -m cuda: $(tail -1 "$OUT/tests_cuda.log")"
-      grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20
-      (cd tests && timeout 240 python3 -m pytest . -q -m "not cuda" -p no:cacheprovider -x \
+      grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20 ;;
+    cputorch)  # the host AdamW's bit-exactness against this machine's torch
+      (cd tests && timeout 120 python3 -m pytest test_adamw.py -q -m "not cuda" -p no:cacheprovider \
         > "$OUT/tests_cpu.log" 2>&1)
-      summary "tests cpu (torch $(python3 -c 'import torch;print(torch.__version__)')): $(tail -1 "$OUT/tests_cpu.log")"
-      grep -E "^(FAILED|ERROR)" "$OUT/tests_cpu.log" | head -10 ;;
+      summary "test_adamw cpu (torch $(python3 -c 'import torch;print(torch.__version__)')): $(tail -1 "$OUT/tests_cpu.log")" ;;
     micro)
-      for b in adamw copy cuda_kernels quant; do
+      for b in ${BENCHES:-adamw copy cuda_kernels quant}; do
         RAMSTREAM_BENCH_PARAMS=256e6 RAMSTREAM_BENCH_ELEMS=256e6 timeout 200 python3 -m pytest \
-          "bench/bench_$b.py" -q -s --benchmark-enable -p no:cacheprovider > "$OUT/bench_$b.log" 2>&1
-        summary "bench_$b: rc=$? $(tail -1 "$OUT/bench_$b.log")"
+          "bench/bench_$b.py" -q -s -o addopts="" --benchmark-only -p no:cacheprovider \
+          >> "$OUT/bench.log" 2>&1
+        summary "bench_$b: rc=$? $(tail -1 "$OUT/bench.log")"
       done ;;
     train)
       timeout 400 python3 bench/train/bench_offload.py --model "${MODEL:-1.8b}" --batch 8 --seq 512 \

@@ -28,7 +28,7 @@ def run_variant(args) -> dict:
     sys.path.insert(0, HERE)
     from gpt import CONFIGS, GPT
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     if args.cap_gib:
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)

@@ -23,7 +23,8 @@ class Slot:
     offset: int = 0       # element offset inside the bucket
     step: int = 0         # AdamW steps taken by this parameter (torch's state["step"])
     arrivals: int = 0     # gradients received since the last optimizer step
-    micro_arrived: bool = False  # received in the current backward pass
+    micro_arrived: bool = False  # received in the current backward
+    direct: bool = True          # its gradient is copied to the host on its own (large slot) pass
     expected: bool = True        # a gradient is expected in every backward pass
     updated: bool = False        # its update for the current step is queued
     engine_wait: object = None   # Engine.wait_bucket, for the read guard
@@ -39,6 +40,7 @@ class Bucket:
     slots: list[Slot]
     numel: int
     state_offset: int                 # element offset of this bucket in the whole state
+    small_lo: int = 0                 # small slots (gathered on the device first) start here
     dtype: torch.dtype = torch.float32    # working (model) dtype
     device: torch.device = torch.device("cpu")
     device_flat: torch.Tensor | None = None   # the model's params are views of it
@@ -66,9 +68,14 @@ class Bucket:
         return self.numel * torch.empty((), dtype=dtype).element_size()
 
 
+DIRECT_BYTES = 1 << 20   # a gradient this large is copied to the host on its own
+
+
 def build_buckets(slots: list[Slot], bucket_bytes: int, elem_size: int = 4) -> list[Bucket]:
     """Packs slots (already in forward order) into buckets of at most bucket_bytes (a slot larger
-    than that gets a bucket of its own); sets each slot's bucket and offset."""
+    than that gets a bucket of its own); sets each slot's bucket and offset. Inside a bucket the
+    large slots come first and the small ones form a contiguous tail [small_lo, numel), so that
+    small gradients are gathered into one device staging buffer and cross PCIe in one copy."""
     buckets: list[Bucket] = []
     cur: list[Slot] = []
     cur_numel = 0
@@ -80,10 +87,13 @@ def build_buckets(slots: list[Slot], bucket_bytes: int, elem_size: int = 4) -> l
         if not cur:
             return
         b = Bucket(index=len(buckets), slots=cur, numel=cur_numel, state_offset=state_offset)
-        off = 0
         for s in cur:
+            s.direct = len(cur) == 1 or s.numel * elem_size >= DIRECT_BYTES
+        off = 0
+        for s in [s for s in cur if s.direct] + [s for s in cur if not s.direct]:
             s.bucket, s.offset = b, off
             off += s.numel
+        b.small_lo = sum(s.numel for s in cur if s.direct)
         buckets.append(b)
         state_offset += cur_numel
         cur, cur_numel = [], 0

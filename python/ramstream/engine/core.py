@@ -189,13 +189,13 @@ class Engine:
         g = p.grad
         if g is None:
             return
-        single = len(b.slots) == 1 or self.dev.type == "cpu"
-        if single:
+        if s.direct or self.dev.type == "cpu":
             self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
         else:
             if b.staging is None:
-                b.staging = self.dev.staging(b.numel, b.dtype)
-            self.dev.gather_on_device(b.staging[s.offset:s.offset + s.numel], g)
+                b.staging = self.dev.staging(b.numel - b.small_lo, b.dtype)
+            lo = s.offset - b.small_lo
+            self.dev.gather_on_device(b.staging[lo:lo + s.numel], g)
         p.grad = None
         s.arrivals += 1
         s.micro_arrived = True
@@ -210,9 +210,14 @@ class Engine:
         if not slots:
             return
         if b.staging is not None:
-            lo = min(s.offset for s in slots)
-            hi = max(s.offset + s.numel for s in slots)
-            self.dev.flush_to_host(b.landing[lo:hi], b.staging[lo:hi])
+            small = [s for s in slots if not s.direct]
+            if len(small) == sum(1 for s in b.slots if not s.direct):
+                self.dev.flush_to_host(b.landing[b.small_lo:], b.staging)
+            else:  # a partial flush must not overwrite ranges that landed earlier
+                for s in small:
+                    lo = s.offset - b.small_lo
+                    self.dev.flush_to_host(b.landing[s.offset:s.offset + s.numel],
+                                           b.staging[lo:lo + s.numel])
             b.staging = None
         ev = self.dev.record_d2h()
         nbytes = sum(s.numel for s in slots) * b.landing.element_size()

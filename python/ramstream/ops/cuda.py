@@ -41,12 +41,12 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _launch(device: torch.device, fn, *args, **kwargs):
-    """Calls a binding with torch's current device set to ``device``: torch refuses to export
+def _launch(on: torch.device, fn, /, *args, **kwargs):
+    """Calls a binding with torch's current device set to ``on``: torch refuses to export
     (DLPack) a CUDA tensor of another device than its current one."""
-    if device.index == torch.cuda.current_device():
+    if on.index == torch.cuda.current_device():
         return fn(*args, **kwargs)
-    with torch.cuda.device(device):
+    with torch.cuda.device(on):
         return fn(*args, **kwargs)
 
 

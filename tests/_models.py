@@ -81,14 +81,14 @@ def train_torch(model, opt, data, *, accumulation: int = 1, max_grad_norm=None, 
 
 
 def train_master_reference(model, data, lr=1e-3, weight_decay=1e-2, betas=(0.9, 0.999)):
-    """torch AdamW on fp32 masters of a low-precision model (the working copy is the master
-    cast to the model's dtype after every step). Returns the fp32 masters."""
-    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, betas=betas, foreach=False)
+    """torch's fused CPU AdamW on fp32 host masters of a low-precision model (the working copy
+    is the master cast to the model's dtype after every step). Returns the fp32 masters."""
+    masters = [p.detach().float().cpu().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
     for x, y in data:
         model(x, y).backward()
         for m, p in zip(masters, model.parameters()):
-            m.grad = p.grad.float()
+            m.grad = p.grad.float().cpu()
             p.grad = None
         opt.step()
         with torch.no_grad():

@@ -80,7 +80,7 @@ def test_bindings_reject_host_tensors_before_any_cuda_call():
     calls = {
         "packed": lambda: c.cuda_dequantize_nf4(torch.zeros(4, dtype=torch.uint8), torch.ones(1), z, 64),
         "codes": lambda: c.cuda_dequantize_int8(torch.zeros(8, dtype=torch.int8), torch.ones(1), z, 64),
-        "param": lambda: c.cuda_adamw_(z, z, z, z, None, **kw),
+        "grad": lambda: c.cuda_adamw_(z, z, z, z, None, **kw),  # param may be pinned host
         "x": lambda: c.cuda_sq_norm(z, torch.zeros(1, dtype=torch.float64)),
     }
     for arg, call in calls.items():
@@ -494,7 +494,7 @@ def test_adamw_bad_inputs(dev):
         rc.adamw_(p, g, unpinned, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="exp_avg_sq: host tensor is not pinned"):
         rc.adamw_(p, g, m, torch.zeros(n), step=1, lr=1e-3)
-    with pytest.raises(ValueError, match="param must be a CUDA tensor"):
+    with pytest.raises(ValueError, match="param: host tensor is not pinned"):
         rc.adamw_(torch.zeros(n), g, m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="grad must be a CUDA tensor"):
         rc.adamw_(p, torch.zeros(n), m, v, step=1, lr=1e-3)
@@ -504,7 +504,7 @@ def test_adamw_bad_inputs(dev):
     with pytest.raises(ValueError, match="exp_avg: host tensor is not pinned"):
         lib().cuda_adamw_(p, g, unpinned, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                           weight_decay=0.0, step=1)
-    with pytest.raises(ValueError, match="param: must be a CUDA tensor"):
+    with pytest.raises(ValueError, match="param: host tensor is not pinned"):
         lib().cuda_adamw_(torch.zeros(n), g, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999,
                           eps=1e-8, weight_decay=0.0, step=1)
     with pytest.raises(ValueError, match="exp_avg_sq: has 63 elements"):

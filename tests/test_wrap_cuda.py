@@ -130,3 +130,55 @@ def test_to_cpu_and_back_and_wrong_device_error():
     train_torch(model, opt, data[3:])
     opt.synchronize()
     assert max_diff(ref, model) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["gpu", "auto"])
+@pytest.mark.parametrize("kw, torch_kw", [
+    ({}, {}),
+    (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
+    (dict(accumulation_steps=2), dict(accumulation=2)),
+])
+def test_gpu_and_auto_modes_match_torch(mode, kw, torch_kw):
+    ref, model = _pair(n_blocks=4)
+    data = batches(16, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
+                                       foreach=False), data, **torch_kw)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
+                                                         weight_decay=0.05),
+                                optimizer_mode=mode, bucket_bytes=8192, **kw)
+    if mode == "gpu":
+        assert opt._engine.mapped_numel == sum(p.numel() for p in model.parameters())
+    train_torch(model, opt, data, accumulation=torch_kw.get("accumulation", 1))
+    opt.synchronize()
+    assert max_diff(ref, model) < 1e-5
+    b = opt._engine.buckets[0]
+    if b.placement == "mapped":
+        assert b.exp_avg.is_pinned() and b.master is None     # fp32 weights are the master
+
+
+def test_gpu_mode_low_precision_model_and_conversion(deterministic):
+    ref, model = _pair(dtype=torch.bfloat16)
+    data = batches(12, device=DEV)
+    masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
+                                                         weight_decay=0.01), optimizer_mode="gpu")
+    train_torch(model, opt, data)
+    masters = opt.master_weights()
+    assert max(float((a - b.cpu()).abs().max()) for a, b in zip(masters, masters_ref)) < 1e-5
+
+
+def test_gpu_mode_fp32_master_survives_half_and_back():
+    ref, model = _pair()
+    data = batches(6, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                optimizer_mode="gpu")
+    train_torch(model, opt, data[:3])
+    before = [m.clone() for m in opt.master_weights()]
+    model.half()
+    model.float()
+    for m, p in zip(before, model.parameters()):
+        assert torch.equal(p.detach().cpu(), m.view_as(p))      # not rounded through fp16
+    train_torch(model, opt, data[3:])
+    opt.synchronize()
+    assert max_diff(ref, model) < 1e-5

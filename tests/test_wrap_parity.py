@@ -155,3 +155,43 @@ def test_frozen_parameters_are_left_alone():
     train_torch(model, opt, data)
     opt.synchronize()
     assert max_diff(ref, model) < TOL
+
+
+def test_engine_is_bit_identical_to_torch_fused_cpu_adamw():
+    """One host AdamW call per parameter: each tensor's update is torch's fused CPU kernel's."""
+    ref, model = _pair(n_blocks=2)
+    data = batches(10)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
+                                       fused=True), data)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
+                                                         weight_decay=0.05), bucket_bytes=1 << 14)
+    train_torch(model, opt, data)
+    opt.synchronize()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_split_planner_balances_host_and_pcie():
+    from ramstream.engine.split import choose_mapped_fraction
+
+    n = 1_000_000_000
+    f, info = choose_mapped_fraction(numel=n, host_params_per_s=4e9, pcie_bytes_per_s=40e9,
+                                     working_bytes=4, moment_bytes=4, master_on_host=False)
+    host = (1 - f) * n / 4e9
+    pcie = n * (f * 8 + (1 - f) * 4) / 40e9
+    assert 0 < f < 1 and abs(host - pcie) < 1e-9
+    assert info["t_estimate_s"] == pytest.approx(host)
+    # a slow link: everything stays on the host; a slow host: everything goes to the GPU
+    f0, _ = choose_mapped_fraction(numel=n, host_params_per_s=4e9, pcie_bytes_per_s=1e9,
+                                   working_bytes=4, moment_bytes=4, master_on_host=False)
+    f1, _ = choose_mapped_fraction(numel=n, host_params_per_s=1e6, pcie_bytes_per_s=40e9,
+                                   working_bytes=4, moment_bytes=4, master_on_host=False)
+    assert f0 == 0.0 and f1 > 0.999
+
+
+def test_gpu_mode_needs_cuda_and_auto_falls_back_to_cpu():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="CUDA"):
+        ramstream.wrap(model, optimizer_mode="gpu")
+    model, opt = ramstream.wrap(make_model(0), optimizer_mode="auto")
+    assert opt._engine.mapped_numel == 0

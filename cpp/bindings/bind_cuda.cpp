@@ -74,7 +74,7 @@ std::string cuda_error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
 
-// The device address of an optimizer moment: a CUDA tensor on `device`, or host memory that is
+// The device address of a parameter or moment: a CUDA tensor on `device`, or host memory that is
 // pinned and mapped into the device's address space (the GPU then reads/writes it over PCIe).
 void* moment_pointer(const Array& a, int device, const char* arg) {
   require_contiguous(a, arg);
@@ -170,8 +170,7 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
                 double beta2, double eps, double weight_decay, std::int64_t step,
                 double grad_scale, std::uint64_t seed, std::int64_t offset, std::uintptr_t stream,
                 OptDevice device) {
-  require_cuda_buffer(param, "param");
-  require_dtype(param, DType::kFloat32, "param");
+  require_dtype(param, DType::kFloat32, "param");  // CUDA, or pinned host (a mapped fp32 master)
   require_cuda_buffer(grad, "grad");
   require_float_dtype(grad, "grad");
   const DType mt = dtype_of(exp_avg, "exp_avg");
@@ -188,13 +187,12 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
   require_same_numel(exp_avg_sq, "exp_avg_sq", n, "param");
   if (out) require_same_numel(*out, "out", n, "param");
 
-  const int d = select_device(device, param);
-  require_on_device(param, d, "param");
+  const int d = select_device(device, grad);
   require_on_device(grad, d, "grad");
   if (out) require_on_device(*out, d, "out");
 
   AdamWBuffers b;
-  b.param = static_cast<float*>(param.data());
+  b.param = static_cast<float*>(moment_pointer(param, d, "param"));
   b.grad = grad.data();
   b.grad_dtype = dtype_of(grad, "grad");
   b.exp_avg = moment_pointer(exp_avg, d, "exp_avg");
@@ -220,6 +218,49 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
   {
     nb::gil_scoped_release release;
     s = cuda::adamw(b, h, cuda::as_stream(stream));
+  }
+  check(s);
+}
+
+DType dtype_from_code(int code, const char* arg) {
+  if (code < 0 || code > 2)
+    raise_value_error(std::string(arg) + ": dtype code must be 0 (float32), 1 (bfloat16) or 2 "
+                      "(float16), got " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+
+// The engine's hot path: device-accessible addresses (VRAM, or mapped pinned host memory whose
+// device address equals its host address under UVA), no tensor objects, no DLPack.
+void cuda_adamw_ptr(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t m,
+                    std::uintptr_t v, int moment_dtype, std::uintptr_t out, int out_dtype,
+                    std::int64_t n, std::int64_t offset, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, std::int64_t step, double grad_scale,
+                    std::uint64_t seed, std::uintptr_t stream, int device) {
+  AdamWBuffers b;
+  b.param = reinterpret_cast<float*>(param);
+  b.grad = reinterpret_cast<const void*>(grad);
+  b.grad_dtype = dtype_from_code(grad_dtype, "grad_dtype");
+  b.exp_avg = reinterpret_cast<void*>(m);
+  b.exp_avg_sq = reinterpret_cast<void*>(v);
+  b.moment_dtype = dtype_from_code(moment_dtype, "moment_dtype");
+  b.out = reinterpret_cast<void*>(out);
+  b.out_dtype = dtype_from_code(out_dtype, "out_dtype");
+  b.n = n;
+  b.offset = offset;
+  AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.seed = seed;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice");
+    if (s.is_ok()) s = cuda::adamw(b, h, cuda::as_stream(stream));
   }
   check(s);
 }
@@ -254,6 +295,11 @@ void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintpt
                            "RAMSTREAM_CUDA=OFF or without a CUDA toolkit)");
 }
 
+void cuda_adamw_ptr(std::uintptr_t, std::uintptr_t, int, std::uintptr_t, std::uintptr_t, int,
+                    std::uintptr_t, int, std::int64_t, std::int64_t, double, double, double,
+                    double, double, std::int64_t, double, std::uint64_t, std::uintptr_t, int) {
+  no_cuda("cuda_adamw_ptr");
+}
 void cuda_dequantize_nf4(const Array&, const Array&, const Array&, int, std::uintptr_t, OptDevice) {
   no_cuda("cuda_dequantize_nf4");
 }
@@ -292,6 +338,12 @@ void bind_cuda(nb::module_& m) {
         "exp_avg_sq (float32, or bfloat16 with stochastic rounding) are CUDA tensors or pinned\n"
         "host tensors, which the kernel reads and writes over PCIe. Same numel, contiguous.\n"
         "Asynchronous on `stream`; GIL released.");
+  m.def("cuda_adamw_ptr", &cuda_adamw_ptr, "param"_a, "grad"_a, "grad_dtype"_a, "exp_avg"_a,
+        "exp_avg_sq"_a, "moment_dtype"_a, "out"_a, "out_dtype"_a, "n"_a, "offset"_a, "lr"_a,
+        "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a, "seed"_a,
+        "stream"_a, "device"_a,
+        "Internal (engine hot path): cuda_adamw_ on raw device-accessible addresses (0 = no out),\n"
+        "dtype codes 0/1/2 = float32/bfloat16/float16. Asynchronous on `stream`; GIL released.");
   m.def("cuda_sq_norm", &cuda_sq_norm, "x"_a.noconvert(), "out"_a.noconvert(), nb::kw_only(),
         "accumulate"_a = false, "stream"_a = 0, "device"_a = nb::none(),
         "out[0] (a 1-element float64 CUDA tensor) = sum of squares of x (float32/bfloat16/\n"

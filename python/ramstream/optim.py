@@ -38,7 +38,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (as torch.optim.AdamW), all on one device.
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
-        mode: "cpu" (host threads; the only mode of this class's engine so far).
+        mode: "cpu" (host threads update, state in host RAM), "gpu" (the CUDA kernel updates
+            state kept in pinned host memory over PCIe; the host CPU does nothing) or "auto"
+            (a share of each, from measured host and PCIe rates; "cpu" on a CPU device).
         max_grad_norm: clip by the global norm like torch.nn.utils.clip_grad_norm_ (None: off).
         accumulation_steps: backward passes summed on the host per step().
         moment_dtype: "float32" or "bfloat16" (stochastic rounding).
@@ -52,8 +54,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                  device=None, guard_params: bool = True, bucket_bytes: int = 32 << 20,
                  seed: int = 0, _order=None, _log=None) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
-        if mode != "cpu":
-            raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu'")
+        if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
+            raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', "
+                             "'gpu', 'auto'")
         self._max_grad_norm = parse_max_grad_norm(max_grad_norm, "OffloadAdamW:")
         self._accumulation_steps = parse_accumulation_steps(accumulation_steps, "OffloadAdamW:")
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
@@ -74,14 +77,45 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; "
                                  "pass device=")
             device = devices.pop()
+        self.split_info: dict = {}
         from .engine.core import Engine
 
-        self._engine_args = dict(device=torch.device(device), moment_dtype=self._moment_dtype,
+        device = torch.device(device)
+        self.mode = mode
+        fraction = self._mapped_fraction(mode, device, _log)
+        self._engine_args = dict(device=device, moment_dtype=self._moment_dtype,
+                                 mapped_fraction=fraction,
                                  max_grad_norm=self._max_grad_norm,
                                  accumulation_steps=self._accumulation_steps,
                                  bucket_bytes=bucket_bytes, guard_params=guard_params, seed=seed,
                                  log=_log)
         self._engine = Engine(self.param_groups, order=_order, **self._engine_args)
+
+    def _mapped_fraction(self, mode: str, device: torch.device, log) -> float:
+        if mode == "cpu":
+            return 0.0
+        if device.type != "cuda":
+            if mode == "gpu":
+                raise ValueError("OffloadAdamW: mode='gpu' needs a CUDA device (the GPU updates "
+                                 "state kept in pinned host memory)")
+            return 0.0
+        if mode == "gpu":
+            return 1.0
+        from .engine.split import choose_mapped_fraction, measure
+
+        params = [p for g in self.param_groups for p in g["params"]]
+        rates = measure(device)
+        f, info = choose_mapped_fraction(
+            numel=sum(p.numel() for p in params), host_params_per_s=rates["host_params_per_s"],
+            pcie_bytes_per_s=rates["pcie_bytes_per_s"], working_bytes=params[0].element_size(),
+            moment_bytes=self._moment_dtype.itemsize, master_on_host=params[0].dtype != torch.float32)
+        self.split_info = info
+        if log is not None:
+            log(f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
+                f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
+                f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
+                f"{info['t_estimate_s'] * 1e3:.0f} ms instead of {info['t_host_only_s'] * 1e3:.0f} ms)")
+        return f
 
     # ---- torch.optim.Optimizer API --------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -122,6 +156,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def master_weights(self) -> list[torch.Tensor]:
         """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
+        from .engine.layout import master_flat
+
         self._engine.synchronize()
         by_index = {s.index: s for s in self._engine.slots}
         out = []
@@ -132,8 +168,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if s is None:
                     out.append(p.detach().float().cpu().clone())
                 else:
-                    b = s.bucket
-                    out.append(b.master[s.offset:s.offset + s.numel].view(p.shape).clone())
+                    master = master_flat(s.bucket)
+                    out.append(master[s.offset:s.offset + s.numel].view(p.shape).to(
+                        "cpu", copy=True))
                 i += 1
         return out
 

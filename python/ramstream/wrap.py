@@ -97,9 +97,6 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
     opts = WrapOptions.parse(**options)
     log = EventLog(opts.verbose)
-    if opts.optimizer_mode != "cpu":
-        raise ValueError(f"wrap(): option optimizer_mode={opts.optimizer_mode!r} is not accepted "
-                         "by this version; accepted: 'cpu'")
     if opts.distributed:
         raise ValueError("wrap(): option distributed=True is not accepted by this version; "
                          "accepted: None, False")
@@ -122,6 +119,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                        max_grad_norm=opts.max_grad_norm, accumulation_steps=opts.accumulation_steps,
                        moment_dtype=moment_dtype, threads=opts.threads, device=device,
                        guard_params=opts.guard_params, bucket_bytes=opts.bucket_bytes,
+                       mode=opts.optimizer_mode,
                        _order=_forward_order(model), _log=log)
     if old_state is not None:
         opt.load_state_dict(old_state)
@@ -135,7 +133,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     w.orig_apply = model.__dict__.get("_apply")
 
     def _apply(self, fn, *args, **kwargs):
-        engine.synchronize()
+        engine.before_apply()
         out = type(self)._apply(self, fn, *args, **kwargs)
         engine.rebind(self)
         return out
@@ -171,9 +169,9 @@ def memory_report(model: torch.nn.Module) -> dict:
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
     e = w.optimizer._engine
-    host_state = sum(b.master.nbytes + b.exp_avg.nbytes + b.exp_avg_sq.nbytes
-                     + (b.acc.nbytes if b.acc is not None else 0) for b in e.buckets)
-    landing = sum(b.landing.nbytes for b in e.buckets)
+    host_state = sum(t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc)
+                     if t is not None)
+    landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
     return {
         "events": list(w.log.lines),
         "params": {
@@ -186,7 +184,8 @@ def memory_report(model: torch.nn.Module) -> dict:
             "quantize": None,
         },
         "optimizer": {
-            "mode": "cpu",
+            "mode": w.optimizer.mode,
+            "gpu_updated_numel": e.mapped_numel,
             "resident": w.optimizer.resident,
             "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
             "host_state_bytes": host_state,

@@ -41,6 +41,7 @@ class Bucket:
     numel: int
     state_offset: int                 # element offset of this bucket in the whole state
     small_lo: int = 0                 # small slots (gathered on the device first) start here
+    placement: str = "host"           # "host" or "mapped" (see layout.py)
     dtype: torch.dtype = torch.float32    # working (model) dtype
     device: torch.device = torch.device("cpu")
     device_flat: torch.Tensor | None = None   # the model's params are views of it
@@ -50,12 +51,12 @@ class Bucket:
     landing: torch.Tensor | None = None       # pinned, working dtype: gradients in, weights out
     acc: torch.Tensor | None = None           # fp32 host sum of micro-batches (accumulation only)
     # per-step bookkeeping
-    micro_arrivals: int = 0           # slots received in the current backward
     micro_list: list = field(default_factory=list)  # arrived, not yet queued
     pending_landing_checked: bool = False
     staging: torch.Tensor | None = None       # device flat gradient staging (multi-slot buckets)
     sq_norm: float = 0.0
     pending: bool = False             # an update of this bucket's weights is in flight
+    last_seq: int = 0                 # last engine job queued for this bucket
     landing_seq: int = 0              # last engine job that reads the landing buffer
     update_seq: int = 0               # engine job that produces the pending update
     h2d_event: object = None          # device event: the new weights are on the device

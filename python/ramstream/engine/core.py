@@ -1,34 +1,35 @@
-"""The offload engine: gradient hooks, the per-step state machine, forward waits, .to() rebinds.
+"""The offload engine: gradient hooks, the per-step state machine, forward waits.
 
 Training thread                                   engine thread (Worker)
   backward: post-accumulate-grad hook per param     wait D2H event -> accumulate / norm
-    -> copy grad to the bucket's landing buffer      -> AdamW (eager: as soon as a bucket is
-    -> drop the device grad                             complete, unless clipping needs the
-    -> bucket complete: queue its job                   global norm) -> H2D of new weights
-  step(): queue what is left (clip: norm first,     -> record the bucket's h2d event
-          then updates in forward order)
-  forward: pre-hook waits for the buckets it reads
+    host bucket: copy grad to its landing buffer     -> AdamW (as soon as a bucket is complete,
+    mapped bucket: launch the CUDA update            unless clipping needs the global norm)
+    -> drop the device grad                          -> H2D of the new weights, in forward order
+  step(): queue what is left (clipping: the global norm first, then the updates)
+  forward: pre-hooks wait only for the buckets the module reads
+See layout.py for placements, host_jobs.py for the host work, devices.py for copies.
 """
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import torch
 
+from .._native import lib
 from . import guard as _guard
+from . import layout
 from .buckets import Bucket, Slot, build_buckets
 from .devices import make_device
-from .host_jobs import Hyper, Piece, land, update
+from .host_jobs import Hyper, Piece, dtype_code, land, update
 from .worker import Worker
 
 
 class Engine:
     def __init__(self, param_groups: list[dict], *, device: torch.device, moment_dtype: torch.dtype,
                  max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
-                 guard_params: bool, order: list[torch.nn.Parameter] | None = None, seed: int = 0,
-                 log=None) -> None:
+                 guard_params: bool, order: list | None = None, seed: int = 0, log=None,
+                 mapped_fraction: float = 0.0) -> None:
         self.param_groups = param_groups
         self.device = device
         self.moment_dtype = moment_dtype
@@ -38,23 +39,32 @@ class Engine:
         self.seed = seed
         self.log = log or (lambda msg: None)
         self.dev = make_device(device)
+        if mapped_fraction > 0 and self.dev.type != "cuda":
+            raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
         self.slots = self._make_slots(param_groups, order)
+        for s in self.slots:
+            self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
-        self._allocate()
+        total = sum(b.numel for b in self.buckets)
+        mapped = 0
+        for b in self.buckets:      # the first buckets in forward order go to the GPU kernel
+            use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
+            layout.allocate(self, b, "mapped" if use_gpu else "host")
+            mapped += b.numel if use_gpu else 0
+        self.mapped_numel = mapped
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
-        self._seq_lock = threading.Condition()
-        self._submitted = 0
-        self._done = 0
         self._in_backward = False
         self._task = -1
         self._micro = 0
+        self._dev_norm = None
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots]
         self._module_hooks: list = []
         self.forward_waits = False
-        self._names: dict = {}
+        self.names: dict[str, Slot] = {}
         self.closed = False
+        self.last_grad_norm: float | None = None
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
-                      "host_land_s": 0.0, "wait_s": 0.0, "waits": 0}
+                      "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0}
         for s in self.slots:
             s.param._ramstream_slot = s
             s.engine_wait = self.wait_bucket
@@ -73,11 +83,9 @@ class Engine:
                     raise ValueError("ramstream: a parameter appears twice in the optimizer's "
                                      "param_groups")
                 seen.add(id(p))
-                if p.numel() == 0:
-                    index += 1
-                    continue
-                slots.append(Slot(param=p, index=index, group=g, numel=p.numel(),
-                                  expected=p.requires_grad))
+                if p.numel() > 0:
+                    slots.append(Slot(param=p, index=index, group=g, numel=p.numel(),
+                                      expected=p.requires_grad))
                 index += 1
         if order:
             rank = {id(p): i for i, p in enumerate(order)}
@@ -85,10 +93,9 @@ class Engine:
         return slots
 
     def _make_buckets(self, bucket_bytes: int) -> list[Bucket]:
-        # a bucket holds one working dtype: close it when the dtype changes
         out: list[Bucket] = []
         run: list[Slot] = []
-        for s in self.slots:
+        for s in self.slots:        # a bucket holds one working dtype
             if run and s.param.dtype != run[-1].param.dtype:
                 out += build_buckets(run, bucket_bytes, run[0].param.element_size())
                 run = []
@@ -101,7 +108,7 @@ class Engine:
             offset += b.numel
         return out
 
-    def _check_device(self, p: torch.nn.Parameter) -> None:
+    def check_param(self, p: torch.nn.Parameter) -> None:
         if p.device != self.device:
             raise RuntimeError(
                 f"ramstream: parameter of shape {tuple(p.shape)} is on {p.device} but the engine "
@@ -111,48 +118,18 @@ class Engine:
             raise TypeError(f"ramstream: parameters must be float32, bfloat16 or float16, got "
                             f"{p.dtype} (shape {tuple(p.shape)})")
 
-    def _allocate(self) -> None:
-        for b in self.buckets:
-            for s in b.slots:
-                self._check_device(s.param)
-            b.dtype, b.device = b.slots[0].param.dtype, self.device
-            b.device_flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            b.master = torch.empty(b.numel, dtype=torch.float32)
-            for s in b.slots:
-                view = b.device_flat[s.offset:s.offset + s.numel]
-                view.copy_(s.param.detach().reshape(-1))
-                b.master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-                s.param.data = view.view(s.param.shape)
-            b.exp_avg = torch.zeros(b.numel, dtype=self.moment_dtype)
-            b.exp_avg_sq = torch.zeros(b.numel, dtype=self.moment_dtype)
-            b.landing = self.dev.host_buffer(b.numel, b.dtype)
-            b.acc = torch.empty(b.numel, dtype=torch.float32) if self.accumulation_steps > 1 else None
-        self.dev.synchronize()
-
-    # ---- job sequencing ---------------------------------------------------------------------
-    def _submit(self, job) -> int:
-        with self._seq_lock:
-            self._submitted += 1
-            seq = self._submitted
-
-        def run() -> None:
-            try:
-                job()
-            finally:
-                with self._seq_lock:
-                    self._done = seq
-                    self._seq_lock.notify_all()
-
-        self.worker.submit(run)
-        return seq
-
-    def _wait_seq(self, seq: int) -> None:
-        with self._seq_lock:
-            while self._done < seq:
-                if self.worker.failed:
-                    break
-                self._seq_lock.wait(0.05)
-        self.worker.raise_if_failed()
+    def replace_param(self, s: Slot, p: torch.nn.Parameter) -> None:
+        old = s.param
+        i = self.slots.index(s)
+        self._hooks[i].remove()
+        _guard.unguard(old)
+        s.param = p
+        p._ramstream_slot, s.engine_wait = s, self.wait_bucket
+        self._hooks[i] = p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.guard_params:
+            _guard.guard(p)
+        for g in self.param_groups:
+            g["params"] = [p if q is old else q for q in g["params"]]
 
     # ---- backward ---------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -168,9 +145,13 @@ class Engine:
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    @property
+    def _final_micro(self) -> bool:
+        return self._micro == self.accumulation_steps - 1
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s: Slot = p._ramstream_slot
-        self._check_device(p)
+        self.check_param(p)
         task = torch._C._current_graph_task_id()
         if self._in_backward and task != self._task:
             self._abandon_backward()
@@ -182,13 +163,20 @@ class Engine:
             raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
                                "without the engine seeing it; call model.to(...) on the wrapped "
                                "model itself (it rebinds the engine) or wrap() again")
-        if b.micro_arrivals == 0 and not b.pending_landing_checked:
-            self._wait_seq(b.landing_seq)           # the engine has finished reading the landing
+        if p.grad is None:
+            return
+        s.micro_arrived = True
+        if b.placement == "mapped":
+            self._on_grad_mapped(s, b, p)
+        else:
+            self._on_grad_host(s, b, p)
+
+    def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
+        if not b.pending_landing_checked:
+            self.worker.wait(b.landing_seq)          # the engine has finished reading the landing
             self.dev.wait_landing_reusable(b.h2d_event)
             b.pending_landing_checked = True
         g = p.grad
-        if g is None:
-            return
         if s.direct or self.dev.type == "cpu":
             self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
         else:
@@ -198,11 +186,22 @@ class Engine:
             self.dev.gather_on_device(b.staging[lo:lo + s.numel], g)
         p.grad = None
         s.arrivals += 1
-        s.micro_arrived = True
-        b.micro_arrivals += 1
         b.micro_list.append(s)
         if all(x.micro_arrived for x in b.slots if x.expected):
             self._flush_bucket(b)
+
+    def _on_grad_mapped(self, s: Slot, b: Bucket, p) -> None:
+        """The GPU updates this slot itself; its gradient stays on the device until then."""
+        s.arrivals += 1
+        if not self._final_micro:
+            return                               # autograd sums the next micro-batch into .grad
+        if self.max_grad_norm is not None:
+            self._dev_norm_add(p.grad)           # the update waits for the global norm
+            return
+        hyper = self._hypers()[s.group]
+        s.step += 1
+        s.updated = True
+        self._launch_mapped(b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
 
     def _flush_bucket(self, b: Bucket) -> None:
         """Queues the engine job for the slots of b that arrived since the last flush."""
@@ -220,13 +219,11 @@ class Engine:
                                            b.staging[lo:lo + s.numel])
             b.staging = None
         ev = self.dev.record_d2h()
-        nbytes = sum(s.numel for s in slots) * b.landing.element_size()
-        self.stats["bytes_d2h"] += nbytes
+        self.stats["bytes_d2h"] += sum(s.numel for s in slots) * b.landing.element_size()
         accumulate = self.accumulation_steps > 1
         pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
-        final = self._micro == self.accumulation_steps - 1
-        eager = final and self.max_grad_norm is None
-        want_norm = final and self.max_grad_norm is not None
+        eager = self._final_micro and self.max_grad_norm is None
+        want_norm = self._final_micro and self.max_grad_norm is not None
         hypers = self._hypers() if eager else None
         if eager:
             for s in slots:
@@ -242,8 +239,8 @@ class Engine:
             if eager:
                 self._update_and_send(b, pieces, hypers, 1.0, accumulate)
 
-        seq = self._submit(job)
-        b.landing_seq = seq
+        seq = self.worker.submit(job, priority=b.index, deps=(b.last_seq,))
+        b.last_seq = b.landing_seq = seq
         if eager:
             b.update_seq = seq
 
@@ -265,7 +262,6 @@ class Engine:
         for b in self.buckets:
             if b.micro_list:
                 self._flush_bucket(b)
-            b.micro_arrivals = 0
             b.pending_landing_checked = False
             for s in b.slots:
                 s.micro_arrived = False
@@ -296,6 +292,7 @@ class Engine:
             _guard._pending[0] += 1
 
     def _update_and_send(self, b: Bucket, pieces, hypers, grad_scale: float, accumulate: bool):
+        """Engine thread: AdamW on a host bucket's pieces, then the new weights to the device."""
         t0 = time.perf_counter()
         out = b.device_flat if self.dev.type == "cpu" else b.landing
         ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
@@ -306,44 +303,73 @@ class Engine:
                 self.stats["bytes_h2d"] += n * b.landing.element_size()
         b.h2d_event = self.dev.record_h2d()
 
+    def _launch_mapped(self, b: Bucket, slots: list[Slot], hyper_of, grad_scale: float) -> None:
+        """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
+        produced their gradients); their gradients are released once it has run."""
+        C = lib()
+        stream = self.dev.begin_update()
+        mcode = dtype_code(b.exp_avg.dtype)
+        for s in slots:
+            g = s.param.grad
+            h = hyper_of(s.group)
+            off = s.offset
+            if b.master is None:       # fp32 weights are their own master
+                param, out, ocode = s.param.data_ptr(), 0, 0
+            else:
+                param = b.master.data_ptr() + 4 * off
+                out, ocode = s.param.data_ptr(), dtype_code(b.dtype)
+            esz = b.exp_avg.element_size()
+            C.cuda_adamw_ptr(param, g.data_ptr(), dtype_code(g.dtype),
+                             b.exp_avg.data_ptr() + esz * off, b.exp_avg_sq.data_ptr() + esz * off,
+                             mcode, out, ocode, s.numel, b.state_offset + off, h.lr, h.beta1,
+                             h.beta2, h.eps, h.weight_decay, s.step, grad_scale, self.seed,
+                             stream, self.device.index)
+            g.record_stream(self.dev.upd)
+            s.param.grad = None
+        self.stats["gpu_updates"] += len(slots)
+        b.h2d_event = self.dev.end_update()
+        self._mark_pending(b)
+
+    def _dev_norm_add(self, g: torch.Tensor) -> None:
+        if self._dev_norm is None:
+            self._dev_norm = torch.zeros(1, dtype=torch.float64, device=self.device)
+        stream = self.dev.begin_update()
+        lib().cuda_sq_norm(g.detach(), self._dev_norm, accumulate=True, stream=stream,
+                           device=self.device.index)
+        self.dev.end_update()
+
     def step(self) -> None:
-        """Queues every update not yet queued; returns without waiting for them."""
+        """Queues every update not yet queued; returns without waiting for host updates."""
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._abandon_backward()      # the last backward raised before its end
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         self.worker.raise_if_failed()
         for s in self.slots:
-            self._check_device(s.param)
+            self.check_param(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
         if todo:
-            hypers = self._hypers()
+            hypers = self._hypers()       # validated before anything is changed
+            grad_scale = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
             accumulate = self.accumulation_steps > 1
-            clip = [1.0]
-            if self.max_grad_norm is not None:
-                max_norm = self.max_grad_norm
-
-                def norm_job() -> None:
-                    total = math.sqrt(sum(b.sq_norm for b in self.buckets))
-                    for b in self.buckets:
-                        b.sq_norm = 0.0
-                    clip[0] = clip_coefficient(max_norm, total)
-                    self.last_grad_norm = total
-
-                self._submit(norm_job)
-            by_bucket: dict[int, list] = {}
+            by_bucket: dict[int, list[Slot]] = {}
             for s in todo:
                 by_bucket.setdefault(s.bucket.index, []).append(s)
             for bi in sorted(by_bucket):
-                b = self.buckets[bi]
-                pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, False) for s in by_bucket[bi]]
-                for s in by_bucket[bi]:
+                b, slots = self.buckets[bi], by_bucket[bi]
+                for s in slots:
                     s.step += 1
+                if b.placement == "mapped":
+                    self._launch_mapped(b, slots, hyper_of=lambda g: hypers[g],
+                                        grad_scale=grad_scale)
+                    continue
+                pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
                 self._mark_pending(b)
-                b.update_seq = self._submit(
-                    lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, clip[0],
-                                                                     accumulate))
-                b.landing_seq = b.update_seq
+                seq = self.worker.submit(
+                    lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale,
+                                                                     accumulate),
+                    priority=b.index, deps=(b.last_seq,))
+                b.last_seq = b.update_seq = b.landing_seq = seq
         for s in self.slots:
             if s.arrivals == 0 and s.expected and self._micro > 0:
                 s.expected = False      # it got no gradient this step: don't wait for it
@@ -354,13 +380,30 @@ class Engine:
         self._micro = 0
         self.stats["steps"] += 1
 
+    def _clip_coefficient(self) -> float:
+        """Waits for every gradient's squared norm (host buckets: computed as they landed;
+        mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
+        total = 0.0
+        for b in self.buckets:
+            if b.placement == "host":
+                self.worker.wait(b.landing_seq)
+                total += b.sq_norm
+                b.sq_norm = 0.0
+        if self._dev_norm is not None:
+            self.dev.upd.synchronize()
+            total += float(self._dev_norm.item())
+            self._dev_norm.zero_()
+        self.last_grad_norm = math.sqrt(total)
+        return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
+
     # ---- waits --------------------------------------------------------------------------------
     def wait_bucket(self, b: Bucket) -> None:
         """Blocks until b's new weights are usable by work queued after this call."""
         if not b.pending:
             return
         t0 = time.perf_counter()
-        self._wait_seq(b.update_seq)
+        if b.placement == "host":
+            self.worker.wait(b.update_seq)
         self.dev.device_wait(b.h2d_event)
         b.pending = False
         _guard._pending[0] -= 1
@@ -376,15 +419,14 @@ class Engine:
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
-        self._names = {n: p._ramstream_slot for n, p in model.named_parameters()
-                       if hasattr(p, "_ramstream_slot")}
+        self.names = {n: p._ramstream_slot for n, p in model.named_parameters()
+                      if hasattr(p, "_ramstream_slot")}
         for m in model.modules():
             own = [p for p in m.parameters(recurse=False) if hasattr(p, "_ramstream_slot")]
-            buckets = sorted({p._ramstream_slot.bucket.index for p in own
-                              if p._ramstream_slot.bucket is not None})
-            if not buckets:
+            idx = sorted({p._ramstream_slot.bucket.index for p in own})
+            if not idx:
                 continue
-            bl = [self.buckets[i] for i in buckets]
+            bl = [self.buckets[i] for i in idx]
 
             def pre_hook(module, args, bl=bl):
                 for b in bl:
@@ -394,63 +436,18 @@ class Engine:
             self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
         self.forward_waits = True
 
-    def _adopt_replaced(self, model: torch.nn.Module) -> None:
-        """Module._apply replaces a Parameter object (rather than its .data) when the new tensor
-        is of another kind (e.g. meta): move the slot, its hook and its guard to the new one."""
-        names = self._names
-        for name, p in model.named_parameters():
-            s = names.get(name)
-            if s is None or p is s.param:
-                continue
-            old = s.param
-            idx = self.slots.index(s)
-            self._hooks[idx].remove()
-            _guard.unguard(old)
-            s.param = p
-            p._ramstream_slot, s.engine_wait = s, self.wait_bucket
-            self._hooks[idx] = p.register_post_accumulate_grad_hook(self._on_grad)
-            if self.guard_params:
-                _guard.guard(p)
-            for g in self.param_groups:
-                g["params"] = [p if q is old else q for q in g["params"]]
+    # ---- model changes --------------------------------------------------------------------------
+    def before_apply(self) -> None:
+        self.synchronize()
+        layout.snapshot_masters(self)
 
     def rebind(self, model: torch.nn.Module | None = None) -> None:
-        """After model.to()/.half()/...: parameters on the engine's device are re-pointed at
-        fresh flat buffers of their (possibly new) dtype, filled from the fp32 masters, so a
-        conversion never rounds the masters. Parameters left on another device make the next
-        backward or step() raise."""
         self.synchronize()
-        if model is not None:
-            self._adopt_replaced(model)
-        for b in self.buckets:
-            devices = {s.param.device for s in b.slots}
-            if devices != {self.device}:
-                continue
-            dtypes = {s.param.dtype for s in b.slots}
-            if len(dtypes) != 1:
-                raise RuntimeError(f"ramstream: parameters of one bucket were converted to "
-                                   f"different dtypes {sorted(map(str, dtypes))}")
-            dtype = dtypes.pop()
-            self._check_device(b.slots[0].param)
-            if dtype != b.dtype:
-                b.dtype = dtype
-                b.landing = self.dev.host_buffer(b.numel, dtype)
-                self.log(f"bucket {b.index}: working dtype now {dtype} (fp32 master kept)")
-            b.device_flat = torch.empty(b.numel, dtype=dtype, device=self.device)
-            b.device_flat.copy_(b.master)
-            b.h2d_event = None
-            for s in b.slots:
-                s.param.data = b.device_flat[s.offset:s.offset + s.numel].view(s.param.shape)
-        self.dev.synchronize()
+        layout.rebind(self, model)
 
     def resync_masters(self) -> None:
-        """After weights were loaded into the model: masters take the loaded values wherever
-        the working copy no longer equals master.to(working dtype)."""
         self.synchronize()
-        for b in self.buckets:
-            if not torch.equal(b.device_flat, b.master.to(b.device_flat.device, b.dtype)):
-                b.master.copy_(b.device_flat)
-                self.log(f"bucket {b.index}: fp32 master reloaded from the model's weights")
+        layout.resync_masters(self)
 
     def close(self) -> None:
         """Waits for everything, removes hooks and guards; parameters keep their current data."""
@@ -461,9 +458,8 @@ class Engine:
             h.remove()
         for s in self.slots:
             _guard.unguard(s.param)
-            for attr in ("_ramstream_slot",):
-                if hasattr(s.param, attr):
-                    delattr(s.param, attr)
+            if hasattr(s.param, "_ramstream_slot"):
+                del s.param._ramstream_slot
         self.worker.close()
         self.closed = True
 

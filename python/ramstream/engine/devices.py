@@ -67,6 +67,8 @@ class CudaDevice:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
+        self.upd = torch.cuda.Stream(device)      # GPU-side AdamW of mapped buckets
+        self._upd_handle = self.upd.cuda_stream
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         from ..functional import pinned_empty
@@ -123,12 +125,23 @@ class CudaDevice:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def begin_update(self) -> int:
+        """The update stream, ordered after the work queued so far on the current stream."""
+        self.upd.wait_stream(torch.cuda.current_stream(self.device))
+        return self._upd_handle
+
+    def end_update(self):
+        ev = torch.cuda.Event()
+        ev.record(self.upd)
+        return ev
+
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
 
     def synchronize(self) -> None:
         self.d2h.synchronize()
         self.h2d.synchronize()
+        self.upd.synchronize()
 
 
 def make_device(device: torch.device):

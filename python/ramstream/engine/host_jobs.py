@@ -67,18 +67,18 @@ def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool) -> N
 
 def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: float,
            accumulate: bool, out: torch.Tensor, seed: int) -> list[tuple[int, int]]:
-    """AdamW over the pieces (merged into runs of equal group and step); the new weights, cast
-    to the working dtype, are written to `out` in the same pass. Returns the updated ranges."""
+    """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
+    to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
+    are written to `out` in the same pass. Returns the updated ranges, merged."""
     C = lib()
     grad = b.acc if accumulate else b.landing
     gcode, mcode, ocode = dtype_code(grad.dtype), dtype_code(b.exp_avg.dtype), dtype_code(out.dtype)
-    ranges = []
     ordered = sorted(pieces, key=lambda p: p.offset)
-    for start, n, (group, step) in runs(ordered, lambda p: (p.group, p.step)):
-        h = hypers[group]
+    for p in ordered:
+        h = hypers[p.group]
+        start = p.offset
         C.adamw_ptr(_ptr(b.master, start), _ptr(grad, start), gcode,
                     _ptr(b.exp_avg, start), _ptr(b.exp_avg_sq, start), mcode,
-                    _ptr(out, start), ocode, n, b.state_offset + start,
-                    h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, grad_scale, seed)
-        ranges.append((start, n))
-    return ranges
+                    _ptr(out, start), ocode, p.numel, b.state_offset + start,
+                    h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, p.step, grad_scale, seed)
+    return [(start, n) for start, n, _ in runs(ordered, lambda p: 0)]

@@ -173,8 +173,10 @@ def adamw_(
     """One AdamW step on the GPU, in place (the numerics of the host kernel, SPEC rules 2 and 3).
 
     Args:
-        param: float32 CUDA tensor (the master weights), updated in place.
-        grad: float32/bfloat16/float16 CUDA tensor on param's device; multiplied by grad_scale.
+        param: float32 master weights, updated in place: a CUDA tensor on grad's device, or
+            pinned host memory (a mapped master the kernel reads and writes over PCIe).
+        grad: float32/bfloat16/float16 CUDA tensor; multiplied by grad_scale. Its device is the
+            device of the call.
         exp_avg, exp_avg_sq: float32 or bfloat16 (both the same), updated in place; either on
             param's device or in pinned host memory (``pin_memory=True``), which the kernel then
             reads and writes over PCIe ("gpu" optimizer mode; the host CPU does nothing). bfloat16
@@ -206,19 +208,18 @@ def adamw_(
         if t is not None and t.numel() != n:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, param has {n}")
     cuda_ready(op)
-    _require_cuda(op, "param", param)
-    device = param.device
-    _require_cuda(op, "grad", grad, device)
+    _require_cuda(op, "grad", grad)
+    device = grad.device
     if out is not None:
         _require_cuda(op, "out", out, device)
-    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.device.type == "cuda":
             _require_cuda(op, name, t, device)
         elif t.device.type != "cpu":
             raise ValueError(
                 f"{op}: {name} must be on {device} or in pinned host memory, got {t.device}"
             )
-        # pinned-ness of host moments is checked by the binding (cudaPointerGetAttributes)
+        # pinned-ness of host tensors is checked by the binding (cudaPointerGetAttributes)
     # detach(): DLPack refuses tensors that require grad (e.g. an nn.Parameter); same storage.
     _launch(device, lib().cuda_adamw_, param.detach(), grad.detach(), exp_avg.detach(),
             exp_avg_sq.detach(), None if out is None else out.detach(), **hp,

@@ -1,0 +1,111 @@
+"""Where a bucket's tensors live, and keeping that right when the model changes under the engine.
+
+Placements:
+  "host":   fp32 master and moments in host RAM, gradients land in a pinned buffer, the host
+            threads run AdamW, the new weights go back by H2D copy (optimizer_mode="cpu").
+  "mapped": moments (and the fp32 master of a low-precision model) in pinned host memory mapped
+            into the GPU's address space; the CUDA kernel updates over PCIe as gradients arrive;
+            an fp32 model's weights on the GPU are their own master (optimizer_mode="gpu").
+"""
+from __future__ import annotations
+
+import torch
+
+from .buckets import Bucket
+
+
+def allocate(engine, b: Bucket, placement: str) -> None:
+    """Points b's parameters at a fresh flat device buffer and allocates its state."""
+    dev = engine.dev
+    b.placement = placement
+    b.dtype, b.device = b.slots[0].param.dtype, engine.device
+    b.device_flat = torch.empty(b.numel, dtype=b.dtype, device=engine.device)
+    for s in b.slots:
+        b.device_flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        s.param.data = b.device_flat[s.offset:s.offset + s.numel].view(s.param.shape)
+    if placement == "host":
+        b.master = b.device_flat.to("cpu", torch.float32, copy=True)
+        b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype)
+        b.exp_avg_sq = torch.zeros(b.numel, dtype=engine.moment_dtype)
+        b.landing = dev.host_buffer(b.numel, b.dtype)
+        b.acc = torch.empty(b.numel, dtype=torch.float32) if engine.accumulation_steps > 1 else None
+    elif placement == "mapped":
+        b.master = None
+        if b.dtype != torch.float32:
+            b.master = dev.host_buffer(b.numel, torch.float32)
+            b.master.copy_(b.device_flat)
+        b.exp_avg = dev.host_buffer(b.numel, engine.moment_dtype).zero_()
+        b.exp_avg_sq = dev.host_buffer(b.numel, engine.moment_dtype).zero_()
+        b.landing = b.acc = None
+    else:
+        raise ValueError(f"unknown placement {placement!r}")
+    dev.synchronize()
+
+
+def master_flat(b: Bucket) -> torch.Tensor:
+    """The fp32 master of a bucket (an fp32 mapped bucket's master is its device buffer)."""
+    return b.master if b.master is not None else b.device_flat
+
+
+def snapshot_masters(engine) -> None:
+    """Before a dtype conversion: a mapped fp32 bucket keeps its master in the weights
+    themselves, so copy it to pinned host memory first (a conversion must not round it)."""
+    for b in engine.buckets:
+        if b.placement == "mapped" and b.master is None:
+            b.master = engine.dev.host_buffer(b.numel, torch.float32)
+            b.master.copy_(b.device_flat)
+    engine.dev.synchronize()
+
+
+def rebind(engine, model: torch.nn.Module | None) -> None:
+    """After model.to()/.half()/...: parameters on the engine's device are re-pointed at fresh
+    flat buffers of their (possibly new) dtype, filled from the fp32 masters, so a conversion
+    never rounds a master. Parameters left on another device make the next backward or step()
+    raise."""
+    if model is not None:
+        adopt_replaced(engine, model)
+    for b in engine.buckets:
+        devices = {s.param.device for s in b.slots}
+        if devices != {engine.device}:
+            continue
+        dtypes = {s.param.dtype for s in b.slots}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"ramstream: parameters of one bucket were converted to different "
+                               f"dtypes {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        engine.check_param(b.slots[0].param)
+        master = master_flat(b)
+        if dtype != b.dtype:
+            b.dtype = dtype
+            if b.placement == "host":
+                b.landing = engine.dev.host_buffer(b.numel, dtype)
+            engine.log(f"bucket {b.index}: working dtype now {dtype} (fp32 master kept)")
+        flat = torch.empty(b.numel, dtype=dtype, device=engine.device)
+        flat.copy_(master)
+        if b.placement == "mapped" and dtype == torch.float32 and b.master is not None:
+            b.master = None          # the fp32 weights are the master again
+        b.device_flat = flat
+        b.h2d_event = None
+        for s in b.slots:
+            s.param.data = flat[s.offset:s.offset + s.numel].view(s.param.shape)
+    engine.dev.synchronize()
+
+
+def adopt_replaced(engine, model: torch.nn.Module) -> None:
+    """Module._apply replaces a Parameter object (rather than its .data) when the new tensor is
+    of another kind (e.g. meta): move the slot, its hook and its guard to the new object."""
+    for name, p in model.named_parameters():
+        s = engine.names.get(name)
+        if s is not None and p is not s.param:
+            engine.replace_param(s, p)
+
+
+def resync_masters(engine) -> None:
+    """After weights were loaded into the model: masters take the loaded values wherever the
+    working copy no longer equals master.to(working dtype)."""
+    for b in engine.buckets:
+        if b.master is None:
+            continue            # the weights are the master
+        if not torch.equal(b.device_flat, b.master.to(b.device_flat.device, b.dtype)):
+            b.master.copy_(b.device_flat)
+            engine.log(f"bucket {b.index}: fp32 master reloaded from the model's weights")

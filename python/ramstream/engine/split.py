@@ -1,0 +1,68 @@
+"""How much of the update the GPU does over PCIe ("mapped") and how much the host threads do.
+
+Host share: per parameter the host streams ~32 bytes through RAM (AdamW) and PCIe carries the
+gradient down and the new weight up (working dtype, each direction). Mapped share: the GPU
+kernel reads and writes the moments (and a low-precision model's fp32 master) over PCIe, the
+host CPU does nothing. With fraction f mapped, the step's optimizer work takes about
+max(host(1-f), pcie(f)); both are linear in f, so the best f is where they cross.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+_MEASURED: dict = {}
+
+
+def choose_mapped_fraction(*, numel: int, host_params_per_s: float, pcie_bytes_per_s: float,
+                           working_bytes: int, moment_bytes: int, master_on_host: bool) -> tuple[float, dict]:
+    """The mapped fraction f in [0, 1] minimising max(host time, PCIe time), with the arithmetic."""
+    host_pcie = working_bytes                                  # per direction, host share
+    mapped_pcie = 2 * moment_bytes + (4 if master_on_host else 0)
+    t_host_all = numel / host_params_per_s
+    t_pcie = lambda f: numel * (f * mapped_pcie + (1 - f) * host_pcie) / pcie_bytes_per_s  # noqa: E731
+    t_host = lambda f: (1 - f) * t_host_all                    # noqa: E731
+    # t_host(f) = t_pcie(f)  ->  f = (t_host_all - t_pcie(0)) / (t_host_all + t_pcie(1) - t_pcie(0))
+    denom = t_host_all + t_pcie(1.0) - t_pcie(0.0)
+    f = 0.0 if denom <= 0 else min(1.0, max(0.0, (t_host_all - t_pcie(0.0)) / denom))
+    info = {"fraction": f, "host_params_per_s": host_params_per_s,
+            "pcie_bytes_per_s": pcie_bytes_per_s, "pcie_bytes_per_param_host": host_pcie,
+            "pcie_bytes_per_param_mapped": mapped_pcie, "t_host_only_s": t_host_all,
+            "t_pcie_host_only_s": t_pcie(0.0), "t_estimate_s": max(t_host(f), t_pcie(f))}
+    return f, info
+
+
+def measure(device: torch.device) -> dict:
+    """Host AdamW rate (params/s) and one-way pinned PCIe bandwidth (bytes/s), measured once
+    per process (about 0.1 s)."""
+    key = str(device)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    from .._native import lib
+
+    n = 1 << 24
+    p, g = torch.randn(n), torch.randn(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    C = lib()
+    best = float("inf")
+    for step in range(1, 4):
+        t0 = time.perf_counter()
+        C.adamw_ptr(p.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), 0, 0, 0, n, 0,
+                    1e-3, 0.9, 0.999, 1e-8, 0.0, step, 1.0, 0)
+        best = min(best, time.perf_counter() - t0)
+    out = {"host_params_per_s": n / best}
+    if device.type == "cuda":
+        from ..ops.memory import pinned_empty
+
+        host = pinned_empty(1 << 26, torch.uint8)
+        dev = torch.empty(1 << 26, dtype=torch.uint8, device=device)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out["pcie_bytes_per_s"] = 3 * (1 << 26) / (time.perf_counter() - t0)
+    _MEASURED[key] = out
+    return out

@@ -1,7 +1,8 @@
-"""OffloadAdamW: AdamW whose state lives in host RAM and whose update runs on host threads.
+"""OffloadAdamW: AdamW whose state lives in host RAM and whose update runs off the GPU.
 
 A torch.optim.Optimizer, so LR schedulers, param groups and state dicts work as with
-torch.optim.AdamW; numerics equal torch's fused CPU AdamW (fp32 master weights on the host).
+torch.optim.AdamW. Numerics: each parameter's host update is bit-identical to
+torch.optim.AdamW(fused=True) on the CPU (fp32 master weights on the host).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_momen
 
 _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                      differentiable=False, fused=None)
+SWITCH_AFTER_STEPS = 2
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
@@ -33,7 +35,7 @@ def _check_hyper(lr, betas, eps, weight_decay) -> None:
 
 
 class OffloadAdamW(torch.optim.Optimizer):
-    """AdamW with fp32 master weights, moments and the update on the host.
+    """AdamW with fp32 master weights and moments off the GPU.
 
     Args:
         params: parameters or param groups (as torch.optim.AdamW), all on one device.
@@ -46,17 +48,29 @@ class OffloadAdamW(torch.optim.Optimizer):
         moment_dtype: "float32" or "bfloat16" (stochastic rounding).
         threads: host threads for the update (None: RAMSTREAM_NUM_THREADS or all cores).
         device: the compute device (default: the parameters' device).
+        offload: True (always offload) or "auto" (after two steps, move the update to the
+            device when its state fits there with `vram_headroom` to spare).
+        vram_headroom: share of usable device memory the "auto" switch leaves free.
+        guard_params: reads of a weight whose update is in flight wait for it.
+        bucket_bytes: gradients and weights cross PCIe in buckets of about this size.
+        max_inflight_bytes: device memory that gradients waiting for their copy to the host may
+            hold before backward waits (None: min(1 GiB, 10% of the device)).
+        seed: the stochastic-rounding stream of bf16 moments.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, mode: str = "cpu", max_grad_norm=None,
                  accumulation_steps: int = 1, moment_dtype: Any = "float32", threads=None,
-                 device=None, guard_params: bool = True, bucket_bytes: int = 32 << 20,
-                 seed: int = 0, _order=None, _log=None) -> None:
+                 device=None, offload: Any = True, vram_headroom: float = 0.10,
+                 guard_params: bool = True, bucket_bytes: int = 32 << 20,
+                 max_inflight_bytes: int | None = None, seed: int = 0, _order=None,
+                 _log=None) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
             raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', "
                              "'gpu', 'auto'")
+        if not (offload is True or (isinstance(offload, str) and offload == "auto")):
+            raise ValueError(f"OffloadAdamW: offload={offload!r}; accepted: True, 'auto'")
         self._max_grad_norm = parse_max_grad_norm(max_grad_norm, "OffloadAdamW:")
         self._accumulation_steps = parse_accumulation_steps(accumulation_steps, "OffloadAdamW:")
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
@@ -65,6 +79,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not isinstance(guard_params, bool):
             raise ValueError(f"OffloadAdamW: guard_params={guard_params!r}; accepted: True, False")
         self._engine = None
+        self._resident = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
         if self._threads is not None:
@@ -77,21 +92,19 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; "
                                  "pass device=")
             device = devices.pop()
+        device = torch.device(device)
+        self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
+        self._log = _log or (lambda msg: None)
         self.split_info: dict = {}
         from .engine.core import Engine
 
-        device = torch.device(device)
-        self.mode = mode
-        fraction = self._mapped_fraction(mode, device, _log)
-        self._engine_args = dict(device=device, moment_dtype=self._moment_dtype,
-                                 mapped_fraction=fraction,
-                                 max_grad_norm=self._max_grad_norm,
-                                 accumulation_steps=self._accumulation_steps,
-                                 bucket_bytes=bucket_bytes, guard_params=guard_params, seed=seed,
-                                 log=_log)
-        self._engine = Engine(self.param_groups, order=_order, **self._engine_args)
+        self._engine = Engine(
+            self.param_groups, order=_order, device=device, moment_dtype=self._moment_dtype,
+            mapped_fraction=self._mapped_fraction(mode, device), max_grad_norm=self._max_grad_norm,
+            accumulation_steps=self._accumulation_steps, bucket_bytes=bucket_bytes,
+            guard_params=guard_params, max_inflight_bytes=max_inflight_bytes, seed=seed, log=_log)
 
-    def _mapped_fraction(self, mode: str, device: torch.device, log) -> float:
+    def _mapped_fraction(self, mode: str, device: torch.device) -> float:
         if mode == "cpu":
             return 0.0
         if device.type != "cuda":
@@ -110,11 +123,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             pcie_bytes_per_s=rates["pcie_bytes_per_s"], working_bytes=params[0].element_size(),
             moment_bytes=self._moment_dtype.itemsize, master_on_host=params[0].dtype != torch.float32)
         self.split_info = info
-        if log is not None:
-            log(f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
-                f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
-                f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
-                f"{info['t_estimate_s'] * 1e3:.0f} ms instead of {info['t_host_only_s'] * 1e3:.0f} ms)")
+        self._log(f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
+                  f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
+                  f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
+                  f"{info['t_estimate_s'] * 1e3:.0f} ms instead of "
+                  f"{info['t_host_only_s'] * 1e3:.0f} ms)")
         return f
 
     # ---- torch.optim.Optimizer API --------------------------------------------------------
@@ -130,9 +143,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.step()
-        if not self._engine.forward_waits and not self._engine.guard_params:
-            self._engine.synchronize()
+        if self._resident is not None:
+            self._resident.step()
+            return loss
+        e = self._engine
+        e.step()
+        if not e.forward_waits and not e.guard_params:
+            e.synchronize()
+        if self.offload == "auto" and e.stats["steps"] == SWITCH_AFTER_STEPS:
+            self._maybe_go_resident()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -141,32 +160,36 @@ class OffloadAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         from .engine.state import export_state
 
-        return export_state(self._engine, self.param_groups)
+        return export_state(self, self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         from .engine.state import import_state
 
-        import_state(self._engine, self.param_groups, state_dict)
+        import_state(self, self.param_groups, state_dict)
 
     # ---- ramstream extras ---------------------------------------------------------------------
     def synchronize(self) -> None:
         """Waits until every queued update has reached the model's weights."""
-        self._engine.synchronize()
+        if self._resident is None:
+            self._engine.synchronize()
+        elif self._engine.device.type == "cuda":
+            torch.cuda.synchronize(self._engine.device)
 
     def master_weights(self) -> list[torch.Tensor]:
         """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
 
-        self._engine.synchronize()
+        self.synchronize()
         by_index = {s.index: s for s in self._engine.slots}
-        out = []
-        i = 0
+        out, i = [], 0
         for g in self.param_groups:
             for p in g["params"]:
                 s = by_index.get(i)
                 if s is None:
                     out.append(p.detach().float().cpu().clone())
+                elif self._resident is not None:
+                    out.append(self._resident.masters[i].detach().float().cpu().clone())
                 else:
                     master = master_flat(s.bucket)
                     out.append(master[s.offset:s.offset + s.numel].view(p.shape).to(
@@ -175,13 +198,43 @@ class OffloadAdamW(torch.optim.Optimizer):
         return out
 
     def stats(self) -> dict:
-        """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits."""
+        """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, gpu_updates."""
         return dict(self._engine.stats)
 
     @property
     def resident(self) -> bool:
-        """True when the optimizer runs on the device (offload="auto" found that it fits)."""
-        return False
+        """True once offload="auto" found that the state fits on the device and moved it there."""
+        return self._resident is not None
+
+    def _maybe_go_resident(self) -> None:
+        from .engine.resident import Resident, device_memory, resident_bytes
+
+        mem = device_memory(self._engine.device)
+        if mem is None:
+            return
+        need = resident_bytes(self._engine)
+        room = mem["usable"] * (1 - self.vram_headroom) - mem["peak"]
+        verdict = need <= room
+        self._log(f"offload=auto after {SWITCH_AFTER_STEPS} steps: resident state needs "
+                  f"{need / 2**30:.2f} GiB; usable {mem['usable'] / 2**30:.2f} GiB x "
+                  f"(1 - {self.vram_headroom:g}) - peak {mem['peak'] / 2**30:.2f} GiB = "
+                  f"{room / 2**30:.2f} GiB free -> "
+                  + ("switching to fused AdamW on the device" if verdict else "keep offloading"))
+        if verdict:
+            self._resident = Resident(self._engine, self.param_groups)
+            self._engine.close()
+
+    def _before_apply(self) -> None:
+        (self._resident or self._engine).before_apply()
+
+    def _after_apply(self, model) -> None:
+        if self._resident is not None:
+            self._resident.after_apply()
+        else:
+            self._engine.rebind(model)
+
+    def _model_loaded(self) -> None:
+        (self._resident or self._engine).resync_masters()
 
     def close(self) -> None:
         if self._engine is not None:

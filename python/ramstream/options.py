@@ -78,6 +78,7 @@ class WrapOptions:
     verbose: bool = False
     bucket_bytes: int = 32 << 20
     vram_headroom: float = 0.10
+    max_inflight_bytes: int | None = None
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -112,6 +113,10 @@ class WrapOptions:
         if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, int) \
                 or o.bucket_bytes < 4096:
             raise _fail("bucket_bytes", o.bucket_bytes, "an integer >= 4096")
+        if o.max_inflight_bytes is not None and (
+                isinstance(o.max_inflight_bytes, bool) or not isinstance(o.max_inflight_bytes, int)
+                or o.max_inflight_bytes < (1 << 20)):
+            raise _fail("max_inflight_bytes", o.max_inflight_bytes, "None or an integer >= 1 MiB")
         if isinstance(o.vram_headroom, bool) or not isinstance(o.vram_headroom, (int, float)) \
                 or not 0.0 <= o.vram_headroom < 1.0:
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")

@@ -119,7 +119,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                        max_grad_norm=opts.max_grad_norm, accumulation_steps=opts.accumulation_steps,
                        moment_dtype=moment_dtype, threads=opts.threads, device=device,
                        guard_params=opts.guard_params, bucket_bytes=opts.bucket_bytes,
-                       mode=opts.optimizer_mode,
+                       mode=opts.optimizer_mode, offload=opts.offload,
+                       vram_headroom=opts.vram_headroom,
+                       max_inflight_bytes=opts.max_inflight_bytes,
                        _order=_forward_order(model), _log=log)
     if old_state is not None:
         opt.load_state_dict(old_state)
@@ -127,15 +129,15 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     w = _Wrapped(model, opt, opts, log)
     engine = opt._engine
     engine.attach_forward_waits(model)
-    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
+    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(model.register_load_state_dict_post_hook(
-        lambda module, keys: engine.resync_masters()))
+        lambda module, keys: opt._model_loaded()))
     w.orig_apply = model.__dict__.get("_apply")
 
     def _apply(self, fn, *args, **kwargs):
-        engine.before_apply()
+        opt._before_apply()
         out = type(self)._apply(self, fn, *args, **kwargs)
-        engine.rebind(self)
+        opt._after_apply(self)
         return out
 
     model._apply = types.MethodType(_apply, model)

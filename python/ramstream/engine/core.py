@@ -11,6 +11,7 @@ See layout.py for placements, host_jobs.py for the host work, devices.py for cop
 """
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -29,7 +30,7 @@ class Engine:
     def __init__(self, param_groups: list[dict], *, device: torch.device, moment_dtype: torch.dtype,
                  max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
                  guard_params: bool, order: list | None = None, seed: int = 0, log=None,
-                 mapped_fraction: float = 0.0) -> None:
+                 mapped_fraction: float = 0.0, max_inflight_bytes: int | None = None) -> None:
         self.param_groups = param_groups
         self.device = device
         self.moment_dtype = moment_dtype
@@ -53,6 +54,12 @@ class Engine:
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
+        if max_inflight_bytes is None and self.dev.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            max_inflight_bytes = min(1 << 30, total // 10)
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight: collections.deque = collections.deque()   # (event, bytes) in order
+        self._inflight_bytes = 0
         self._in_backward = False
         self._task = -1
         self._micro = 0
@@ -64,7 +71,8 @@ class Engine:
         self.closed = False
         self.last_grad_norm: float | None = None
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
-                      "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0}
+                      "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0,
+                      "throttle_s": 0.0}
         for s in self.slots:
             s.param._ramstream_slot = s
             s.engine_wait = self.wait_bucket
@@ -178,7 +186,9 @@ class Engine:
             b.pending_landing_checked = True
         g = p.grad
         if s.direct or self.dev.type == "cpu":
+            self._throttle(g.nbytes)
             self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
+            self._track(self.dev.record_d2h(), g.nbytes)
         else:
             if b.staging is None:
                 b.staging = self.dev.staging(b.numel - b.small_lo, b.dtype)
@@ -209,6 +219,7 @@ class Engine:
         if not slots:
             return
         if b.staging is not None:
+            self._throttle(b.staging.nbytes)
             small = [s for s in slots if not s.direct]
             if len(small) == sum(1 for s in b.slots if not s.direct):
                 self.dev.flush_to_host(b.landing[b.small_lo:], b.staging)
@@ -217,7 +228,9 @@ class Engine:
                     lo = s.offset - b.small_lo
                     self.dev.flush_to_host(b.landing[s.offset:s.offset + s.numel],
                                            b.staging[lo:lo + s.numel])
+            nbytes = b.staging.nbytes
             b.staging = None
+            self._track(self.dev.record_d2h(), nbytes)
         ev = self.dev.record_d2h()
         self.stats["bytes_d2h"] += sum(s.numel for s in slots) * b.landing.element_size()
         accumulate = self.accumulation_steps > 1
@@ -307,6 +320,7 @@ class Engine:
         """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
         produced their gradients); their gradients are released once it has run."""
         C = lib()
+        self._throttle(sum(s.param.grad.nbytes for s in slots))
         stream = self.dev.begin_update()
         mcode = dtype_code(b.exp_avg.dtype)
         for s in slots:
@@ -328,7 +342,28 @@ class Engine:
             s.param.grad = None
         self.stats["gpu_updates"] += len(slots)
         b.h2d_event = self.dev.end_update()
+        self._track(b.h2d_event, sum(s.numel for s in slots) * b.dtype.itemsize)
         self._mark_pending(b)
+
+    def _throttle(self, nbytes: int) -> None:
+        """Backward waits while gradients still crossing to the host (or waiting for their GPU
+        update) would hold more than max_inflight_bytes of device memory."""
+        if self.max_inflight_bytes is None:
+            return
+        while self._inflight and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+            ev, n = self._inflight.popleft()
+            t0 = time.perf_counter()
+            ev.synchronize()
+            self.stats["throttle_s"] += time.perf_counter() - t0
+            self._inflight_bytes -= n
+
+    def _track(self, event, nbytes: int) -> None:
+        if self.max_inflight_bytes is None or event is None:
+            return
+        self._inflight.append((event, nbytes))
+        self._inflight_bytes += nbytes
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight_bytes -= self._inflight.popleft()[1]
 
     def _dev_norm_add(self, g: torch.Tensor) -> None:
         if self._dev_norm is None:

@@ -1,31 +1,38 @@
-"""Optimizer state in torch's AdamW format: export from the flat host buffers, import into them.
+"""Optimizer state in torch's AdamW format: export from where it lives, import into it.
 
 Exported: {"state": {i: {"step": float32 scalar, "exp_avg": fp32, "exp_avg_sq": fp32}},
 "param_groups": [{...hyper-parameters..., "params": [i, ...]}]}, keyed by the position of each
 parameter in param_groups order, exactly as torch.optim.AdamW.state_dict() does, so either
-loads into the other.
+loads into the other. The state lives in the engine's flat host buffers, or on the device after
+the resident switch.
 """
 from __future__ import annotations
 
 import torch
 
 
-def _moment_view(flat: torch.Tensor, s) -> torch.Tensor:
-    v = flat[s.offset:s.offset + s.numel].view(s.param.shape)
-    return v if v.dtype == torch.float32 else v.float()
+def _slot_tensors(opt, s) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(step, exp_avg view, exp_avg_sq view) of a slot, wherever they live."""
+    r = opt._resident
+    if r is not None:
+        st = r.state[s.index]
+        return int(st["step"].item()), st["exp_avg"], st["exp_avg_sq"]
+    b = s.bucket
+    sl = slice(s.offset, s.offset + s.numel)
+    return s.step, b.exp_avg[sl].view(s.param.shape), b.exp_avg_sq[sl].view(s.param.shape)
 
 
-def export_state(engine, param_groups: list[dict]) -> dict:
-    engine.synchronize()
+def export_state(opt, param_groups: list[dict]) -> dict:
+    opt.synchronize()
     state = {}
-    for s in engine.slots:
-        if s.step == 0:
+    for s in opt._engine.slots:
+        step, m, v = _slot_tensors(opt, s)
+        if step == 0:
             continue
-        b = s.bucket
         state[s.index] = {
-            "step": torch.tensor(float(s.step), dtype=torch.float32),
-            "exp_avg": _moment_view(b.exp_avg, s),
-            "exp_avg_sq": _moment_view(b.exp_avg_sq, s),
+            "step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": m if m.dtype == torch.float32 else m.float(),
+            "exp_avg_sq": v if v.dtype == torch.float32 else v.float(),
         }
     groups = []
     index = 0
@@ -37,7 +44,14 @@ def export_state(engine, param_groups: list[dict]) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def import_state(engine, param_groups: list[dict], sd: dict) -> None:
+def _set_step(opt, s, step: int) -> None:
+    if opt._resident is not None:
+        opt._resident.state[s.index]["step"].fill_(float(step))
+    else:
+        s.step = step
+
+
+def import_state(opt, param_groups: list[dict], sd: dict) -> None:
     """Loads a torch-format AdamW state dict (ours or torch's); ValueError when it does not match."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
@@ -49,12 +63,12 @@ def import_state(engine, param_groups: list[dict], sd: dict) -> None:
         if len(sg["params"]) != len(g["params"]):
             raise ValueError(f"load_state_dict: param group {i} has {len(sg['params'])} parameters "
                              f"in the state dict, {len(g['params'])} in the optimizer")
-    # saved ids -> our positional indices (torch keys state by the ids listed in param_groups)
-    id_map = {}
+    id_map = {}   # saved ids -> positional indices (torch keys state by the ids in param_groups)
     for sg in saved_groups:
         for pid in sg["params"]:
             id_map[pid] = len(id_map)
-    by_index = {s.index: s for s in engine.slots}
+    slots = opt._engine.slots
+    by_index = {s.index: s for s in slots}
     staged = []
     for pid, st in sd["state"].items():
         if pid not in id_map:
@@ -71,23 +85,23 @@ def import_state(engine, param_groups: list[dict], sd: dict) -> None:
                 raise ValueError(f"load_state_dict: '{key}' of parameter {pid} has "
                                  f"{st[key].numel()} elements, the parameter {s.numel}")
         staged.append((s, st))
-    engine.synchronize()
-    for s, st in staged:
-        b = s.bucket
-        for key, flat in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
-            src = st[key].detach().reshape(-1)
-            dst = flat[s.offset:s.offset + s.numel]
-            if src.data_ptr() != dst.data_ptr():
-                dst.copy_(src)
-        step = st["step"]
-        s.step = int(step.item() if torch.is_tensor(step) else step)
-    loaded = {s.index for s, _ in staged}
-    for s in engine.slots:
-        if s.index not in loaded:
-            s.step = 0
-            b = s.bucket
-            b.exp_avg[s.offset:s.offset + s.numel].zero_()
-            b.exp_avg_sq[s.offset:s.offset + s.numel].zero_()
+    opt.synchronize()                  # nothing is changed before every entry was checked
+    with torch.no_grad():
+        for s, st in staged:
+            _, m, v = _slot_tensors(opt, s)
+            for src, dst in ((st["exp_avg"], m), (st["exp_avg_sq"], v)):
+                src = src.detach().reshape(dst.shape)
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+            step = st["step"]
+            _set_step(opt, s, int(step.item() if torch.is_tensor(step) else step))
+        loaded = {s.index for s, _ in staged}
+        for s in slots:
+            if s.index not in loaded:
+                _, m, v = _slot_tensors(opt, s)
+                m.zero_()
+                v.zero_()
+                _set_step(opt, s, 0)
     for sg, g in zip(saved_groups, param_groups):
         for k, v in sg.items():
             if k != "params":

@@ -182,3 +182,15 @@ def test_gpu_mode_fp32_master_survives_half_and_back():
     train_torch(model, opt, data[3:])
     opt.synchronize()
     assert max_diff(ref, model) < 1e-5
+
+
+def test_resident_switch_on_gpu_is_exact_and_frees_nothing_it_needs():
+    ref, model = _pair()
+    data = batches(10, device=DEV)
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    train_torch(model, opt, data)
+    assert opt.resident
+    assert any("switching" in e for e in ramstream.memory_report(model)["events"])
+    assert max_diff(ref, model) < 1e-5
+    assert all(p.grad is None for p in model.parameters())

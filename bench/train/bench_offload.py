@@ -16,6 +16,15 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# name -> (under the VRAM cap?, wrap() options or None for plain torch)
+VARIANTS = {
+    "stock_capped": (True, None),
+    "fused_uncapped": (False, None),
+    "ramstream_cpu": (True, {"optimizer_mode": "cpu", "offload": True}),
+    "ramstream_auto": (True, {"optimizer_mode": "auto", "offload": True}),
+    "ramstream_gpu": (True, {"optimizer_mode": "gpu", "offload": True}),
+    "ramstream_resident_uncapped": (False, {}),
+}
 
 
 def _rss_gib() -> float:
@@ -66,6 +75,8 @@ def run_variant(args) -> dict:
         if args.variant == "ramstream":
             opt.synchronize()
             out["stats"] = opt.stats()
+            out["resident"] = opt.resident
+            out["split"] = opt.split_info
             out["report_events"] = ramstream.memory_report(model)["events"][-5:]
         times.sort()
         out.update(ok=True, s_per_step=times[len(times) // 2], min_s=times[0], loss=loss_v,
@@ -84,8 +95,8 @@ def main() -> int:
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--variants", default="stock_capped,fused_uncapped,ramstream")
-    ap.add_argument("--options", default="{}", help="wrap() options as JSON")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--options", default="{}", help="wrap() options as JSON (with --variant)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -94,11 +105,15 @@ def main() -> int:
         return 0
     results = []
     for v in args.variants.split(","):
-        cap = 0.0 if v == "fused_uncapped" else args.cap_gib
-        variant = "ramstream" if v.startswith("ramstream") else "torch"
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+        capped, options = VARIANTS[v]
+        cap = args.cap_gib if capped else 0.0
+        variant = "torch" if options is None else "ramstream"
         cmd = [sys.executable, __file__, "--variant", variant, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib", str(cap),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options]
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--options", json.dumps(options or {})]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         r = json.loads(line[-1][7:]) if line else {"ok": False, "error": p.stderr[-2000:]}

@@ -29,7 +29,7 @@ for stage in $STAGES; do
   case "$stage" in
     tests)
       (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 300 python3 -m pytest . -q -m cuda -p no:cacheprovider \
-        --tb=short ${TEST_ARGS:-} > "$OUT/tests_cuda.log" 2>&1)
+        --tb=short > "$OUT/tests_cuda.log" 2>&1)
       summary "tests -m cuda: $(tail -1 "$OUT/tests_cuda.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20 ;;
     cputorch)  # the host AdamW's bit-exactness against this machine's torch

@@ -11,6 +11,13 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
+def wrap(model, opt=None, **kw):
+    """wrap() with offload=True: a small test model fits on the GPU, and offload="auto" would
+    switch to the resident optimizer after two steps (tested on its own below)."""
+    kw.setdefault("offload", True)
+    return ramstream.wrap(model, opt, **kw)
+
+
 def _pair(seed=0, **kw):
     ref = make_model(seed, **kw).to(DEV)
     return ref, clone(ref)
@@ -27,7 +34,7 @@ def test_parity_with_torch(kw, torch_kw):
     data = batches(24, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
                                        foreach=False), data, **torch_kw)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
                                                          weight_decay=0.05), **kw)
     assert opt._engine.dev.type == "cuda"
     train_torch(model, opt, data, accumulation=torch_kw.get("accumulation", 1))
@@ -49,7 +56,7 @@ def test_low_precision_model_fp32_master(dtype, deterministic):
     ref, model = _pair(dtype=dtype)
     data = batches(20, device=DEV)
     masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
                                                          weight_decay=0.01))
     train_torch(model, opt, data)
     masters = opt.master_weights()
@@ -61,7 +68,7 @@ def test_state_dict_round_trip_into_torch_adamw():
     data = batches(10, device=DEV)
     ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, foreach=False)
     train_torch(ref, ropt, data[:5])
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3))
     train_torch(model, opt, data[:5])
     plain = make_model(0).to(DEV)
     plain.load_state_dict(model.state_dict())
@@ -78,7 +85,7 @@ def test_gradients_and_state_live_in_host_ram():
     model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(16)]).to(DEV)
     weights = sum(p.numel() * 4 for p in model.parameters())
     x = torch.randn(64, d, device=DEV)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                 offload=True, bucket_bytes=8 << 20)
     for _ in range(3):
         model(x).square().mean().backward()
@@ -106,7 +113,7 @@ def test_guard_waits_on_gpu():
     ref, model = _pair()
     data = batches(1, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False), data)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     x, y = data[0]
     model(x, y).backward()
     opt.step()
@@ -119,7 +126,7 @@ def test_to_cpu_and_back_and_wrong_device_error():
     ref, model = _pair()
     data = batches(6, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
     train_torch(model, opt, data[:3])
     model.to("cpu")
     x, y = data[3]
@@ -143,7 +150,7 @@ def test_gpu_and_auto_modes_match_torch(mode, kw, torch_kw):
     data = batches(16, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
                                        foreach=False), data, **torch_kw)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
                                                          weight_decay=0.05),
                                 optimizer_mode=mode, bucket_bytes=8192, **kw)
     if mode == "gpu":
@@ -160,7 +167,7 @@ def test_gpu_mode_low_precision_model_and_conversion(deterministic):
     ref, model = _pair(dtype=torch.bfloat16)
     data = batches(12, device=DEV)
     masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
                                                          weight_decay=0.01), optimizer_mode="gpu")
     train_torch(model, opt, data)
     masters = opt.master_weights()
@@ -171,7 +178,7 @@ def test_gpu_mode_fp32_master_survives_half_and_back():
     ref, model = _pair()
     data = batches(6, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                 optimizer_mode="gpu")
     train_torch(model, opt, data[:3])
     before = [m.clone() for m in opt.master_weights()]
@@ -188,7 +195,7 @@ def test_resident_switch_on_gpu_is_exact_and_frees_nothing_it_needs():
     ref, model = _pair()
     data = batches(10, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), offload="auto")
     train_torch(model, opt, data)
     assert opt.resident
     assert any("switching" in e for e in ramstream.memory_report(model)["events"])

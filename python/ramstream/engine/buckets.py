@@ -70,6 +70,12 @@ class Bucket:
 
 
 DIRECT_BYTES = 1 << 20   # a gradient this large is copied to the host on its own
+ALIGN_BYTES = 512        # every parameter starts 512-byte aligned, as torch's allocator places
+                         # tensors (GPU kernels pick their code path by pointer alignment)
+
+
+def _align(n: int, elems: int) -> int:
+    return (n + elems - 1) // elems * elems
 
 
 def build_buckets(slots: list[Slot], bucket_bytes: int, elem_size: int = 4) -> list[Bucket]:
@@ -82,28 +88,33 @@ def build_buckets(slots: list[Slot], bucket_bytes: int, elem_size: int = 4) -> l
     cur_numel = 0
     state_offset = 0
     limit = max(1, bucket_bytes // elem_size)
+    align = max(1, ALIGN_BYTES // elem_size)
 
     def close() -> None:
         nonlocal cur, cur_numel, state_offset
         if not cur:
             return
-        b = Bucket(index=len(buckets), slots=cur, numel=cur_numel, state_offset=state_offset)
+        b = Bucket(index=len(buckets), slots=cur, numel=0, state_offset=state_offset)
         for s in cur:
             s.direct = len(cur) == 1 or s.numel * elem_size >= DIRECT_BYTES
         off = 0
         for s in [s for s in cur if s.direct] + [s for s in cur if not s.direct]:
+            if not s.direct and b.small_lo == 0 and off > 0:
+                b.small_lo = off
             s.bucket, s.offset = b, off
-            off += s.numel
-        b.small_lo = sum(s.numel for s in cur if s.direct)
+            off = _align(off + s.numel, align)
+        if all(s.direct for s in cur):
+            b.small_lo = off
+        b.numel = off
         buckets.append(b)
-        state_offset += cur_numel
+        state_offset += off
         cur, cur_numel = [], 0
 
     for s in slots:
         if cur and cur_numel + s.numel > limit:
             close()
         cur.append(s)
-        cur_numel += s.numel
+        cur_numel += _align(s.numel, align)
         if cur_numel >= limit:
             close()
     close()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .._native import lib
-from .buckets import Bucket, runs
+from .buckets import Bucket
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -81,4 +81,10 @@ def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: floa
                     _ptr(b.exp_avg, start), _ptr(b.exp_avg_sq, start), mcode,
                     _ptr(out, start), ocode, p.numel, b.state_offset + start,
                     h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, p.step, grad_scale, seed)
-    return [(start, n) for start, n, _ in runs(ordered, lambda p: 0)]
+    ranges: list[list[int]] = []     # merged for the copy back; small gaps are padding
+    for p in ordered:
+        if ranges and p.offset - (ranges[-1][0] + ranges[-1][1]) <= 4096:
+            ranges[-1][1] = p.offset + p.numel - ranges[-1][0]
+        else:
+            ranges.append([p.offset, p.numel])
+    return [(a, n) for a, n in ranges]

@@ -19,7 +19,7 @@ def allocate(engine, b: Bucket, placement: str) -> None:
     dev = engine.dev
     b.placement = placement
     b.dtype, b.device = b.slots[0].param.dtype, engine.device
-    b.device_flat = torch.empty(b.numel, dtype=b.dtype, device=engine.device)
+    b.device_flat = torch.zeros(b.numel, dtype=b.dtype, device=engine.device)
     for s in b.slots:
         b.device_flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         s.param.data = b.device_flat[s.offset:s.offset + s.numel].view(s.param.shape)
@@ -106,6 +106,12 @@ def resync_masters(engine) -> None:
     for b in engine.buckets:
         if b.master is None:
             continue            # the weights are the master
-        if not torch.equal(b.device_flat, b.master.to(b.device_flat.device, b.dtype)):
-            b.master.copy_(b.device_flat)
-            engine.log(f"bucket {b.index}: fp32 master reloaded from the model's weights")
+        changed = 0
+        for s in b.slots:
+            sl = slice(s.offset, s.offset + s.numel)
+            if not torch.equal(b.device_flat[sl], b.master[sl].to(b.device_flat.device, b.dtype)):
+                b.master[sl].copy_(b.device_flat[sl])
+                changed += 1
+        if changed:
+            engine.log(f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the "
+                       "model's weights")

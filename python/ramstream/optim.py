@@ -55,6 +55,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         bucket_bytes: gradients and weights cross PCIe in buckets of about this size.
         max_inflight_bytes: device memory that gradients waiting for their copy to the host may
             hold before backward waits (None: min(1 GiB, 10% of the device)).
+        distributed: data parallel over the initialised torch.distributed process group: each
+            rank keeps and updates the host state of its share of the buckets.
         seed: the stochastic-rounding stream of bf16 moments.
     """
 
@@ -63,8 +65,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                  accumulation_steps: int = 1, moment_dtype: Any = "float32", threads=None,
                  device=None, offload: Any = True, vram_headroom: float = 0.10,
                  guard_params: bool = True, bucket_bytes: int = 32 << 20,
-                 max_inflight_bytes: int | None = None, seed: int = 0, _order=None,
-                 _log=None) -> None:
+                 max_inflight_bytes: int | None = None, distributed: bool = False, seed: int = 0,
+                 _order=None, _log=None) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
             raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', "
@@ -94,6 +96,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             device = devices.pop()
         device = torch.device(device)
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
+        self._distributed = bool(distributed)
         self._log = _log or (lambda msg: None)
         self.split_info: dict = {}
         from .engine.core import Engine
@@ -102,10 +105,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.param_groups, order=_order, device=device, moment_dtype=self._moment_dtype,
             mapped_fraction=self._mapped_fraction(mode, device), max_grad_norm=self._max_grad_norm,
             accumulation_steps=self._accumulation_steps, bucket_bytes=bucket_bytes,
-            guard_params=guard_params, max_inflight_bytes=max_inflight_bytes, seed=seed, log=_log)
+            guard_params=guard_params, max_inflight_bytes=max_inflight_bytes,
+            distributed=distributed, seed=seed, log=_log)
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
-        if mode == "cpu":
+        if mode == "cpu" or self._distributed:
             return 0.0
         if device.type != "cuda":
             if mode == "gpu":
@@ -180,8 +184,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
 
+        from .engine.state import gather_bucket_state
+
         self.synchronize()
-        by_index = {s.index: s for s in self._engine.slots}
+        e = self._engine
+        gathered = gather_bucket_state(e, ("master",)) if self._resident is None else None
+        by_index = {s.index: s for s in e.slots}
         out, i = [], 0
         for g in self.param_groups:
             for p in g["params"]:
@@ -191,7 +199,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 elif self._resident is not None:
                     out.append(self._resident.masters[i].detach().float().cpu().clone())
                 else:
-                    master = master_flat(s.bucket)
+                    master = master_flat(s.bucket) if gathered is None else gathered[s.bucket.index][0]
                     out.append(master[s.offset:s.offset + s.numel].view(p.shape).to(
                         "cpu", copy=True))
                 i += 1
@@ -211,6 +219,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         mem = device_memory(self._engine.device)
         if mem is None:
+            return
+        if self._engine.dp is not None:
+            self._log("offload=auto: data parallel keeps offloading (no resident switch)")
             return
         need = resident_bytes(self._engine)
         room = mem["usable"] * (1 - self.vram_headroom) - mem["peak"]

@@ -62,6 +62,19 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
                      "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None")
 
 
+def _use_data_parallel(option) -> bool:
+    """distributed=None: data parallel when a process group with more than one rank exists."""
+    import torch.distributed as dist
+
+    ready = dist.is_available() and dist.is_initialized()
+    if option is True and not ready:
+        raise ValueError("wrap(): option distributed=True needs torch.distributed initialised "
+                         "(torch.distributed.init_process_group) before wrap()")
+    if option is None:
+        return ready and dist.get_world_size() > 1
+    return bool(option)
+
+
 def _pick_moment_dtype(opts: WrapOptions, numel: int, log: EventLog) -> torch.dtype:
     if opts.moment_dtype == "float32":
         return torch.float32
@@ -97,9 +110,6 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
     opts = WrapOptions.parse(**options)
     log = EventLog(opts.verbose)
-    if opts.distributed:
-        raise ValueError("wrap(): option distributed=True is not accepted by this version; "
-                         "accepted: None, False")
     devices = {p.device for p in model.parameters()}
     device = opts.device
     if device is None:
@@ -110,6 +120,15 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if any(d != device for d in {p.device for p in model.parameters()}):
         log(f"moving the model to {device}")
         model.to(device)
+    use_dp = _use_data_parallel(opts.distributed)
+    if use_dp:
+        from .engine.distributed import broadcast_model
+
+        broadcast_model(model, src=0)
+        import torch.distributed as dist
+
+        log(f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()} "
+            f"({dist.get_backend()}); rank 0's weights broadcast")
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
     numel = sum(p.numel() for g in groups for p in g["params"])
     moment_dtype = _pick_moment_dtype(opts, numel, log)
@@ -121,7 +140,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                        guard_params=opts.guard_params, bucket_bytes=opts.bucket_bytes,
                        mode=opts.optimizer_mode, offload=opts.offload,
                        vram_headroom=opts.vram_headroom,
-                       max_inflight_bytes=opts.max_inflight_bytes,
+                       max_inflight_bytes=opts.max_inflight_bytes, distributed=use_dp,
                        _order=_forward_order(model), _log=log)
     if old_state is not None:
         opt.load_state_dict(old_state)

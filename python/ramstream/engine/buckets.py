@@ -6,6 +6,8 @@ its fp32 master and moments are flat host tensors. Slots are never split across 
 """
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +62,11 @@ class Bucket:
     landing_seq: int = 0              # last engine job that reads the landing buffer
     update_seq: int = 0               # engine job that produces the pending update
     h2d_event: object = None          # device event: the new weights are on the device
+    bcast_done: threading.Event = field(default_factory=threading.Event)  # data parallel
+    bcast_event: object = None
+
+    def __post_init__(self) -> None:
+        self.bcast_done.set()
 
     @property
     def expected_slots(self) -> int:

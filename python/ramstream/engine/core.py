@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from .._native import lib
 from . import guard as _guard
 from . import layout
 from .buckets import Bucket, Slot, build_buckets
 from .devices import make_device
-from .host_jobs import Hyper, Piece, dtype_code, land, update
+from .gpu_updates import dev_norm_add, launch_mapped
+from .host_jobs import Hyper, Piece, land, update
 from .worker import Worker
 
 
@@ -30,7 +30,8 @@ class Engine:
     def __init__(self, param_groups: list[dict], *, device: torch.device, moment_dtype: torch.dtype,
                  max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
                  guard_params: bool, order: list | None = None, seed: int = 0, log=None,
-                 mapped_fraction: float = 0.0, max_inflight_bytes: int | None = None) -> None:
+                 mapped_fraction: float = 0.0, max_inflight_bytes: int | None = None,
+                 distributed: bool = False) -> None:
         self.param_groups = param_groups
         self.device = device
         self.moment_dtype = moment_dtype
@@ -46,11 +47,22 @@ class Engine:
         for s in self.slots:
             self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
+        self.dp = None
+        if distributed:
+            from .distributed import DataParallel
+
+            if mapped_fraction > 0:
+                raise ValueError("ramstream: data parallel runs the update on the host "
+                                 "(optimizer_mode='cpu'); 'gpu' is not supported with it yet")
+            self.dp = DataParallel(self)
+            for s in self.slots:
+                s.expected = s.param.requires_grad
         total = sum(b.numel for b in self.buckets)
         mapped = 0
         for b in self.buckets:      # the first buckets in forward order go to the GPU kernel
             use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
-            layout.allocate(self, b, "mapped" if use_gpu else "host")
+            layout.allocate(self, b, "mapped" if use_gpu else "host",
+                            owned=self.dp is None or self.dp.owns(b))
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
@@ -185,7 +197,11 @@ class Engine:
             self.dev.wait_landing_reusable(b.h2d_event)
             b.pending_landing_checked = True
         g = p.grad
-        if s.direct or self.dev.type == "cpu":
+        if self.dp is not None:
+            if b.staging is None:
+                b.staging = self.dev.zeros(b.numel, b.dtype)
+            self.dev.gather_on_device(b.staging[s.offset:s.offset + s.numel], g)
+        elif s.direct or self.dev.type == "cpu":
             self._throttle(g.nbytes)
             self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
             self._track(self.dev.record_d2h(), g.nbytes)
@@ -200,23 +216,48 @@ class Engine:
         if all(x.micro_arrived for x in b.slots if x.expected):
             self._flush_bucket(b)
 
+    def _flush_dp(self, b: Bucket) -> list[Slot] | None:
+        """Data parallel: sum the bucket's gradients onto its owner. Every trainable slot of the
+        bucket counts as arrived on every rank (a missing gradient is zero), so all ranks agree
+        on steps. Returns the slots the owner updates, None on other ranks."""
+        staging = b.staging if b.staging is not None else self.dev.zeros(b.numel, b.dtype)
+        b.staging = None
+        for s in b.slots:
+            if s.param.requires_grad and not s.micro_arrived:
+                s.micro_arrived = True
+                s.arrivals += 1
+        self.dp.reduce(b, staging)
+        slots = [s for s in b.slots if s.param.requires_grad]
+        if not self.dp.owns(b):
+            return None
+        self.dev.flush_to_host(b.landing, staging)
+        return slots
+
     def _on_grad_mapped(self, s: Slot, b: Bucket, p) -> None:
         """The GPU updates this slot itself; its gradient stays on the device until then."""
         s.arrivals += 1
         if not self._final_micro:
             return                               # autograd sums the next micro-batch into .grad
         if self.max_grad_norm is not None:
-            self._dev_norm_add(p.grad)           # the update waits for the global norm
+            dev_norm_add(self, p.grad)           # the update waits for the global norm
             return
         hyper = self._hypers()[s.group]
         s.step += 1
         s.updated = True
-        self._launch_mapped(b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
+        launch_mapped(self, b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
 
     def _flush_bucket(self, b: Bucket) -> None:
         """Queues the engine job for the slots of b that arrived since the last flush."""
         slots, b.micro_list = b.micro_list, []
-        if not slots:
+        if self.dp is not None:
+            slots = self._flush_dp(b)
+            if not slots:
+                for s in b.slots:       # non-owner: the owner takes the step
+                    if s.param.requires_grad and self._final_micro:
+                        s.step += self.max_grad_norm is None
+                        s.updated = self.max_grad_norm is None
+                return
+        elif not slots:
             return
         if b.staging is not None:
             self._throttle(b.staging.nbytes)
@@ -238,6 +279,7 @@ class Engine:
         eager = self._final_micro and self.max_grad_norm is None
         want_norm = self._final_micro and self.max_grad_norm is not None
         hypers = self._hypers() if eager else None
+        scale = 1.0 / self.dp.world if self.dp is not None else 1.0
         if eager:
             for s in slots:
                 s.step += 1
@@ -250,7 +292,7 @@ class Engine:
             land(b, pieces, accumulate, want_norm)
             self.stats["host_land_s"] += time.perf_counter() - t0
             if eager:
-                self._update_and_send(b, pieces, hypers, 1.0, accumulate)
+                self._update_and_send(b, pieces, hypers, scale, accumulate)
 
         seq = self.worker.submit(job, priority=b.index, deps=(b.last_seq,))
         b.last_seq = b.landing_seq = seq
@@ -273,7 +315,8 @@ class Engine:
 
     def _end_backward(self) -> None:
         for b in self.buckets:
-            if b.micro_list:
+            if b.micro_list or (self.dp is not None and any(
+                    s.param.requires_grad and not s.micro_arrived for s in b.slots)):
                 self._flush_bucket(b)
             b.pending_landing_checked = False
             for s in b.slots:
@@ -316,35 +359,6 @@ class Engine:
                 self.stats["bytes_h2d"] += n * b.landing.element_size()
         b.h2d_event = self.dev.record_h2d()
 
-    def _launch_mapped(self, b: Bucket, slots: list[Slot], hyper_of, grad_scale: float) -> None:
-        """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
-        produced their gradients); their gradients are released once it has run."""
-        C = lib()
-        self._throttle(sum(s.param.grad.nbytes for s in slots))
-        stream = self.dev.begin_update()
-        mcode = dtype_code(b.exp_avg.dtype)
-        for s in slots:
-            g = s.param.grad
-            h = hyper_of(s.group)
-            off = s.offset
-            if b.master is None:       # fp32 weights are their own master
-                param, out, ocode = s.param.data_ptr(), 0, 0
-            else:
-                param = b.master.data_ptr() + 4 * off
-                out, ocode = s.param.data_ptr(), dtype_code(b.dtype)
-            esz = b.exp_avg.element_size()
-            C.cuda_adamw_ptr(param, g.data_ptr(), dtype_code(g.dtype),
-                             b.exp_avg.data_ptr() + esz * off, b.exp_avg_sq.data_ptr() + esz * off,
-                             mcode, out, ocode, s.numel, b.state_offset + off, h.lr, h.beta1,
-                             h.beta2, h.eps, h.weight_decay, s.step, grad_scale, self.seed,
-                             stream, self.device.index)
-            g.record_stream(self.dev.upd)
-            s.param.grad = None
-        self.stats["gpu_updates"] += len(slots)
-        b.h2d_event = self.dev.end_update()
-        self._track(b.h2d_event, sum(s.numel for s in slots) * b.dtype.itemsize)
-        self._mark_pending(b)
-
     def _throttle(self, nbytes: int) -> None:
         """Backward waits while gradients still crossing to the host (or waiting for their GPU
         update) would hold more than max_inflight_bytes of device memory."""
@@ -365,14 +379,6 @@ class Engine:
         while self._inflight and self._inflight[0][0].query():
             self._inflight_bytes -= self._inflight.popleft()[1]
 
-    def _dev_norm_add(self, g: torch.Tensor) -> None:
-        if self._dev_norm is None:
-            self._dev_norm = torch.zeros(1, dtype=torch.float64, device=self.device)
-        stream = self.dev.begin_update()
-        lib().cuda_sq_norm(g.detach(), self._dev_norm, accumulate=True, stream=stream,
-                           device=self.device.index)
-        self.dev.end_update()
-
     def step(self) -> None:
         """Queues every update not yet queued; returns without waiting for host updates."""
         if self._in_backward and torch._C._current_graph_task_id() == -1:
@@ -383,9 +389,12 @@ class Engine:
         for s in self.slots:
             self.check_param(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
+        stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
             hypers = self._hypers()       # validated before anything is changed
-            grad_scale = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
+            world = self.dp.world if self.dp is not None else 1
+            grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
+                          else 1.0) / world
             accumulate = self.accumulation_steps > 1
             by_bucket: dict[int, list[Slot]] = {}
             for s in todo:
@@ -394,9 +403,11 @@ class Engine:
                 b, slots = self.buckets[bi], by_bucket[bi]
                 for s in slots:
                     s.step += 1
+                if self.dp is not None and not self.dp.owns(b):
+                    continue
                 if b.placement == "mapped":
-                    self._launch_mapped(b, slots, hyper_of=lambda g: hypers[g],
-                                        grad_scale=grad_scale)
+                    launch_mapped(self, b, slots, hyper_of=lambda g: hypers[g],
+                                  grad_scale=grad_scale)
                     continue
                 pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
                 self._mark_pending(b)
@@ -405,6 +416,10 @@ class Engine:
                                                                      accumulate),
                     priority=b.index, deps=(b.last_seq,))
                 b.last_seq = b.update_seq = b.landing_seq = seq
+        if self.dp is not None:
+            for bi in stepped:            # the same buckets, in the same order, on every rank
+                self._mark_pending(self.buckets[bi])
+                self.dp.broadcast_after_update(self.buckets[bi])
         for s in self.slots:
             if s.arrivals == 0 and s.expected and self._micro > 0:
                 s.expected = False      # it got no gradient this step: don't wait for it
@@ -420,7 +435,7 @@ class Engine:
         mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
         total = 0.0
         for b in self.buckets:
-            if b.placement == "host":
+            if b.placement == "host" and (self.dp is None or self.dp.owns(b)):
                 self.worker.wait(b.landing_seq)
                 total += b.sq_norm
                 b.sq_norm = 0.0
@@ -428,6 +443,8 @@ class Engine:
             self.dev.upd.synchronize()
             total += float(self._dev_norm.item())
             self._dev_norm.zero_()
+        if self.dp is not None:           # the norm of the averaged gradient
+            total = self.dp.all_reduce_scalar(total) / self.dp.world ** 2
         self.last_grad_norm = math.sqrt(total)
         return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
 
@@ -437,9 +454,13 @@ class Engine:
         if not b.pending:
             return
         t0 = time.perf_counter()
-        if b.placement == "host":
+        if self.dp is not None:
+            self.dp.wait(b)
+        elif b.placement == "host":
             self.worker.wait(b.update_seq)
-        self.dev.device_wait(b.h2d_event)
+            self.dev.device_wait(b.h2d_event)
+        else:
+            self.dev.device_wait(b.h2d_event)
         b.pending = False
         _guard._pending[0] -= 1
         self.stats["wait_s"] += time.perf_counter() - t0
@@ -479,6 +500,11 @@ class Engine:
     def rebind(self, model: torch.nn.Module | None = None) -> None:
         self.synchronize()
         layout.rebind(self, model)
+        if self.dp is not None:   # only owners hold masters: the others take their weights
+            for b in self.buckets:
+                self._mark_pending(b)
+                self.dp.broadcast_after_update(b)
+            self.synchronize()
 
     def resync_masters(self) -> None:
         self.synchronize()
@@ -496,6 +522,8 @@ class Engine:
             if hasattr(s.param, "_ramstream_slot"):
                 del s.param._ramstream_slot
         self.worker.close()
+        if self.dp is not None:
+            self.dp.close()
         self.closed = True
 
 

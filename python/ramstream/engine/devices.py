@@ -29,6 +29,9 @@ class CpuDevice:
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype)
+
     def flush_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
@@ -87,6 +90,9 @@ class CudaDevice:
 
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def gather_on_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device-to-device copy of a small gradient into the bucket's staging buffer."""

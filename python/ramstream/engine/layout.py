@@ -14,8 +14,9 @@ import torch
 from .buckets import Bucket
 
 
-def allocate(engine, b: Bucket, placement: str) -> None:
-    """Points b's parameters at a fresh flat device buffer and allocates its state."""
+def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
+    """Points b's parameters at a fresh flat device buffer and allocates its state (none when
+    another data-parallel rank owns the bucket)."""
     dev = engine.dev
     b.placement = placement
     b.dtype, b.device = b.slots[0].param.dtype, engine.device
@@ -23,7 +24,9 @@ def allocate(engine, b: Bucket, placement: str) -> None:
     for s in b.slots:
         b.device_flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         s.param.data = b.device_flat[s.offset:s.offset + s.numel].view(s.param.shape)
-    if placement == "host":
+    if not owned:
+        b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None
+    elif placement == "host":
         b.master = b.device_flat.to("cpu", torch.float32, copy=True)
         b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype)
         b.exp_avg_sq = torch.zeros(b.numel, dtype=engine.moment_dtype)
@@ -77,7 +80,7 @@ def rebind(engine, model: torch.nn.Module | None) -> None:
         master = master_flat(b)
         if dtype != b.dtype:
             b.dtype = dtype
-            if b.placement == "host":
+            if b.landing is not None:
                 b.landing = engine.dev.host_buffer(b.numel, dtype)
             engine.log(f"bucket {b.index}: working dtype now {dtype} (fp32 master kept)")
         flat = torch.empty(b.numel, dtype=dtype, device=engine.device)

@@ -11,22 +11,40 @@ from __future__ import annotations
 import torch
 
 
-def _slot_tensors(opt, s) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(step, exp_avg view, exp_avg_sq view) of a slot, wherever they live."""
+def _slot_tensors(opt, s, gathered=None) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(step, exp_avg view, exp_avg_sq view) of a slot, wherever they live (None: another
+    data-parallel rank holds them and `gathered` has no copy)."""
     r = opt._resident
     if r is not None:
         st = r.state[s.index]
         return int(st["step"].item()), st["exp_avg"], st["exp_avg_sq"]
     b = s.bucket
+    m, v = (b.exp_avg, b.exp_avg_sq) if gathered is None else gathered[b.index]
+    if m is None:
+        return s.step, None, None
     sl = slice(s.offset, s.offset + s.numel)
-    return s.step, b.exp_avg[sl].view(s.param.shape), b.exp_avg_sq[sl].view(s.param.shape)
+    return s.step, m[sl].view(s.param.shape), v[sl].view(s.param.shape)
+
+
+def gather_bucket_state(engine, names=("exp_avg", "exp_avg_sq")) -> dict | None:
+    """Data parallel: every rank receives each bucket's state from its owner, in bucket order
+    (a collective: all ranks must call it together). None without data parallel."""
+    if engine.dp is None:
+        return None
+    out = {}
+    for b in engine.buckets:
+        like = [torch.empty(b.numel, dtype=torch.float32 if n == "master" else engine.moment_dtype)
+                for n in names]
+        out[b.index] = engine.dp.state_from_owner(b, [getattr(b, n) for n in names], like)
+    return out
 
 
 def export_state(opt, param_groups: list[dict]) -> dict:
     opt.synchronize()
+    gathered = gather_bucket_state(opt._engine) if opt._resident is None else None
     state = {}
     for s in opt._engine.slots:
-        step, m, v = _slot_tensors(opt, s)
+        step, m, v = _slot_tensors(opt, s, gathered)
         if step == 0:
             continue
         state[s.index] = {
@@ -89,6 +107,9 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
     with torch.no_grad():
         for s, st in staged:
             _, m, v = _slot_tensors(opt, s)
+            if m is None:          # another data-parallel rank owns this state
+                _set_step(opt, s, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
+                continue
             for src, dst in ((st["exp_avg"], m), (st["exp_avg_sq"], v)):
                 src = src.detach().reshape(dst.shape)
                 if src.data_ptr() != dst.data_ptr():
@@ -99,8 +120,9 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         for s in slots:
             if s.index not in loaded:
                 _, m, v = _slot_tensors(opt, s)
-                m.zero_()
-                v.zero_()
+                if m is not None:
+                    m.zero_()
+                    v.zero_()
                 _set_step(opt, s, 0)
     for sg, g in zip(saved_groups, param_groups):
         for k, v in sg.items():

@@ -76,6 +76,63 @@ def test_tiny_gpt_gradients_bit_exact_over_steps(depth, paged):
     assert s["live_entries"] == 0 and s["host_bytes_in_use"] == 0
 
 
+def _trace(off):
+    """Logs ('grad', j) when backward reaches block j's output, ('fetch', j) when block j's saved
+    tensors start coming back, ('unpack', j) at block j's first unpack."""
+    events = []
+    real_grad, real_fetch, real_unpack = off._on_output_grad, off._fetch_call, off._unpack
+
+    def on_grad(call):
+        events.append(("grad", call.index))
+        real_grad(call)
+
+    def fetch(call):
+        if not call.fetched and call.entries:
+            events.append(("fetch", call.index))
+        real_fetch(call)
+
+    def unpack(x):
+        out = real_unpack(x)
+        e = getattr(x, "entry", None)
+        if e is not None and ("unpack", e.call.index) not in events:
+            events.append(("unpack", e.call.index))
+        return out
+
+    off._on_output_grad, off._fetch_call, off._unpack = on_grad, fetch, unpack
+    return events
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_runs_depth_blocks_ahead_of_backward(depth):
+    n = 5
+    model = make_model(0, n_blocks=n, d=32)
+    off = _offloader(find_blocks(model), prefetch_depth=depth)
+    ev = _trace(off)
+    x, y = batches(1, b=4, t=16)[0]
+    model(x, y).backward()
+    fetches = [j for kind, j in ev if kind == "fetch"]
+    assert fetches == list(range(n - 1, -1, -1))        # each block once, in backward order
+    for j in range(n):
+        # block j starts coming back when backward reaches block j + depth's output (or the last
+        # block's, at the start), so before it reaches the next block's
+        trigger = min(n - 1, j + depth)
+        assert ev.index(("grad", trigger)) < ev.index(("fetch", j)) < ev.index(("unpack", j))
+        if trigger - 1 >= j:
+            assert ev.index(("fetch", j)) < ev.index(("grad", trigger - 1)), ev
+
+
+def test_prefetch_looks_across_unpaged_blocks():
+    model = make_model(0, n_blocks=4, d=32)
+    off = _offloader(find_blocks(model), paged={0, 1}, prefetch_depth=1)
+    ev = _trace(off)
+    x, y = batches(1, b=4, t=16)[0]
+    model(x, y).backward()
+    # block 1 (the last paged one) starts coming back when backward reaches block 3's output,
+    # so blocks 3 and 2 compute while it copies
+    assert ev.index(("grad", 3)) < ev.index(("fetch", 1)) < ev.index(("grad", 2))
+    assert ev.index(("fetch", 0)) < ev.index(("grad", 0))
+
+
 class _LayoutProbe(torch.autograd.Function):
     """Multiplies by 2; saves its input and checks in backward that the saved tensor came back
     with the forward's dtype, size, stride, storage offset and 64-byte alignment."""

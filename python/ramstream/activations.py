@@ -395,7 +395,7 @@ class ActivationOffloader:
             self._hooks.append(b.register_forward_pre_hook(
                 lambda m, args, i=i: self._pre(i, m)))
             self._hooks.append(b.register_forward_hook(
-                lambda m, args, out: self._post(m), always_call=True))
+                lambda m, args, out: self._post(m, out), always_call=True))
         return self
 
     def detach(self) -> None:
@@ -466,28 +466,51 @@ class ActivationOffloader:
     def _pre(self, i: int, module: nn.Module) -> None:
         stack = self._stack()
         if not self._active(module):
-            stack.append((module, None))
+            stack.append((module, None, None))
             return
         if i <= self._last_index:
             self._new_pass()
         self._last_index = i
-        paged = i in self._paged
-        if not paged and not self.measuring:
-            stack.append((module, None))
+        if not self._paged and not self.measuring:
+            stack.append((module, None, None))
             return
+        # every call gets a record (the chain that backward walks to prefetch); only paged or
+        # measured blocks get saved-tensor hooks
         call = _Call(i, self._pass, self._last_call)
         self._last_call = call
-        ctx = torch.autograd.graph.saved_tensors_hooks(
-            lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack)
-        ctx.__enter__()
-        stack.append((module, ctx))
+        paged = i in self._paged
+        ctx = None
+        if paged or self.measuring:
+            ctx = torch.autograd.graph.saved_tensors_hooks(
+                lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack)
+            ctx.__enter__()
+        stack.append((module, ctx, call))
 
-    def _post(self, module: nn.Module) -> None:
+    def _post(self, module: nn.Module, output) -> None:
         stack = self._stack()
-        if stack and stack[-1][0] is module:   # not ours when our pre-hook never ran
-            ctx = stack.pop()[1]
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+        if not stack or stack[-1][0] is not module:   # not ours when our pre-hook never ran
+            return
+        _, ctx, call = stack.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if call is None or not self._paged:
+            return
+        # when backward reaches this block's output, its own saved tensors and those of the
+        # prefetch_depth paged blocks before it start coming back
+        out = output
+        if isinstance(out, (tuple, list)):
+            out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+        elif isinstance(out, dict):
+            out = next((o for o in out.values() if isinstance(o, torch.Tensor)), None)
+        if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
+            out.register_hook(lambda g, call=call: self._on_output_grad(call))
+
+    def _on_output_grad(self, call: _Call) -> None:
+        t0 = time.perf_counter()
+        self._fetch_call(call)
+        self._prefetch_before(call)
+        with self._lock:
+            self._counters["unpack_s"] += time.perf_counter() - t0
 
     def _new_pass(self) -> None:
         self._pass += 1

@@ -31,7 +31,11 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def _chunks(n: int, chunk: int):
+def _chunks(n: int, chunk: int, cdtype: torch.dtype):
+    """Row ranges. A 16-bit matmul dtype takes half the rows at once: its logits (2 bytes) and
+    their float32 copy (4 bytes) coexist, so both ways peak near chunk * V * 4 bytes."""
+    if torch.empty((), dtype=cdtype).element_size() < 4:
+        chunk = max(1, chunk // 2)
     for s in range(0, n, chunk):
         yield s, min(n, s + chunk)
 
@@ -50,7 +54,7 @@ class _ChunkedCE(torch.autograd.Function):
             n = hidden.shape[0]
             lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for s, e in _chunks(n, chunk):
+            for s, e in _chunks(n, chunk, cdtype):
                 logits = F.linear(hidden[s:e].to(cdtype), w, b).float()
                 tgt = logits.gather(1, safe[s:e, None]).squeeze(1)
                 m = logits.amax(1)
@@ -90,7 +94,7 @@ class _ChunkedCE(torch.autograd.Function):
                 db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
             n = hidden.shape[0]
             zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for s, e in _chunks(n, chunk):
+            for s, e in _chunks(n, chunk, cdtype):
                 h = hidden[s:e].to(cdtype)
                 p = F.linear(h, w, b).float()
                 p.sub_(lse[s:e, None]).exp_()                      # softmax
@@ -106,6 +110,7 @@ class _ChunkedCE(torch.autograd.Function):
                         dh[s:e].copy_(p @ w)
                     if need_w:
                         dw.addmm_(p.t(), h)
+                    del p          # before the next chunk's logits exist
                 else:
                     p_lp = p.to(cdtype)
                     del p
@@ -113,6 +118,7 @@ class _ChunkedCE(torch.autograd.Function):
                         dh[s:e].copy_(p_lp @ w)
                     if need_w:
                         dw += p_lp.t() @ h          # per-chunk product in cdtype, sum in fp32
+                    del p_lp
         if dw is not None:
             dw = dw.to(weight.dtype)
         if db is not None:
@@ -206,8 +212,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         weight: [V, d] the output projection (e.g. the LM head's weight, tied or not).
         targets: integer class indices of shape hidden.shape[:-1], in [0, V) or ``ignore_index``.
         bias: optional [V].
-        chunk_size: rows of logits computed at once (peak extra memory about
-            chunk_size * V * 4 bytes, plus a float32 [V, d] gradient accumulator in backward).
+        chunk_size: rows of logits computed at once (half as many with a 16-bit matmul dtype);
+            peak extra memory about chunk_size * V * 4 bytes, plus a float32 [V, d] gradient
+            accumulator in backward (and a [V, d] product per chunk in a 16-bit dtype).
         ignore_index: targets equal to it contribute nothing and are not counted by "mean".
         reduction: "mean" (over the targets not ignored) or "sum".
         num_items: Hugging Face's ``num_items_in_batch``: the summed loss divided by this number

@@ -412,6 +412,22 @@ def test_pool_reused_and_host_memory_flat_over_50_steps():
     assert s["host_bytes_peak"] == held[0]
 
 
+def test_pool_gives_back_buffers_idle_for_two_passes():
+    model = make_model(0, n_blocks=3, d=32)
+    off = _offloader(find_blocks(model))
+    x, y = batches(1, b=4, t=16)[0]
+    model(x, y).backward()
+    all_held = off.stats()["host_bytes_held"]
+    off.set_paged({0})
+    held = []
+    for _ in range(4):
+        model(x, y).backward()
+        held.append(off.stats()["host_bytes_held"])
+    assert held[0] == held[1] == all_held             # kept while they may come back
+    assert 0 < held[3] < all_held / 2                 # then block 0's buffers only
+    assert held[3] >= off.stats()["block_bytes"][0]      # (size classes round up)
+
+
 def test_graph_dropped_without_backward_releases_buffers():
     model = make_model(0, n_blocks=3, d=32)
     off = _offloader(find_blocks(model))

@@ -83,6 +83,15 @@ class _HostBuf:
         self.tick = 0
 
 
+def _drop(bufs: list[_HostBuf]) -> None:
+    """Lets buffers go back to the arena, once the last copy reading them has finished (the arena
+    does not track streams)."""
+    for b in bufs:
+        if b.event is not None:
+            b.event.synchronize()
+            b.event = None
+
+
 class _HostPool:
     """Host buffers by size class, reused across steps; pinned arena memory on CUDA.
 
@@ -129,29 +138,34 @@ class _HostPool:
         with self.lock:
             buf.tick = self.tick
             self.bytes_in_use -= buf.size
-            if self.closed:
-                self.bytes_held -= buf.size
+            if not self.closed:
+                self.free.setdefault(buf.size, []).append(buf)
                 return
-            self.free.setdefault(buf.size, []).append(buf)
+            self.bytes_held -= buf.size
+        _drop([buf])
 
     def new_pass(self) -> None:
+        dropped = []
         with self.lock:
             self.tick += 1
             for size, lst in list(self.free.items()):
                 keep = [b for b in lst if self.tick - b.tick <= self.keep_passes]
+                dropped += [b for b in lst if self.tick - b.tick > self.keep_passes]
                 self.bytes_held -= size * (len(lst) - len(keep))
                 if keep:
                     self.free[size] = keep
                 else:
                     del self.free[size]
+        _drop(dropped)
 
     def close(self) -> None:
         """Drops the free buffers; buffers still in use are dropped when given back."""
         with self.lock:
             self.closed = True
-            for size, lst in self.free.items():
-                self.bytes_held -= size * len(lst)
+            dropped = [b for lst in self.free.values() for b in lst]
+            self.bytes_held -= sum(b.size for b in dropped)
             self.free.clear()
+        _drop(dropped)
 
     def reopen(self) -> None:
         with self.lock:

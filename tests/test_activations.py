@@ -335,7 +335,7 @@ def test_unpaged_blocks_untouched_and_measuring_counts_their_bytes():
     assert s["bytes_paged_last_pass"] == paged      # only block 1 copied
 
 
-# ---- dedupe, spans, pool ---------------------------------------------------------------------------
+# ---- dedupe, spans, pool -------------------------------------------------------------------------
 def test_same_storage_saved_twice_in_a_block_is_copied_once():
     class Sq(nn.Module):
         def __init__(self):
@@ -469,7 +469,7 @@ def test_two_forwards_one_backward():
     assert off.stats()["live_entries"] == 0
 
 
-# ---- checkpointing, exceptions, detach ---------------------------------------------------------------
+# ---- checkpointing, exceptions, detach -----------------------------------------------------------
 class _CkptBlock(nn.Module):
     def __init__(self, d=32):
         super().__init__()
@@ -575,7 +575,7 @@ def test_constructor_and_set_paged_validation():
     assert off.paged == [0, 1] and "0-1" in events[-1]
 
 
-# ---- find_blocks -----------------------------------------------------------------------------------
+# ---- find_blocks ---------------------------------------------------------------------------------
 class _Attn(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -643,7 +643,7 @@ def test_find_blocks_errors():
         find_blocks("model")
 
 
-# ---- planner -----------------------------------------------------------------------------------------
+# ---- planner -------------------------------------------------------------------------------------
 GB = 10**9
 
 

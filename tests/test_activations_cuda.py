@@ -1,4 +1,4 @@
-"""Activation offload and the chunked loss on a GPU: bit-exact gradients with prefetch depths 1 and 2,
+"""Activation offload and the chunked loss on a GPU: bit-exact gradients with prefetch depths 1, 2,
 saved-tensor layouts under the SDPA backends, measured VRAM reduction, nothing paged under no_grad,
 pinned buffers reused, chunked loss peak memory against the dense loss."""
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_bad_inputs(fn):
             fn(*pos, **args)
 
 
-# ---- peak memory -------------------------------------------------------------------------------------
+# ---- peak memory ---------------------------------------------------------------------------------
 class LiveBytes(TorchDispatchMode):
     """Tracks the bytes of every storage an op creates while the mode is on, until the storage dies;
     `peak` is the largest total alive at once. Outputs that alias an input (views, in-place ops)

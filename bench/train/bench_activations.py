@@ -63,7 +63,9 @@ def run_variant(args) -> list[dict]:
     sys.path.insert(0, HERE)
     from gpt import CONFIGS, GPT
 
-    dev = torch.device(args.device if args.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cuda" and args.cap_gib:
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)

@@ -7,7 +7,7 @@ the "device" (plain copies into pooled host buffers, no streams), so CI tests th
 
     off = ActivationOffloader(find_blocks(model), torch.device("cuda"), prefetch_depth=1)
     off.attach(); off.set_paged({0, 1, 2})
-    loss = model(x); loss.backward()          # blocks 0-2 kept their large saved tensors on the host
+    loss = model(x); loss.backward()    # blocks 0-2 kept their large saved tensors on the host
     off.detach()
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch.nn as nn
 __all__ = ["find_blocks", "ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
-_ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's block align)
+_ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)
 
 
-# ---- finding the layer stack ----------------------------------------------------------------------
+# ---- finding the layer stack ---------------------------------------------------------------------
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks of the model's repeated layer stack, in order.
 
@@ -173,7 +173,8 @@ class _HostPool:
 
 
 # ---- copies: CUDA streams or plain CPU copies ---------------------------------------------------
-def _byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int, n: int) -> torch.Tensor:
+def _byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int,
+               n: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (n,), (1,))
 
 
@@ -373,7 +374,8 @@ class ActivationOffloader:
         elif device.type == "cpu":
             self._copies = _CpuCopies(device)
         else:
-            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got {device}")
+            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got "
+                             f"{device}")
         self.blocks = blocks
         self.device = device
         self.prefetch_depth = prefetch_depth

@@ -1,10 +1,11 @@
 """Cross-entropy of a linear head computed in row chunks: the [tokens, vocab] logits never exist.
 
-Gradients are recomputed per chunk in backward rather than accumulated in forward. Both ways hold the
-same memory while backward runs (dW in fp32, dh, one chunk of logits), but computing them in forward
-would keep dW ([vocab, hidden] fp32) and dh alive from the loss's forward until its backward, adding
-up when several losses are computed before one backward (or when backward never comes); recomputing
-keeps only one float per row (the log-sum-exp) between the two. The price is one more chunk matmul.
+Gradients are recomputed per chunk in backward rather than accumulated in forward. Both ways hold
+the same memory while backward runs (dW in fp32, dh, one chunk of logits), but computing them in
+forward would keep dW ([vocab, hidden] fp32) and dh alive from the loss's forward until its
+backward, adding up when several losses are computed before one backward (or when backward never
+comes); recomputing keeps one float per row (the log-sum-exp) between the two. The price is one
+more chunk matmul.
 """
 from __future__ import annotations
 

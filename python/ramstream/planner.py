@@ -1,8 +1,8 @@
-"""Planner arithmetic as pure functions: how many blocks' activations to page, from measured numbers.
+"""Planner arithmetic as pure functions: how many blocks' activations to page, from measurements.
 
 No torch, no I/O: wrap() measures (step time, per-block activation bytes, copy bandwidth) and calls
-these; tests inject the numbers. Every function returns the arithmetic behind its answer so it can go
-into memory_report(model)["events"].
+these; tests inject the numbers. Every function returns the arithmetic behind its answer so it can
+go into memory_report(model)["events"].
 
 Copy-time model for paging blocks 0..k-1 (each block's saved bytes b_i go out in forward on the D2H
 stream and come back in backward on the H2D stream):
@@ -54,7 +54,7 @@ def choose_paged_blocks(block_bytes: list[int], *, unpaged_step_s: float, d2h_gb
     is then False.
 
     Args:
-        block_bytes: saved-activation bytes of each block for one step (ints >= 0), in forward order.
+        block_bytes: saved-activation bytes of each block for one step (ints >= 0), forward order.
         unpaged_step_s: measured step time without activation paging (> 0).
         d2h_gbps, h2d_gbps: measured copy bandwidths in GB/s (> 0).
         compute_overlap: fraction of the copy time hidden behind compute, in [0, 1]

@@ -24,10 +24,6 @@ from _models import batches, clone, make_model
 CPU = torch.device("cpu")
 
 
-def _grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
 def _assert_same_grads(a, b):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert (pa.grad is None) == (pb.grad is None), name

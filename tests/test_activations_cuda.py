@@ -212,10 +212,12 @@ def test_measured_vram_reduction():
     fwd0, peak0 = _after_forward_and_peak(model, x, y)
     off = _offloader(model, depth=1)
     fwd1, peak1 = _after_forward_and_peak(model, x, y, off)
-    paged = off.stats()["bytes_paged_last_pass"]
+    st = off.stats()
+    paged = st["bytes_paged_last_pass"]
     print(f"\nactivations after forward: {fwd0 / 2**20:.1f} -> {fwd1 / 2**20:.1f} MiB; "
           f"peak over the step: {peak0 / 2**20:.1f} -> {peak1 / 2**20:.1f} MiB; "
-          f"paged {paged / 2**20:.1f} MiB")
+          f"paged {paged / 2**20:.1f} MiB; GPU waited {st['h2d_stall_s'] * 1e3:.2f} ms for H2D")
+    assert st["h2d_stall_s"] >= 0.0
     assert paged > 0
     assert fwd0 - fwd1 >= 0.8 * paged
     assert peak1 <= 0.6 * peak0

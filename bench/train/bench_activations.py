@@ -114,6 +114,7 @@ def run_variant(args) -> list[dict]:
         x = torch.randint(0, cfg["vocab"], (batch, args.seq), device=dev)
         y = torch.randint(0, cfg["vocab"], (batch, args.seq), device=dev)
         times, oom = [], None
+        stall0 = off.stats()["h2d_stall_s"] if off is not None else 0.0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         try:
@@ -146,7 +147,9 @@ def run_variant(args) -> list[dict]:
                                  if dev.type == "cuda" else None)}
         if off is not None:
             st = off.stats()
-            out.update(paged_blocks=len(st["paged_blocks"]),
+            out.update(h2d_stall_s_per_step=(st["h2d_stall_s"] - stall0)
+                       / (args.warmup + args.steps),
+                       paged_blocks=len(st["paged_blocks"]),
                        paged_gib=st["bytes_paged_last_pass"] / 2**30,
                        host_act_gib=st["host_bytes_held"] / 2**30,
                        block_bytes=st["block_bytes"])

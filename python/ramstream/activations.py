@@ -200,6 +200,9 @@ class _CpuCopies:
     def use_on_current(self, entry) -> None:
         pass
 
+    def stall_seconds(self) -> float:
+        return 0.0
+
 
 class _CudaCopies:
     """D2H and H2D streams; events order them against torch's current stream."""
@@ -210,6 +213,8 @@ class _CudaCopies:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
+        self._lock = threading.Lock()
+        self._timed: list = []
 
     def to_host(self, buf: _HostBuf, src: torch.Tensor) -> None:
         """Queues the copy after the work queued so far on the current stream; the source's memory
@@ -240,13 +245,39 @@ class _CudaCopies:
 
     def use_on_current(self, entry) -> None:
         """The current stream waits for the entry's H2D; its memory stays reserved for the
-        current stream's queued work after the entry dies."""
+        current stream's queued work after the entry dies. The first wait per entry and stream is
+        bracketed by timing events: the GPU time it stalled (stall_seconds)."""
         cur = torch.cuda.current_stream(self.device)
-        cur.wait_event(entry.h2d_event)
         sid = cur.stream_id
-        if entry.used_on != sid:
-            entry.gpu.record_stream(cur)
-            entry.used_on = sid
+        if entry.used_on == sid:
+            cur.wait_event(entry.h2d_event)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        cur.wait_event(entry.h2d_event)
+        end.record(cur)
+        with self._lock:
+            self._timed.append((start, end))
+            if len(self._timed) > 100_000:       # never polled: keep the newest
+                del self._timed[:50_000]
+        entry.gpu.record_stream(cur)
+        entry.used_on = sid
+
+    def stall_seconds(self) -> float:
+        """GPU time the compute stream waited for H2D copies, over the waits completed since the
+        last call (a wait not yet run on the GPU is counted at a later call)."""
+        with self._lock:
+            timed, self._timed = self._timed, []
+        total, pending = 0.0, []
+        for start, end in timed:
+            if end.query():
+                total += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        if pending:
+            with self._lock:
+                self._timed = pending + self._timed
+        return total
 
 
 # ---- entries, handles, call records -------------------------------------------------------------
@@ -394,7 +425,8 @@ class ActivationOffloader:
         self._block_bytes = [0] * len(blocks)
         self._pass_bytes = 0
         self._counters = {"copies_d2h": 0, "copies_h2d": 0, "bytes_d2h": 0, "bytes_h2d": 0,
-                          "pack_s": 0.0, "unpack_s": 0.0, "passes": 0, "live_entries": 0}
+                          "pack_s": 0.0, "unpack_s": 0.0, "h2d_stall_s": 0.0, "passes": 0,
+                          "live_entries": 0}
         self._lock = threading.Lock()
 
     # ---- public -----------------------------------------------------------------------------
@@ -454,14 +486,18 @@ class ActivationOffloader:
         paged for measured blocks). Host: ``host_bytes_held`` (pool, in use + free),
         ``host_bytes_in_use``, ``host_bytes_peak``, ``host_allocations``, ``host_reuses``.
         Cumulative: ``copies_d2h``/``copies_h2d``, ``bytes_d2h``/``bytes_h2d``, ``pack_s`` and
-        ``unpack_s`` (host time spent in the hooks, including any wait), ``passes``;
-        ``live_entries`` (paged ranges not yet consumed)."""
+        ``unpack_s`` (host time spent in the hooks), ``h2d_stall_s`` (GPU time the compute
+        stream waited for activations to come back, over the waits already run; 0 on the CPU
+        engine), ``passes``; ``live_entries`` (paged ranges not yet consumed). Call it after a
+        synchronize for complete stall figures."""
         p = self._pool
         with p.lock:
             pool = {"host_bytes_held": p.bytes_held, "host_bytes_in_use": p.bytes_in_use,
                     "host_bytes_peak": p.peak_held, "host_allocations": p.allocations,
                     "host_reuses": p.reuses}
+        stall = self._copies.stall_seconds()
         with self._lock:
+            self._counters["h2d_stall_s"] += stall
             c = dict(self._counters)
         return {"paged_blocks": self.paged, "bytes_paged_last_pass": self._pass_bytes,
                 "block_bytes": list(self._block_bytes), **pool, **c}

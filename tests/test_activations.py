@@ -129,6 +129,69 @@ def test_prefetch_looks_across_unpaged_blocks():
     assert ev.index(("fetch", 0)) < ev.index(("grad", 0))
 
 
+class _FakeEvent:
+    """Never complete by itself: every wait is logged."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.log.append(self)
+
+
+def _fake_events(off):
+    """CPU engine whose D2H events and compute-stream marks are _FakeEvents."""
+    waits: list = []
+    off._copies.d2h_event = lambda: _FakeEvent(waits)
+    off._copies.mark = lambda: _FakeEvent(waits)
+    return waits
+
+
+def _calls(off):
+    c, out = off._last_call, []
+    while c is not None:
+        out.append(c)
+        c = c.prev
+    return out[::-1]
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_forward_waits_for_the_copies_lag_blocks_back(lag):
+    n = 5
+    model = make_model(0, n_blocks=n, d=32)
+    off = _offloader(find_blocks(model), d2h_lag=lag)
+    waits = _fake_events(off)
+    x, y = batches(1, b=4, t=16)[0]
+    loss = model(x, y)
+    calls = _calls(off)
+    owner = {id(c.d2h_event): c.index for c in calls}
+    forward_waits = [owner[id(e)] for e in waits]
+    # before block i: the last copy of block i - lag has finished
+    assert forward_waits == list(range(n - lag))
+    waits.clear()
+    loss.backward()
+    assert all(id(e) not in owner for e in waits)    # no D2H waits in backward
+
+
+@pytest.mark.parametrize("depth,expected", [(1, [4, 3, 2]), (2, [4, 3]), (4, [])])
+def test_prefetch_waits_for_the_gpu_to_reach_the_block_before(depth, expected):
+    n = 5
+    model = make_model(0, n_blocks=n, d=32)
+    off = _offloader(find_blocks(model), prefetch_depth=depth)
+    waits = _fake_events(off)
+    x, y = batches(1, b=4, t=16)[0]
+    loss = model(x, y)
+    calls = _calls(off)
+    waits.clear()
+    loss.backward()
+    owner = {id(c.bwd_event): c.index for c in calls}
+    # prefetching from block k first waits for backward to have reached block k + 1
+    assert [owner[id(e)] for e in waits] == expected
+
+
 class _LayoutProbe(torch.autograd.Function):
     """Multiplies by 2; saves its input and checks in backward that the saved tensor came back
     with the forward's dtype, size, stride, storage offset and 64-byte alignment."""
@@ -554,6 +617,8 @@ def test_constructor_and_set_paged_validation():
         ActivationOffloader(blocks, CPU, prefetch_depth=0)
     with pytest.raises(ValueError, match="min_offload_bytes"):
         ActivationOffloader(blocks, CPU, min_offload_bytes=-1)
+    with pytest.raises(ValueError, match="d2h_lag"):
+        ActivationOffloader(blocks, CPU, d2h_lag=0)
     with pytest.raises(ValueError, match="blocks"):
         ActivationOffloader([], CPU)
     with pytest.raises(ValueError, match="twice"):

@@ -203,6 +203,9 @@ class _CpuCopies:
     def stall_seconds(self) -> float:
         return 0.0
 
+    def mark(self):
+        return None
+
 
 class _CudaCopies:
     """D2H and H2D streams; events order them against torch's current stream."""
@@ -263,6 +266,12 @@ class _CudaCopies:
         entry.gpu.record_stream(cur)
         entry.used_on = sid
 
+    def mark(self):
+        """An event recorded on the current stream (where compute has got to)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
     def stall_seconds(self) -> float:
         """GPU time the compute stream waited for H2D copies, over the waits completed since the
         last call (a wait not yet run on the GPU is counted at a later call)."""
@@ -282,16 +291,21 @@ class _CudaCopies:
 
 # ---- entries, handles, call records -------------------------------------------------------------
 class _Call:
-    """One forward call of one block: the entries it paged (weakly) and the call before it."""
+    """One forward call of one block: the entries it paged (weakly), the calls before it (strong)
+    and after it (weak), its last D2H event and the event marking that backward reached it."""
 
-    __slots__ = ("index", "pass_id", "prev", "entries", "fetched", "__weakref__")
+    __slots__ = ("index", "pass_id", "prev", "next", "entries", "fetched", "d2h_event",
+                 "bwd_event", "__weakref__")
 
     def __init__(self, index: int, pass_id: int, prev) -> None:
         self.index = index
         self.pass_id = pass_id
         self.prev = prev
+        self.next = None          # weakref to the next call of the pass
         self.entries: list[weakref.ref] = []
         self.fetched = False
+        self.d2h_event = None
+        self.bwd_event = None
 
 
 class _Entry:
@@ -361,9 +375,13 @@ class ActivationOffloader:
         blocks: the block modules (e.g. ``find_blocks(model)``), in forward order.
         device: the compute device: ``cuda[:N]`` (pinned arena buffers, copy streams, events) or
             ``cpu`` (the CPU engine: plain copies into pooled host buffers, used by CI).
-        prefetch_depth: in backward, when a block's first saved tensor is needed, the next
-            ``prefetch_depth`` paged blocks (in backward order) start coming back too.
+        prefetch_depth: when backward reaches a block (the gradient of its output, or its first
+            saved tensor), its saved tensors and those of the next ``prefetch_depth`` paged blocks
+            in backward order start coming back.
         min_offload_bytes: saved tensors smaller than this stay on the device.
+        d2h_lag: a paged block's forward starts once the copies to the host of the paged block
+            ``d2h_lag`` calls before it have finished (the forward thread waits), which bounds the
+            device memory held by copies still in flight.
         log: an optional callable taking one string (decisions, e.g. EventLog).
 
     A saved tensor is paged when its block is paged, the module is in training mode, grad is
@@ -379,7 +397,7 @@ class ActivationOffloader:
     """
 
     def __init__(self, blocks: Iterable[nn.Module], device, *, prefetch_depth: int = 1,
-                 min_offload_bytes: int = 1 << 20,
+                 min_offload_bytes: int = 1 << 20, d2h_lag: int = 2,
                  log: Callable[[str], None] | None = None) -> None:
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
@@ -390,6 +408,8 @@ class ActivationOffloader:
                 or prefetch_depth < 1:
             raise ValueError(f"ActivationOffloader: prefetch_depth must be an int >= 1, got "
                              f"{prefetch_depth!r}")
+        if isinstance(d2h_lag, bool) or not isinstance(d2h_lag, int) or d2h_lag < 1:
+            raise ValueError(f"ActivationOffloader: d2h_lag must be an int >= 1, got {d2h_lag!r}")
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
                 or min_offload_bytes < 0:
             raise ValueError(f"ActivationOffloader: min_offload_bytes must be an int >= 0, got "
@@ -410,6 +430,7 @@ class ActivationOffloader:
         self.blocks = blocks
         self.device = device
         self.prefetch_depth = prefetch_depth
+        self.d2h_lag = d2h_lag
         self.min_offload_bytes = min_offload_bytes
         self.log = log or (lambda msg: None)
         self.measuring = False
@@ -425,8 +446,8 @@ class ActivationOffloader:
         self._block_bytes = [0] * len(blocks)
         self._pass_bytes = 0
         self._counters = {"copies_d2h": 0, "copies_h2d": 0, "bytes_d2h": 0, "bytes_h2d": 0,
-                          "pack_s": 0.0, "unpack_s": 0.0, "h2d_stall_s": 0.0, "passes": 0,
-                          "live_entries": 0}
+                          "pack_s": 0.0, "unpack_s": 0.0, "h2d_stall_s": 0.0,
+                          "d2h_wait_s": 0.0, "h2d_wait_s": 0.0, "passes": 0, "live_entries": 0}
         self._lock = threading.Lock()
 
     # ---- public -----------------------------------------------------------------------------
@@ -486,7 +507,9 @@ class ActivationOffloader:
         paged for measured blocks). Host: ``host_bytes_held`` (pool, in use + free),
         ``host_bytes_in_use``, ``host_bytes_peak``, ``host_allocations``, ``host_reuses``.
         Cumulative: ``copies_d2h``/``copies_h2d``, ``bytes_d2h``/``bytes_h2d``, ``pack_s`` and
-        ``unpack_s`` (host time spent in the hooks), ``h2d_stall_s`` (GPU time the compute
+        ``unpack_s`` (host time spent in the hooks; unpack_s includes ``h2d_wait_s``, autograd's
+        thread waiting for the GPU before taking memory for a prefetch), ``d2h_wait_s`` (the
+        forward thread waiting for the copies d2h_lag blocks back), ``h2d_stall_s`` (GPU time the compute
         stream waited for activations to come back, over the waits already run; 0 on the CPU
         engine), ``passes``; ``live_entries`` (paged ranges not yet consumed). Call it after a
         synchronize for complete stall figures."""
@@ -529,9 +552,13 @@ class ActivationOffloader:
         # every call gets a record (the chain that backward walks to prefetch); only paged or
         # measured blocks get saved-tensor hooks
         call = _Call(i, self._pass, self._last_call)
+        if self._last_call is not None:
+            self._last_call.next = weakref.ref(call)
         self._last_call = call
         paged = i in self._paged
         ctx = None
+        if paged:
+            self._throttle_d2h(call)
         if paged or self.measuring:
             ctx = torch.autograd.graph.saved_tensors_hooks(
                 lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack)
@@ -557,8 +584,31 @@ class ActivationOffloader:
         if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
             out.register_hook(lambda g, call=call: self._on_output_grad(call))
 
+    def _throttle_d2h(self, call: _Call) -> None:
+        """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
+        finished: device memory held by copies in flight stays bounded (the forward thread waits,
+        so it runs at most that far ahead of the copies)."""
+        seen, c = 0, call.prev
+        while c is not None:
+            if c.d2h_event is not None:
+                seen += 1
+                if seen >= self.d2h_lag:
+                    self._host_wait(c.d2h_event, "d2h_wait_s")
+                    return
+            c = c.prev
+
+    def _host_wait(self, event, counter: str) -> None:
+        if event.query():
+            return
+        t0 = time.perf_counter()
+        event.synchronize()
+        with self._lock:
+            self._counters[counter] += time.perf_counter() - t0
+
     def _on_output_grad(self, call: _Call) -> None:
         t0 = time.perf_counter()
+        if call.bwd_event is None:
+            call.bwd_event = self._copies.mark()
         self._fetch_call(call)
         self._prefetch_before(call)
         with self._lock:
@@ -639,7 +689,7 @@ class ActivationOffloader:
             buf = self._pool.take(n)
             self._copies.to_host(buf, _byte_view(st, self.device, lo, n))
             found = _Entry(self, call, buf, lo, n)
-            found.d2h_event = self._copies.d2h_event()
+            found.d2h_event = call.d2h_event = self._copies.d2h_event()
             call.entries.append(weakref.ref(found))
             recs.append((weakref.ref(st), version, weakref.ref(found), lo, hi))
             with self._lock:
@@ -669,11 +719,21 @@ class ActivationOffloader:
                 self._fetch(e)
 
     def _prefetch_before(self, call: _Call) -> None:
-        """Starts the H2D of the prefetch_depth paged calls that precede `call` in its pass."""
+        """Starts the H2D of the prefetch_depth paged calls that precede `call` in its pass.
+
+        Before new device memory is taken for them, the compute stream must have reached the
+        backward of the call after `call` (autograd's thread waits): restored blocks stay within
+        prefetch_depth + 2 however far the host runs ahead of the GPU."""
         todo = self.prefetch_depth
         c = call.prev
+        waited = False
         while c is not None and todo > 0 and c.pass_id == call.pass_id:
             if c.entries:
+                if not c.fetched and not waited:
+                    waited = True
+                    nxt = call.next() if call.next is not None else None
+                    if nxt is not None and nxt.bwd_event is not None:
+                        self._host_wait(nxt.bwd_event, "h2d_wait_s")
                 self._fetch_call(c)
                 todo -= 1
             c = c.prev
@@ -683,6 +743,8 @@ class ActivationOffloader:
             return x
         t0 = time.perf_counter()
         e = x.entry
+        if e.call.bwd_event is None:
+            e.call.bwd_event = self._copies.mark()
         if e.gpu is None:
             self._fetch_call(e.call)
             self._fetch(e)           # an entry shared from another call

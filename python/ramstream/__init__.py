@@ -7,6 +7,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import functional  # noqa: E402
+from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402
     empty_cache,
     memory_stats,
@@ -26,4 +27,6 @@ __all__ = [
     # pinned host memory
     "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
     "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",
+    # losses that never build the full logits
+    "chunked_cross_entropy", "causal_lm_loss",
 ]

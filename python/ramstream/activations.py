@@ -1,0 +1,777 @@
+"""Activation offload: saved tensors of chosen blocks go to host RAM in forward and come back ahead
+of the backward pass (saved_tensors_hooks); find_blocks() finds a model's repeated layer stack.
+
+Mechanism only: which blocks page is decided by the caller (planner.py, wrap()). Works with a CUDA
+device (pinned arena buffers, a D2H and an H2D copy stream ordered by events) and with the CPU as
+the "device" (plain copies into pooled host buffers, no streams), so CI tests the same logic.
+
+    off = ActivationOffloader(find_blocks(model), torch.device("cuda"), prefetch_depth=1)
+    off.attach(); off.set_paged({0, 1, 2})
+    loss = model(x); loss.backward()    # blocks 0-2 kept their large saved tensors on the host
+    off.detach()
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["find_blocks", "ActivationOffloader"]
+
+_NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
+_ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)
+
+
+# ---- finding the layer stack ---------------------------------------------------------------------
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the model's repeated layer stack, in order.
+
+    The stack is the nn.ModuleList or nn.Sequential holding >= 2 modules, all of one class and
+    together holding parameters, with the most parameters (ties: more children, then the outermost),
+    e.g. ``model.layers`` of a Llama-like model or ``transformer.h`` of GPT-2. A module listed twice
+    (shared weights) is returned once. Raises ValueError when the model has no such container.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"find_blocks: model must be a torch.nn.Module, got {type(model).__name__}")
+    best = None
+    seen: list[str] = []
+    for order, (name, m) in enumerate(model.named_modules()):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(dict.fromkeys(m))  # unique, in order
+        classes = sorted({type(c).__name__ for c in children})
+        seen.append(f"{name or '<root>'} ({type(m).__name__} of {len(children)}: "
+                     f"{', '.join(classes) or 'empty'})")
+        if len(children) < 2 or len(classes) != 1 or len({type(c) for c in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in m.parameters())
+        if numel == 0:
+            continue
+        key = (numel, len(children), -order)
+        if best is None or key > best[0]:
+            best = (key, children)
+    if best is None:
+        found = "; ".join(seen[:6]) if seen else "none"
+        raise ValueError(
+            f"find_blocks: no repeated layer stack found in {type(model).__name__}: expected an "
+            "nn.ModuleList or nn.Sequential holding >= 2 modules of one class with parameters "
+            f"(such as model.layers or transformer.h); containers seen: {found}. Pass the blocks "
+            "explicitly (blocks=[...]).")
+    return best[1]
+
+
+# ---- host buffer pool --------------------------------------------------------------------------
+def _size_class(n: int) -> int:
+    """Rounds a byte count up to one of 8 classes per power of two (<= 12.5 % waste, >= 4 KiB)."""
+    if n <= 4096:
+        return 4096
+    step = max(4096, 1 << (n.bit_length() - 4))
+    return (n + step - 1) // step * step
+
+
+class _HostBuf:
+    __slots__ = ("t", "size", "event", "tick")
+
+    def __init__(self, t: torch.Tensor, size: int) -> None:
+        self.t = t          # uint8 host tensor of `size` bytes
+        self.size = size
+        self.event = None   # the last copy reading from it (CUDA event) or None
+        self.tick = 0
+
+
+def _drop(bufs: list[_HostBuf]) -> None:
+    """Lets buffers go back to the arena, once the last copy reading them has finished (the arena
+    does not track streams)."""
+    for b in bufs:
+        if b.event is not None:
+            b.event.synchronize()
+            b.event = None
+
+
+class _HostPool:
+    """Host buffers by size class, reused across steps; pinned arena memory on CUDA.
+
+    take()/give() are thread-safe (entries die on autograd's device thread). Free buffers idle for
+    more than `keep_passes` forward passes are dropped (their memory returns to the arena cache).
+    """
+
+    def __init__(self, pinned: bool, keep_passes: int = 2) -> None:
+        self.pinned = pinned
+        self.keep_passes = keep_passes
+        self.free: dict[int, list[_HostBuf]] = {}
+        self.lock = threading.Lock()
+        self.tick = 0
+        self.closed = False
+        self.bytes_held = 0
+        self.bytes_in_use = 0
+        self.peak_held = 0
+        self.allocations = 0
+        self.reuses = 0
+
+    def take(self, nbytes: int) -> _HostBuf:
+        size = _size_class(nbytes)
+        with self.lock:
+            lst = self.free.get(size)
+            buf = lst.pop() if lst else None
+            self.bytes_in_use += size
+            if buf is not None:
+                self.reuses += 1
+                return buf
+        if self.pinned:
+            from .ops.memory import pinned_empty
+
+            t = pinned_empty(size, torch.uint8)
+        else:
+            t = torch.empty(size, dtype=torch.uint8)
+        with self.lock:
+            self.allocations += 1
+            self.bytes_held += size
+            self.peak_held = max(self.peak_held, self.bytes_held)
+        return _HostBuf(t, size)
+
+    def give(self, buf: _HostBuf, event) -> None:
+        buf.event = event
+        with self.lock:
+            buf.tick = self.tick
+            self.bytes_in_use -= buf.size
+            if not self.closed:
+                self.free.setdefault(buf.size, []).append(buf)
+                return
+            self.bytes_held -= buf.size
+        _drop([buf])
+
+    def new_pass(self) -> None:
+        dropped = []
+        with self.lock:
+            self.tick += 1
+            for size, lst in list(self.free.items()):
+                keep = [b for b in lst if self.tick - b.tick <= self.keep_passes]
+                dropped += [b for b in lst if self.tick - b.tick > self.keep_passes]
+                self.bytes_held -= size * (len(lst) - len(keep))
+                if keep:
+                    self.free[size] = keep
+                else:
+                    del self.free[size]
+        _drop(dropped)
+
+    def close(self) -> None:
+        """Drops the free buffers; buffers still in use are dropped when given back."""
+        with self.lock:
+            self.closed = True
+            dropped = [b for lst in self.free.values() for b in lst]
+            self.bytes_held -= sum(b.size for b in dropped)
+            self.free.clear()
+        _drop(dropped)
+
+    def reopen(self) -> None:
+        with self.lock:
+            self.closed = False
+
+
+# ---- copies: CUDA streams or plain CPU copies ---------------------------------------------------
+def _byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int,
+               n: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (n,), (1,))
+
+
+class _CpuCopies:
+    """The CPU as the device: copies are synchronous, events are None."""
+
+    pinned = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def to_host(self, buf: _HostBuf, src: torch.Tensor) -> None:
+        buf.t[:src.numel()].copy_(src)
+
+    def d2h_event(self):
+        return None
+
+    def to_device(self, buf: _HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
+        out = torch.empty(n, dtype=torch.uint8, device=self.device)
+        out.copy_(buf.t[:n])
+        return out, None
+
+    def use_on_current(self, entry) -> None:
+        pass
+
+    def stall_seconds(self) -> float:
+        return 0.0
+
+    def mark(self):
+        return None
+
+
+class _CudaCopies:
+    """D2H and H2D streams; events order them against torch's current stream."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self._lock = threading.Lock()
+        self._timed: list = []
+
+    def to_host(self, buf: _HostBuf, src: torch.Tensor) -> None:
+        """Queues the copy after the work queued so far on the current stream; the source's memory
+        is not reused by the caching allocator before the copy has run (record_stream)."""
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        if buf.event is not None:              # the last H2D out of this buffer
+            self.d2h.wait_event(buf.event)
+            buf.event = None
+        with torch.cuda.stream(self.d2h):
+            buf.t[:src.numel()].copy_(src, non_blocking=True)
+        src.record_stream(self.d2h)
+
+    def d2h_event(self):
+        ev = torch.cuda.Event()
+        ev.record(self.d2h)
+        return ev
+
+    def to_device(self, buf: _HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
+        """Allocates n bytes from the H2D stream's pool and queues the copy there."""
+        with torch.cuda.stream(self.h2d):
+            if after is not None:
+                self.h2d.wait_event(after)
+            out = torch.empty(n, dtype=torch.uint8, device=self.device)
+            out.copy_(buf.t[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        return out, ev
+
+    def use_on_current(self, entry) -> None:
+        """The current stream waits for the entry's H2D; its memory stays reserved for the
+        current stream's queued work after the entry dies. The first wait per entry and stream is
+        bracketed by timing events: the GPU time it stalled (stall_seconds)."""
+        cur = torch.cuda.current_stream(self.device)
+        sid = cur.stream_id
+        if entry.used_on == sid:
+            cur.wait_event(entry.h2d_event)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        cur.wait_event(entry.h2d_event)
+        end.record(cur)
+        with self._lock:
+            self._timed.append((start, end))
+            if len(self._timed) > 100_000:       # never polled: keep the newest
+                del self._timed[:50_000]
+        entry.gpu.record_stream(cur)
+        entry.used_on = sid
+
+    def mark(self):
+        """An event recorded on the current stream (where compute has got to)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def stall_seconds(self) -> float:
+        """GPU time the compute stream waited for H2D copies, over the waits completed since the
+        last call (a wait not yet run on the GPU is counted at a later call)."""
+        with self._lock:
+            timed, self._timed = self._timed, []
+        total, pending = 0.0, []
+        for start, end in timed:
+            if end.query():
+                total += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        if pending:
+            with self._lock:
+                self._timed = pending + self._timed
+        return total
+
+
+# ---- entries, handles, call records -------------------------------------------------------------
+class _Call:
+    """One forward call of one block: the entries it paged (weakly), the calls before it (strong)
+    and after it (weak), its last D2H event and the event marking that backward reached it."""
+
+    __slots__ = ("index", "pass_id", "prev", "next", "entries", "fetched", "d2h_event",
+                 "bwd_event", "__weakref__")
+
+    def __init__(self, index: int, pass_id: int, prev) -> None:
+        self.index = index
+        self.pass_id = pass_id
+        self.prev = prev
+        self.next = None          # weakref to the next call of the pass
+        self.entries: list[weakref.ref] = []
+        self.fetched = False
+        self.d2h_event = None
+        self.bwd_event = None
+
+
+class _Entry:
+    """A byte range [lo, lo + nbytes) of one device storage, copied into a host buffer.
+
+    Lives as long as a handle (saved tensor) refers to it: when autograd frees the last one (after
+    backward used it, or when the graph dies) the host buffer returns to the pool.
+    """
+
+    __slots__ = ("owner", "call", "buf", "lo", "nbytes", "d2h_event", "gpu", "h2d_event",
+                 "used_on", "__weakref__")
+
+    def __init__(self, owner, call: _Call, buf: _HostBuf, lo: int, nbytes: int) -> None:
+        self.owner = owner
+        self.call = call
+        self.buf = buf
+        self.lo = lo
+        self.nbytes = nbytes
+        self.d2h_event = None
+        self.gpu: torch.Tensor | None = None
+        self.h2d_event = None
+        self.used_on = None
+
+    def __del__(self) -> None:
+        owner, buf = self.owner, self.buf
+        if owner is None or buf is None:
+            return
+        self.buf = None
+        try:
+            owner._release(buf, self.h2d_event if self.h2d_event is not None else self.d2h_event)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+class _Saved:
+    """What pack returns for a paged tensor: its entry and its exact layout."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, entry: _Entry, dtype, size, stride, offset: int) -> None:
+        self.entry = entry
+        self.dtype = dtype
+        self.size = size
+        self.stride = stride
+        self.offset = offset  # in elements of dtype, from the start of the entry's bytes
+
+
+def _top_hooks_are_checkpoint() -> bool:
+    """True inside torch.utils.checkpoint's own saved-tensor hooks (its frame owns the tensors)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except Exception:  # pragma: no cover - older torch
+        return False
+    if not top:
+        return False
+    fn = top[0]
+    fn = getattr(fn, "__wrapped__", fn)
+    return "checkpoint" in (getattr(fn, "__module__", "") or "") \
+        or "checkpoint" in (getattr(fn, "__qualname__", "") or "")
+
+
+# ---- the offloader ------------------------------------------------------------------------------
+class ActivationOffloader:
+    """Pages the large saved tensors of chosen blocks to host RAM and brings them back in backward.
+
+    Args:
+        blocks: the block modules (e.g. ``find_blocks(model)``), in forward order.
+        device: the compute device: ``cuda[:N]`` (pinned arena buffers, copy streams, events) or
+            ``cpu`` (the CPU engine: plain copies into pooled host buffers, used by CI).
+        prefetch_depth: when backward reaches a block (the gradient of its output, or its first
+            saved tensor), its saved tensors and those of the next ``prefetch_depth`` paged blocks
+            in backward order start coming back.
+        min_offload_bytes: saved tensors smaller than this stay on the device.
+        d2h_lag: a paged block's forward starts once the copies to the host of the paged block
+            ``d2h_lag`` calls before it have finished (the forward thread waits), which bounds the
+            device memory held by copies still in flight.
+        log: an optional callable taking one string (decisions, e.g. EventLog).
+
+    A saved tensor is paged when its block is paged, the module is in training mode, grad is
+    enabled, it is a plain strided tensor on ``device`` of at least ``min_offload_bytes`` and it is
+    not a parameter or buffer (nor a view of one's storage). Storages are copied once per forward
+    pass however many views of them are saved; a view covering less than half of its storage is
+    copied as its byte span only. Unpacked tensors have the saved tensor's dtype, size, stride and
+    storage offset (and alignment modulo 512 bytes). Nothing is paged inside the recomputation of
+    torch.utils.checkpoint (its own hooks own those tensors) or during backward.
+
+    Threading: forward hooks run on the forward thread; unpack runs on autograd's thread; host
+    buffers are returned to the pool from whichever thread frees the last saved-tensor handle.
+    """
+
+    def __init__(self, blocks: Iterable[nn.Module], device, *, prefetch_depth: int = 1,
+                 min_offload_bytes: int = 1 << 20, d2h_lag: int = 2,
+                 log: Callable[[str], None] | None = None) -> None:
+        blocks = list(blocks)
+        if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+            raise ValueError("ActivationOffloader: blocks must be a non-empty list of nn.Module")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("ActivationOffloader: blocks must not list a module twice")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) \
+                or prefetch_depth < 1:
+            raise ValueError(f"ActivationOffloader: prefetch_depth must be an int >= 1, got "
+                             f"{prefetch_depth!r}")
+        if isinstance(d2h_lag, bool) or not isinstance(d2h_lag, int) or d2h_lag < 1:
+            raise ValueError(f"ActivationOffloader: d2h_lag must be an int >= 1, got {d2h_lag!r}")
+        if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
+                or min_offload_bytes < 0:
+            raise ValueError(f"ActivationOffloader: min_offload_bytes must be an int >= 0, got "
+                             f"{min_offload_bytes!r}")
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"ActivationOffloader: device {device} requested but torch sees "
+                                   "no CUDA GPU; pass device='cpu' for the CPU engine")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._copies = _CudaCopies(device)
+        elif device.type == "cpu":
+            self._copies = _CpuCopies(device)
+        else:
+            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got "
+                             f"{device}")
+        self.blocks = blocks
+        self.device = device
+        self.prefetch_depth = prefetch_depth
+        self.d2h_lag = d2h_lag
+        self.min_offload_bytes = min_offload_bytes
+        self.log = log or (lambda msg: None)
+        self.measuring = False
+        self._paged: frozenset[int] = frozenset()
+        self._pool = _HostPool(self._copies.pinned)
+        self._hooks: list = []
+        self._tls = threading.local()
+        self._pass = 0
+        self._last_index = _NO_CALL
+        self._last_call: _Call | None = None
+        self._persistent: set[int] = set()
+        self._by_storage: dict[int, list] = {}
+        self._block_bytes = [0] * len(blocks)
+        self._pass_bytes = 0
+        self._counters = {"copies_d2h": 0, "copies_h2d": 0, "bytes_d2h": 0, "bytes_h2d": 0,
+                          "pack_s": 0.0, "unpack_s": 0.0, "h2d_stall_s": 0.0,
+                          "d2h_wait_s": 0.0, "h2d_wait_s": 0.0, "passes": 0, "live_entries": 0}
+        self._lock = threading.Lock()
+
+    # ---- public -----------------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    def attach(self) -> "ActivationOffloader":
+        """Installs a forward pre-hook and an always-called forward hook on every block."""
+        if self._hooks:
+            return self
+        self._pool.reopen()
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_pre_hook(
+                lambda m, args, i=i: self._pre(i, m)))
+            self._hooks.append(b.register_forward_hook(
+                lambda m, args, out: self._post(m, out), always_call=True))
+        return self
+
+    def detach(self) -> None:
+        """Removes the hooks and drops the pooled buffers. Graphs built while attached still
+        unpack correctly; their buffers are freed when those graphs die."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._last_call = None
+        self._by_storage = {}
+        self._last_index = _NO_CALL
+        self._pool.close()
+
+    def set_paged(self, indices: Iterable[int]) -> None:
+        """Which blocks (indices into ``blocks``) page their activations from the next call on."""
+        idx = set()
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.blocks):
+                raise ValueError(f"set_paged: indices must be ints in [0, {len(self.blocks)}), "
+                                 f"got {i!r}")
+            idx.add(i)
+        new = frozenset(idx)
+        if new != self._paged:
+            self.log(f"activation offload: paging blocks {_ranges(sorted(new))} of "
+                     f"{len(self.blocks)}")
+        self._paged = new
+
+    @property
+    def paged(self) -> list[int]:
+        return sorted(self._paged)
+
+    def set_measuring(self, on: bool) -> None:
+        """While on, blocks that do not page still count the bytes they would page
+        (``stats()["block_bytes"]``); costs the Python hook per saved tensor, copies nothing."""
+        self.measuring = bool(on)
+
+    def stats(self) -> dict:
+        """Counters. Per forward pass (the latest one, a pass starting at the first block):
+        ``bytes_paged_last_pass``, ``block_bytes`` (per block: bytes paged, or that would be
+        paged for measured blocks). Host: ``host_bytes_held`` (pool, in use + free),
+        ``host_bytes_in_use``, ``host_bytes_peak``, ``host_allocations``, ``host_reuses``.
+        Cumulative: ``copies_d2h``/``copies_h2d``, ``bytes_d2h``/``bytes_h2d``, ``pack_s`` and
+        ``unpack_s`` (host time spent in the hooks; unpack_s includes ``h2d_wait_s``, autograd's
+        thread waiting for the GPU before taking memory for a prefetch), ``d2h_wait_s`` (the
+        forward thread waiting for the copies d2h_lag blocks back), ``h2d_stall_s`` (GPU time the compute
+        stream waited for activations to come back, over the waits already run; 0 on the CPU
+        engine), ``passes``; ``live_entries`` (paged ranges not yet consumed). Call it after a
+        synchronize for complete stall figures."""
+        p = self._pool
+        with p.lock:
+            pool = {"host_bytes_held": p.bytes_held, "host_bytes_in_use": p.bytes_in_use,
+                    "host_bytes_peak": p.peak_held, "host_allocations": p.allocations,
+                    "host_reuses": p.reuses}
+        stall = self._copies.stall_seconds()
+        with self._lock:
+            self._counters["h2d_stall_s"] += stall
+            c = dict(self._counters)
+        return {"paged_blocks": self.paged, "bytes_paged_last_pass": self._pass_bytes,
+                "block_bytes": list(self._block_bytes), **pool, **c}
+
+    # ---- forward hooks ----------------------------------------------------------------------
+    def _stack(self) -> list:
+        s = getattr(self._tls, "stack", None)
+        if s is None:
+            s = self._tls.stack = []
+        return s
+
+    def _active(self, module: nn.Module) -> bool:
+        return (module.training and torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled()
+                and torch._C._current_graph_task_id() == -1   # not inside backward (recompute)
+                and not _top_hooks_are_checkpoint())
+
+    def _pre(self, i: int, module: nn.Module) -> None:
+        stack = self._stack()
+        if not self._active(module):
+            stack.append((module, None, None))
+            return
+        if i <= self._last_index:
+            self._new_pass()
+        self._last_index = i
+        if not self._paged and not self.measuring:
+            stack.append((module, None, None))
+            return
+        # every call gets a record (the chain that backward walks to prefetch); only paged or
+        # measured blocks get saved-tensor hooks
+        call = _Call(i, self._pass, self._last_call)
+        if self._last_call is not None:
+            self._last_call.next = weakref.ref(call)
+        self._last_call = call
+        paged = i in self._paged
+        ctx = None
+        if paged:
+            self._throttle_d2h(call)
+        if paged or self.measuring:
+            ctx = torch.autograd.graph.saved_tensors_hooks(
+                lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack)
+            ctx.__enter__()
+        stack.append((module, ctx, call))
+
+    def _post(self, module: nn.Module, output) -> None:
+        stack = self._stack()
+        if not stack or stack[-1][0] is not module:   # not ours when our pre-hook never ran
+            return
+        _, ctx, call = stack.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if call is None or not self._paged:
+            return
+        # when backward reaches this block's output, its own saved tensors and those of the
+        # prefetch_depth paged blocks before it start coming back
+        out = output
+        if isinstance(out, (tuple, list)):
+            out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+        elif isinstance(out, dict):
+            out = next((o for o in out.values() if isinstance(o, torch.Tensor)), None)
+        if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
+            out.register_hook(lambda g, call=call: self._on_output_grad(call))
+
+    def _throttle_d2h(self, call: _Call) -> None:
+        """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
+        finished: device memory held by copies in flight stays bounded (the forward thread waits,
+        so it runs at most that far ahead of the copies)."""
+        seen, c = 0, call.prev
+        while c is not None:
+            if c.d2h_event is not None:
+                seen += 1
+                if seen >= self.d2h_lag:
+                    self._host_wait(c.d2h_event, "d2h_wait_s")
+                    return
+            c = c.prev
+
+    def _host_wait(self, event, counter: str) -> None:
+        if event.query():
+            return
+        t0 = time.perf_counter()
+        event.synchronize()
+        with self._lock:
+            self._counters[counter] += time.perf_counter() - t0
+
+    def _on_output_grad(self, call: _Call) -> None:
+        t0 = time.perf_counter()
+        if call.bwd_event is None:
+            call.bwd_event = self._copies.mark()
+        self._fetch_call(call)
+        self._prefetch_before(call)
+        with self._lock:
+            self._counters["unpack_s"] += time.perf_counter() - t0
+
+    def _new_pass(self) -> None:
+        self._pass += 1
+        self._last_call = None
+        self._by_storage = {}
+        self._block_bytes = [0] * len(self.blocks)
+        self._pass_bytes = 0
+        self._pool.new_pass()
+        ptrs = set()
+        for b in self.blocks:
+            for t in list(b.parameters()) + list(b.buffers()):
+                p = t.untyped_storage().data_ptr()
+                if p:
+                    ptrs.add(p)
+        self._persistent = ptrs
+        with self._lock:
+            self._counters["passes"] += 1
+
+    # ---- pack / unpack --------------------------------------------------------------------------
+    def _pageable(self, t: torch.Tensor) -> bool:
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested \
+                or t.is_quantized or t.device != self.device:
+            return False
+        if t.numel() * t.element_size() < max(1, self.min_offload_bytes):
+            return False
+        if t.is_leaf and t.requires_grad:
+            return False
+        base = t._base
+        if base is not None and isinstance(base, nn.Parameter):
+            return False
+        return t.untyped_storage().data_ptr() not in self._persistent
+
+    def _pack(self, t: torch.Tensor, call: _Call, paged: bool):
+        if not self._pageable(t):
+            return t
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            saved = self._page(t, call, paged)
+        with self._lock:
+            self._counters["pack_s"] += time.perf_counter() - t0
+        return t if saved is None else saved
+
+    def _page(self, t: torch.Tensor, call: _Call, paged: bool):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        size = st.nbytes()
+        item = t.element_size()
+        lo_t = t.storage_offset() * item
+        span = item
+        for n, s in zip(t.shape, t.stride()):
+            span += (n - 1) * s * item
+        hi_t = lo_t + span
+        version = t._version
+        found = None
+        recs = self._by_storage.setdefault(ptr, [])
+        for sref, ver, eref, lo, hi in recs:
+            if sref() is st and ver == version and lo <= lo_t and hi_t <= hi:
+                found = eref() if eref is not None else False
+                if found is not None:
+                    break
+        if found is False:          # measured only, already counted
+            return None
+        if found is None:
+            if 2 * span >= size:
+                lo, hi = 0, size
+            else:
+                lo, hi = lo_t - lo_t % _ALIGN, hi_t
+            n = hi - lo
+            self._block_bytes[call.index] += n
+            if not paged:
+                recs.append((weakref.ref(st), version, None, lo, hi))
+                return None
+            self._pass_bytes += n
+            buf = self._pool.take(n)
+            self._copies.to_host(buf, _byte_view(st, self.device, lo, n))
+            found = _Entry(self, call, buf, lo, n)
+            found.d2h_event = call.d2h_event = self._copies.d2h_event()
+            call.entries.append(weakref.ref(found))
+            recs.append((weakref.ref(st), version, weakref.ref(found), lo, hi))
+            with self._lock:
+                self._counters["copies_d2h"] += 1
+                self._counters["bytes_d2h"] += n
+                self._counters["live_entries"] += 1
+        if not paged:
+            return None
+        return _Saved(found, t.dtype, tuple(t.shape), tuple(t.stride()),
+                      (lo_t - found.lo) // item)
+
+    def _fetch(self, e: _Entry) -> None:
+        if e.gpu is not None or e.buf is None:
+            return
+        e.gpu, e.h2d_event = self._copies.to_device(e.buf, e.nbytes, after=e.d2h_event)
+        with self._lock:
+            self._counters["copies_h2d"] += 1
+            self._counters["bytes_h2d"] += e.nbytes
+
+    def _fetch_call(self, call: _Call) -> None:
+        if call.fetched:
+            return
+        call.fetched = True
+        for r in call.entries:
+            e = r()
+            if e is not None:
+                self._fetch(e)
+
+    def _prefetch_before(self, call: _Call) -> None:
+        """Starts the H2D of the prefetch_depth paged calls that precede `call` in its pass.
+
+        Before new device memory is taken for them, the compute stream must have reached the
+        backward of the call after `call` (autograd's thread waits): restored blocks stay within
+        prefetch_depth + 2 however far the host runs ahead of the GPU."""
+        todo = self.prefetch_depth
+        c = call.prev
+        waited = False
+        while c is not None and todo > 0 and c.pass_id == call.pass_id:
+            if c.entries:
+                if not c.fetched and not waited:
+                    waited = True
+                    nxt = call.next() if call.next is not None else None
+                    if nxt is not None and nxt.bwd_event is not None:
+                        self._host_wait(nxt.bwd_event, "h2d_wait_s")
+                self._fetch_call(c)
+                todo -= 1
+            c = c.prev
+
+    def _unpack(self, x):
+        if type(x) is not _Saved:
+            return x
+        t0 = time.perf_counter()
+        e = x.entry
+        if e.call.bwd_event is None:
+            e.call.bwd_event = self._copies.mark()
+        if e.gpu is None:
+            self._fetch_call(e.call)
+            self._fetch(e)           # an entry shared from another call
+        self._prefetch_before(e.call)
+        self._copies.use_on_current(e)
+        out = torch.empty(0, dtype=x.dtype, device=self.device).set_(
+            e.gpu.untyped_storage(), x.offset, x.size, x.stride)
+        with self._lock:
+            self._counters["unpack_s"] += time.perf_counter() - t0
+        return out
+
+    def _release(self, buf: _HostBuf, event) -> None:
+        self._pool.give(buf, event)
+        with self._lock:
+            self._counters["live_entries"] -= 1
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    if not idx:
+        return "none"
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)

@@ -1,0 +1,247 @@
+"""Cross-entropy of a linear head computed in row chunks: the [tokens, vocab] logits never exist.
+
+Gradients are recomputed per chunk in backward rather than accumulated in forward. Both ways hold
+the same memory while backward runs (dW in fp32, dh, one chunk of logits), but computing them in
+forward would keep dW ([vocab, hidden] fp32) and dh alive from the loss's forward until its
+backward, adding up when several losses are computed before one backward (or when backward never
+comes); recomputing keeps one float per row (the log-sum-exp) between the two. The price is one
+more chunk matmul.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = ["chunked_cross_entropy", "causal_lm_loss"]
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except TypeError:  # pragma: no cover - torch < 2.4
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        if device_type == "cpu" and torch.is_autocast_cpu_enabled():
+            return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def _chunks(n: int, chunk: int, cdtype: torch.dtype):
+    """Row ranges. A 16-bit matmul dtype takes half the rows at once: its logits (2 bytes) and
+    their float32 copy (4 bytes) coexist, so both ways peak near chunk * V * 4 bytes."""
+    if torch.empty((), dtype=cdtype).element_size() < 4:
+        chunk = max(1, chunk // 2)
+    for s in range(0, n, chunk):
+        yield s, min(n, s + chunk)
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """hidden [N, d], weight [V, d], bias [V] or None, targets [N] int64 -> fp32 scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, cdtype, denom):
+        dev = hidden.device.type
+        with torch.autocast(dev, enabled=False):
+            w = weight.to(cdtype)
+            b = bias.to(cdtype) if bias is not None else None
+            valid = targets != ignore_index
+            safe = torch.where(valid, targets, 0)
+            n = hidden.shape[0]
+            lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for s, e in _chunks(n, chunk, cdtype):
+                logits = F.linear(hidden[s:e].to(cdtype), w, b).float()
+                tgt = logits.gather(1, safe[s:e, None]).squeeze(1)
+                m = logits.amax(1)
+                m = torch.where(torch.isfinite(m), m, 0.0)
+                # exp(logits - max) in place: one [chunk, V] fp32 buffer per chunk
+                sumexp = logits.sub_(m[:, None]).exp_().sum(1)
+                lse_c = sumexp.log_().add_(m)
+                lse[s:e] = lse_c
+                total += torch.where(valid[s:e], lse_c - tgt, 0.0).sum()
+                del logits
+            if denom is None:          # reduction="mean": over the rows not ignored
+                denom = valid.sum().to(torch.float32)
+            loss = total / denom
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse,
+                              denom if torch.is_tensor(denom) else None)
+        ctx.denom = None if torch.is_tensor(denom) else denom
+        ctx.chunk, ctx.cdtype = chunk, cdtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        hidden, weight, bias, safe, valid, lse, denom_t = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cdtype, chunk = ctx.cdtype, ctx.chunk
+        denom = denom_t if denom_t is not None else ctx.denom
+        dh = dw = db = None
+        with torch.autocast(hidden.device.type, enabled=False):
+            scale = (grad_out.float() / denom).reshape(())
+            w = weight.to(cdtype)
+            b = bias.to(cdtype) if bias is not None else None
+            if need_h:
+                dh = torch.empty_like(hidden)
+            if need_w:
+                dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if need_b:
+                db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            n = hidden.shape[0]
+            zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for s, e in _chunks(n, chunk, cdtype):
+                h = hidden[s:e].to(cdtype)
+                p = F.linear(h, w, b).float()
+                p.sub_(lse[s:e, None]).exp_()                      # softmax
+                p.scatter_add_(1, safe[s:e, None],
+                               torch.full((e - s, 1), -1.0, dtype=p.dtype, device=p.device))
+                p.mul_(torch.where(valid[s:e], scale, zero)[:, None])  # d loss / d logits
+                if need_b:
+                    db += p.sum(0)
+                if cdtype == torch.float32:
+                    if need_h and dh.dtype == torch.float32:
+                        torch.mm(p, w, out=dh[s:e])
+                    elif need_h:
+                        dh[s:e].copy_(p @ w)
+                    if need_w:
+                        dw.addmm_(p.t(), h)
+                    del p          # before the next chunk's logits exist
+                else:
+                    p_lp = p.to(cdtype)
+                    del p
+                    if need_h:
+                        dh[s:e].copy_(p_lp @ w)
+                    if need_w:
+                        dw += p_lp.t() @ h          # per-chunk product in cdtype, sum in fp32
+                    del p_lp
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        if db is not None:
+            db = db.to(bias.dtype)
+        return dh, dw, db, None, None, None, None, None
+
+
+def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, reduction,
+           num_items):
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"{where}: hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"{where}: hidden must be a floating-point tensor, got {hidden.dtype}")
+    if hidden.dim() < 2:
+        raise ValueError(f"{where}: hidden must have shape [..., hidden_size] with at least 2 "
+                         f"dims, got {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{where}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{where}: weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{where}: weight must have shape [vocab, {hidden.shape[-1]}] (hidden's "
+                         f"last dim), got {tuple(weight.shape)}")
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"{where}: targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"{where}: targets must be an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{where}: targets must have shape {tuple(hidden.shape[:-1])} (hidden's "
+                         f"leading dims), got {tuple(targets.shape)}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{where}: bias must be a torch.Tensor or None, got "
+                            f"{type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{where}: bias must have shape ({weight.shape[0]},) (weight's "
+                             f"vocab), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {hidden.device}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{where}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"{where}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS or not isinstance(reduction, str):
+        raise ValueError(f"{where}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, "
+                         f"got {reduction!r}")
+    if num_items is None:
+        return
+    if reduction != "mean":
+        raise ValueError(f"{where}: num_items divides the summed loss (Hugging Face's "
+                         f"num_items_in_batch) and needs reduction='mean', got {reduction!r}")
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
+            raise ValueError(f"{where}: num_items must be a number > 0 or a one-element real "
+                             f"tensor, got a {num_items.dtype} tensor of shape "
+                             f"{tuple(num_items.shape)}")
+    elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)) \
+            or not math.isfinite(num_items) or num_items <= 0:
+        raise ValueError(f"{where}: num_items must be a number > 0 or a one-element real tensor, "
+                         f"got {num_items!r}")
+
+
+def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items):
+    d = hidden.shape[-1]
+    h2 = hidden.reshape(-1, d)
+    t1 = targets.reshape(-1).long()
+    ac = _autocast_dtype(hidden.device.type)
+    if ac is not None and hidden.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        cdtype = ac
+    else:
+        cdtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if num_items is not None:
+        denom = num_items.reshape(()).to(hidden.device, torch.float32) \
+            if isinstance(num_items, torch.Tensor) else float(num_items)
+    elif reduction == "sum":
+        denom = 1.0
+    else:
+        denom = None
+    return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, cdtype, denom)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          bias: torch.Tensor | None = None, *, chunk_size: int = 1024,
+                          ignore_index: int = -100, reduction: str = "mean",
+                          num_items=None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), targets)`` without the full logits.
+
+    Args:
+        hidden: [..., d] floating-point activations (any device).
+        weight: [V, d] the output projection (e.g. the LM head's weight, tied or not).
+        targets: integer class indices of shape hidden.shape[:-1], in [0, V) or ``ignore_index``.
+        bias: optional [V].
+        chunk_size: rows of logits computed at once (half as many with a 16-bit matmul dtype);
+            peak extra memory about chunk_size * V * 4 bytes, plus a float32 [V, d] gradient
+            accumulator in backward (and a [V, d] product per chunk in a 16-bit dtype).
+        ignore_index: targets equal to it contribute nothing and are not counted by "mean".
+        reduction: "mean" (over the targets not ignored) or "sum".
+        num_items: Hugging Face's ``num_items_in_batch``: the summed loss divided by this number
+            (an int/float > 0 or a one-element tensor) instead of by the count; needs "mean".
+
+    Returns a float32 scalar. Logits are computed one chunk at a time with the matmul in the
+    autocast dtype when torch.autocast is on (like F.linear), otherwise in the inputs' promoted
+    dtype, then upcast to float32 for the softmax. Backward recomputes each chunk's logits and
+    accumulates the weight (and bias) gradient in float32 before casting it to the parameter's
+    dtype. Raises ValueError naming the argument for bad shapes, devices, chunk_size, reduction,
+    ignore_index or num_items; TypeError for non-tensor or wrong-dtype inputs.
+    """
+    _check("chunked_cross_entropy", hidden, weight, targets, bias, chunk_size, ignore_index,
+           reduction, num_items)
+    return _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items)
+
+
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, chunk_size: int = 1024,
+                   ignore_index: int = -100, reduction: str = "mean",
+                   num_items=None) -> torch.Tensor:
+    """Causal-LM loss as Hugging Face computes it, without the full logits: position t of
+    ``hidden`` ([..., T, d]) predicts ``labels[..., t + 1]`` ([..., T]); the last position of each
+    sequence predicts nothing (its label is ``ignore_index``). Arguments and result as
+    chunked_cross_entropy; ``num_items`` is HF's ``num_items_in_batch``."""
+    _check("causal_lm_loss", hidden, weight, labels, bias, chunk_size, ignore_index, reduction,
+           num_items)
+    shifted = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    return _run(hidden, weight, shifted, bias, chunk_size, ignore_index, reduction, num_items)

@@ -201,3 +201,21 @@ def test_resident_switch_on_gpu_is_exact_and_frees_nothing_it_needs():
     assert any("switching" in e for e in ramstream.memory_report(model)["events"])
     assert max_diff(ref, model) < 1e-5
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_activation_paging_through_wrap_is_exact_and_auto_decides(deterministic):
+    base = make_model(0, d=256, n_blocks=3).to(DEV)
+    data = batches(5, b=8, t=256, device=DEV)
+    runs = []
+    for setting in (False, True, "auto"):
+        m = clone(base)
+        m, opt = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3),
+                      activation_offload=setting, min_offload_bytes=0)
+        runs.append((m, train_torch(m, opt, data)))
+        opt.synchronize()
+    (plain, l0), (paged, l1), (auto, _) = runs
+    assert l0 == l1
+    for a, b in zip(plain.parameters(), paged.parameters()):
+        assert torch.equal(a, b)
+    r = ramstream.memory_report(auto)
+    assert any("activation_offload=auto: paging" in e for e in r["events"]), r["events"]

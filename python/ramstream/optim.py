@@ -82,6 +82,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"OffloadAdamW: guard_params={guard_params!r}; accepted: True, False")
         self._engine = None
         self._resident = None
+        self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
         if self._threads is not None:
@@ -149,6 +150,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._resident is not None:
             self._resident.step()
+            self._after_step()
             return loss
         e = self._engine
         e.step()
@@ -156,7 +158,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             e.synchronize()
         if self.offload == "auto" and e.stats["steps"] == SWITCH_AFTER_STEPS:
             self._maybe_go_resident()
+        self._after_step()
         return loss
+
+    def _after_step(self) -> None:
+        for fn in self._step_callbacks:
+            fn()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -79,6 +79,11 @@ class WrapOptions:
     bucket_bytes: int = 32 << 20
     vram_headroom: float = 0.10
     max_inflight_bytes: int | None = None
+    activation_offload: Any = False
+    prefetch_depth: int = 1
+    min_offload_bytes: int = 1 << 20
+    max_activation_slowdown: float = 0.15
+    blocks: Any = None
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -117,10 +122,36 @@ class WrapOptions:
                 isinstance(o.max_inflight_bytes, bool) or not isinstance(o.max_inflight_bytes, int)
                 or o.max_inflight_bytes < (1 << 20)):
             raise _fail("max_inflight_bytes", o.max_inflight_bytes, "None or an integer >= 1 MiB")
+        o.activation_offload = parse_activation_offload(o.activation_offload)
+        for name, lo in (("prefetch_depth", 1), ("min_offload_bytes", 0)):
+            v = getattr(o, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise _fail(name, v, f"an integer >= {lo}")
+        v = o.max_activation_slowdown
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise _fail("max_activation_slowdown", v, "a finite number >= 0")
+        o.max_activation_slowdown = float(v)
+        if o.blocks is not None:
+            if (not isinstance(o.blocks, (list, tuple)) or not o.blocks
+                    or not all(isinstance(m, torch.nn.Module) for m in o.blocks)):
+                raise _fail("blocks", o.blocks, "None (auto-detect) or a non-empty list of "
+                            "nn.Module")
         if isinstance(o.vram_headroom, bool) or not isinstance(o.vram_headroom, (int, float)) \
                 or not 0.0 <= o.vram_headroom < 1.0:
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")
         return o
+
+
+def parse_activation_offload(value: Any):
+    """"auto", True, False, or a fraction in [0, 1] of the block stack."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and 0.0 <= value <= 1.0:
+        return float(value)
+    raise _fail("activation_offload", value, "'auto', True, False, or a fraction in [0, 1]")
 
 
 def parse_device(value: Any) -> torch.device | None:

@@ -22,6 +22,7 @@ class _Wrapped:
         self.handles: list = []
         self.orig_apply = None
         self.plan: dict = {}
+        self.activations = None
 
 
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -148,6 +149,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     w = _Wrapped(model, opt, opts, log)
     engine = opt._engine
     engine.attach_forward_waits(model)
+    if opts.activation_offload is not False:
+        from .activation_policy import ActivationPolicy
+
+        w.activations = ActivationPolicy(model, device, opts, log)
+        opt._step_callbacks.append(w.activations.on_step)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(model.register_load_state_dict_post_hook(
         lambda module, keys: opt._model_loaded()))
@@ -174,6 +180,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if w is None:
         raise ValueError("unwrap(): this model is not wrapped by ramstream")
     w.optimizer.close()
+    if w.activations is not None:
+        w.activations.close()
     for h in w.handles:
         h.remove()
     if "_apply" in model.__dict__:
@@ -201,7 +209,7 @@ def memory_report(model: torch.nn.Module) -> dict:
             "device": str(e.device),
             "buckets": len(e.buckets),
             "bucket_numel": [b.numel for b in e.buckets],
-            "paged_blocks": [],
+            "paged_blocks": w.activations.off.paged if w.activations is not None else [],
             "quantize": None,
         },
         "optimizer": {
@@ -213,5 +221,6 @@ def memory_report(model: torch.nn.Module) -> dict:
             "landing_bytes": landing,
             "stats": w.optimizer.stats(),
         },
-        "plan": {**w.plan, "history": list(w.plan.get("history", []))},
+        "plan": {**w.plan, "history": list(w.plan.get("history", [])),
+                 "activations": w.activations.report() if w.activations is not None else None},
     }

@@ -23,6 +23,8 @@ VARIANTS = {
     "ramstream_cpu": (True, {"optimizer_mode": "cpu", "offload": True}),
     "ramstream_auto": (True, {"optimizer_mode": "auto", "offload": True}),
     "ramstream_gpu": (True, {"optimizer_mode": "gpu", "offload": True}),
+    "ramstream_auto_act": (True, {"optimizer_mode": "auto", "offload": True,
+                                  "activation_offload": 0.25}),
     "ramstream_resident_uncapped": (False, {}),
 }
 

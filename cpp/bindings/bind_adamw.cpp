@@ -23,13 +23,6 @@ DType float_dtype(const Array& a, const char* arg, bool allow_f16 = true) {
   return t;
 }
 
-void require_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
-  const std::int64_t k = numel(a);
-  if (k != n)
-    raise_value_error(std::string(arg) + ": has " + std::to_string(k) + " elements, " + ref + " has " +
-                      std::to_string(n));
-}
-
 DType dtype_from_int(int code, const char* arg) {
   if (code < static_cast<int>(DType::kFloat32) || code > static_cast<int>(DType::kFloat16))
     raise_value_error(std::string(arg) + ": must be DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16, got " +
@@ -99,12 +92,7 @@ void bind_adamw(nb::module_& m) {
         b.n = n;
         b.offset = offset;
         const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = adamw_step(b, h, global_pool());
-        }
-        check(s);
+        check_without_gil([&] { return adamw_step(b, h, global_pool()); });
       },
       nb::arg("param").noconvert(), nb::arg("grad").noconvert(), nb::arg("exp_avg").noconvert(),
       nb::arg("exp_avg_sq").noconvert(), nb::arg("out").noconvert().none(), nb::kw_only(),
@@ -123,12 +111,7 @@ void bind_adamw(nb::module_& m) {
         const DType t = float_dtype(x, "x");
         const std::int64_t n = numel(x);
         double r = 0;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = sq_norm(x.data(), t, n, global_pool(), &r);
-        }
-        check(s);
+        check_without_gil([&] { return sq_norm(x.data(), t, n, global_pool(), &r); });
         return r;
       },
       nb::arg("x").noconvert(),
@@ -144,12 +127,9 @@ void bind_adamw(nb::module_& m) {
         const DType t = float_dtype(src, "src");
         const std::int64_t n = numel(dst);
         require_numel(src, "src", n, "dst");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = accumulate(static_cast<float*>(dst.data()), src.data(), t, n, global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return accumulate(static_cast<float*>(dst.data()), src.data(), t, n, global_pool());
+        });
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
       "dst += float(src) in place: dst a contiguous host float32 tensor, src float32/bfloat16/\n"
@@ -164,13 +144,10 @@ void bind_adamw(nb::module_& m) {
         const DType t = float_dtype(src, "src");
         const std::int64_t n = numel(dst);
         require_numel(src, "src", n, "dst");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = cast_to_float(static_cast<float*>(dst.data()), src.data(), t, n,
-                            static_cast<float>(scale), global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return cast_to_float(static_cast<float*>(dst.data()), src.data(), t, n,
+                               static_cast<float>(scale), global_pool());
+        });
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("scale") = 1.0,
       "dst = float(src) * float(scale) in place (scale == 1: a plain cast); dst contiguous host\n"
@@ -195,12 +172,7 @@ void bind_adamw(nb::module_& m) {
         b.n = n;
         b.offset = offset;
         const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = adamw_step(b, h, global_pool());
-        }
-        check(s);
+        check_without_gil([&] { return adamw_step(b, h, global_pool()); });
       },
       nb::arg("param"), nb::arg("grad"), nb::arg("grad_dtype"), nb::arg("exp_avg"),
       nb::arg("exp_avg_sq"), nb::arg("moment_dtype"), nb::arg("out"), nb::arg("out_dtype"),
@@ -216,12 +188,7 @@ void bind_adamw(nb::module_& m) {
       [](std::uintptr_t x, int dtype, std::int64_t n) {
         const DType t = dtype_from_int(dtype, "dtype");
         double r = 0;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = sq_norm(ptr_of<const void>(x), t, n, global_pool(), &r);
-        }
-        check(s);
+        check_without_gil([&] { return sq_norm(ptr_of<const void>(x), t, n, global_pool(), &r); });
         return r;
       },
       nb::arg("ptr"), nb::arg("dtype"), nb::arg("n"),
@@ -231,12 +198,9 @@ void bind_adamw(nb::module_& m) {
       "accumulate_ptr",
       [](std::uintptr_t dst, std::uintptr_t src, int src_dtype, std::int64_t n) {
         const DType t = dtype_from_int(src_dtype, "src_dtype");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = accumulate(ptr_of<float>(dst), ptr_of<const void>(src), t, n, global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return accumulate(ptr_of<float>(dst), ptr_of<const void>(src), t, n, global_pool());
+        });
       },
       nb::arg("dst"), nb::arg("src"), nb::arg("src_dtype"), nb::arg("n"),
       "Internal: float32 dst[i] += float(src[i]) on raw host addresses. Releases the GIL.");

@@ -64,12 +64,6 @@ void require_float_dtype(const Array& a, const char* arg) {
                      dtype_name(t));
 }
 
-void require_same_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
-  if (numel(a) != n)
-    raise_value_error(std::string(arg) + ": has " + std::to_string(numel(a)) + " elements, " + ref +
-                      " has " + std::to_string(n));
-}
-
 std::string cuda_error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
@@ -119,8 +113,8 @@ void cuda_dequantize_nf4(const Array& packed, const Array& absmax, const Array& 
   if (block_size < 2 || block_size % 2 != 0)
     raise_value_error("block_size: must be even and >= 2, got " + std::to_string(block_size));
   const std::int64_t n = numel(out);
-  require_same_numel(packed, "packed", (n + 1) / 2, "(out's elements + 1) // 2");
-  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
+  require_numel(packed, "packed", (n + 1) / 2, "(out's elements + 1) // 2");
+  require_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
   const int d = select_device(device, out);
   require_on_device(packed, d, "packed");
   require_on_device(absmax, d, "absmax");
@@ -129,12 +123,9 @@ void cuda_dequantize_nf4(const Array& packed, const Array& absmax, const Array& 
   const auto* a = static_cast<const float*>(absmax.data());
   const DType t = dtype_of(out, "out");
   void* o = out.data();
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::dequantize_nf4(p, a, n, block_size, o, t, cuda::as_stream(stream));
-  }
-  check(s);
+  check_without_gil([&] {
+    return cuda::dequantize_nf4(p, a, n, block_size, o, t, cuda::as_stream(stream));
+  });
 }
 
 void cuda_dequantize_int8(const Array& codes, const Array& absmax, const Array& out,
@@ -147,8 +138,8 @@ void cuda_dequantize_int8(const Array& codes, const Array& absmax, const Array& 
   require_float_dtype(out, "out");
   if (block_size < 1) raise_value_error("block_size: must be >= 1, got " + std::to_string(block_size));
   const std::int64_t n = numel(out);
-  require_same_numel(codes, "codes", n, "out");
-  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
+  require_numel(codes, "codes", n, "out");
+  require_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
   const int d = select_device(device, out);
   require_on_device(codes, d, "codes");
   require_on_device(absmax, d, "absmax");
@@ -157,12 +148,9 @@ void cuda_dequantize_int8(const Array& codes, const Array& absmax, const Array& 
   const auto* a = static_cast<const float*>(absmax.data());
   const DType t = dtype_of(out, "out");
   void* o = out.data();
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::dequantize_int8(c, a, n, block_size, o, t, cuda::as_stream(stream));
-  }
-  check(s);
+  check_without_gil([&] {
+    return cuda::dequantize_int8(c, a, n, block_size, o, t, cuda::as_stream(stream));
+  });
 }
 
 void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
@@ -182,10 +170,10 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
     require_float_dtype(*out, "out");
   }
   const std::int64_t n = numel(param);
-  require_same_numel(grad, "grad", n, "param");
-  require_same_numel(exp_avg, "exp_avg", n, "param");
-  require_same_numel(exp_avg_sq, "exp_avg_sq", n, "param");
-  if (out) require_same_numel(*out, "out", n, "param");
+  require_numel(grad, "grad", n, "param");
+  require_numel(exp_avg, "exp_avg", n, "param");
+  require_numel(exp_avg_sq, "exp_avg_sq", n, "param");
+  if (out) require_numel(*out, "out", n, "param");
 
   const int d = select_device(device, grad);
   require_on_device(grad, d, "grad");
@@ -214,12 +202,7 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
   h.step = step;
   h.grad_scale = static_cast<float>(grad_scale);
   h.seed = seed;
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::adamw(b, h, cuda::as_stream(stream));
-  }
-  check(s);
+  check_without_gil([&] { return cuda::adamw(b, h, cuda::as_stream(stream)); });
 }
 
 DType dtype_from_code(int code, const char* arg) {
@@ -256,13 +239,10 @@ void cuda_adamw_ptr(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, s
   h.step = step;
   h.grad_scale = static_cast<float>(grad_scale);
   h.seed = seed;
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice");
-    if (s.is_ok()) s = cuda::adamw(b, h, cuda::as_stream(stream));
-  }
-  check(s);
+  check_without_gil([&] {
+    RAMSTREAM_RETURN_IF_ERROR(cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice"));
+    return cuda::adamw(b, h, cuda::as_stream(stream));
+  });
 }
 
 void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintptr_t stream,
@@ -279,12 +259,7 @@ void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintpt
   const DType t = dtype_of(x, "x");
   const std::int64_t n = numel(x);
   auto* o = static_cast<double*>(out.data());
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate);
-  }
-  check(s);
+  check_without_gil([&] { return cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate); });
 }
 
 #else  // no CUDA in this build: same signatures, each raises RuntimeError

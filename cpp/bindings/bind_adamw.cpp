@@ -6,6 +6,7 @@
 
 #include <nanobind/stl/optional.h>
 
+#include "adamw_hyper.h"
 #include "common.h"
 #include "ramstream/adamw.h"
 #include "ramstream/thread_pool.h"
@@ -33,20 +34,6 @@ DType dtype_from_int(int code, const char* arg) {
 template <typename T>
 T* ptr_of(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
-}
-
-AdamWHyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
-                      std::int64_t step, double grad_scale, std::uint64_t seed) {
-  AdamWHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.seed = seed;
-  return h;
 }
 
 }  // namespace

@@ -2,7 +2,6 @@
 every ISA and thread count giving the same bytes, round-trip error, and argument checking."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -11,10 +10,12 @@ import torch
 import ramstream.functional as rf
 from ramstream._native import lib
 
+# isa is a fixture: pytest finds it here once imported
+from _isa import isa, supported_isas, using_isa  # noqa: F401
+
 C = lib()
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = ["scalar", "avx2", "avx512"]
 BNB_BLOCKS = [32, 64, 128, 256, 512, 1024, 2048, 4096]  # what bitsandbytes.quantize_4bit accepts
 
 # The NF4 format, typed in independently of the C++ (SPEC rule 4).
@@ -26,28 +27,6 @@ NF4_CODE = torch.tensor(
     dtype=torch.float32,
 )
 NF4_MID = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2  # float32 arithmetic
-
-
-def supported_isas() -> list[str]:
-    return ISAS[: ISAS.index(C.best_isa()) + 1]
-
-
-@contextlib.contextmanager
-def using_isa(name: str):
-    prev = C.active_isa()
-    C.set_isa(name)
-    try:
-        yield
-    finally:
-        C.set_isa(prev)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in supported_isas():
-        pytest.skip(f"CPU supports at most {C.best_isa()}")
-    with using_isa(request.param):
-        yield request.param
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,17 @@ DType float_dtype(const Array& a, const char* arg, bool allow_f16 = true) {
   return t;
 }
 
+// The checks of accumulate_ and cast_to_float_: dst a contiguous host float32 tensor, src a
+// contiguous host float32/bfloat16/float16 tensor with as many elements. Returns src's dtype.
+DType check_dst_src(const Array& dst, const Array& src) {
+  require_host_buffer(dst, "dst");
+  require_dtype(dst, DType::kFloat32, "dst");
+  require_host_buffer(src, "src");
+  const DType t = float_dtype(src, "src");
+  require_numel(src, "src", numel(dst), "dst");
+  return t;
+}
+
 DType dtype_from_int(int code, const char* arg) {
   if (code < static_cast<int>(DType::kFloat32) || code > static_cast<int>(DType::kFloat16))
     raise_value_error(std::string(arg) + ": must be DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16, got " +
@@ -108,12 +119,8 @@ void bind_adamw(nb::module_& m) {
   m.def(
       "accumulate_",
       [](Array dst, Array src) {
-        require_host_buffer(dst, "dst");
-        require_dtype(dst, DType::kFloat32, "dst");
-        require_host_buffer(src, "src");
-        const DType t = float_dtype(src, "src");
+        const DType t = check_dst_src(dst, src);
         const std::int64_t n = numel(dst);
-        require_numel(src, "src", n, "dst");
         check_without_gil([&] {
           return accumulate(static_cast<float*>(dst.data()), src.data(), t, n, global_pool());
         });
@@ -125,12 +132,8 @@ void bind_adamw(nb::module_& m) {
   m.def(
       "cast_to_float_",
       [](Array dst, Array src, double scale) {
-        require_host_buffer(dst, "dst");
-        require_dtype(dst, DType::kFloat32, "dst");
-        require_host_buffer(src, "src");
-        const DType t = float_dtype(src, "src");
+        const DType t = check_dst_src(dst, src);
         const std::int64_t n = numel(dst);
-        require_numel(src, "src", n, "dst");
         check_without_gil([&] {
           return cast_to_float(static_cast<float*>(dst.data()), src.data(), t, n,
                                static_cast<float>(scale), global_pool());

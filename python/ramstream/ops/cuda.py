@@ -109,7 +109,7 @@ def dequantize_nf4(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 64,
 ) -> torch.Tensor:
-    """Dequantize NF4 codes on the GPU (SPEC rule 4; bit-identical to the host kernel).
+    """Dequantize NF4 codes on the GPU (docs/NUMERICS.md rule 4; bit-identical to the host).
 
     Args:
         packed: uint8 CUDA tensor, contiguous, (n + 1) // 2 bytes: element 2j in the high nibble
@@ -132,7 +132,8 @@ def dequantize_int8(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 64,
 ) -> torch.Tensor:
-    """Dequantize symmetric blockwise int8 codes on the GPU (SPEC rule 5; bit-identical to the host).
+    """Dequantize symmetric blockwise int8 codes on the GPU (docs/NUMERICS.md rule 5; bit-identical
+    to the host).
 
     Args:
         codes: int8 CUDA tensor, contiguous, n elements.
@@ -165,7 +166,8 @@ def adamw_(
     seed: int = 0,
     offset: int = 0,
 ) -> None:
-    """One AdamW step on the GPU, in place (the numerics of the host kernel, SPEC rules 2 and 3).
+    """One AdamW step on the GPU, in place (the numerics of the host kernel, docs/NUMERICS.md rules
+    2 and 3).
 
     Args:
         param: float32 master weights, updated in place: a CUDA tensor on grad's device, or

@@ -32,6 +32,19 @@ def _assert_same_grads(a, b):
                 f"{(pa.grad - pb.grad).abs().max().item()}"
 
 
+def _backward_both(blocks, ref, x):
+    """Runs x through `blocks` and a copy of x through `ref` (their clone) block after block,
+    backward of each sum, and asserts bit-equal parameter gradients. Returns the copy of x."""
+    xr = x.detach().clone().requires_grad_()
+    y, yr = x, xr
+    for b, r in zip(blocks, ref):
+        y, yr = b(y), r(yr)
+    y.sum().backward()
+    yr.sum().backward()
+    _assert_same_grads(blocks, ref)
+    return xr
+
+
 def _offloader(blocks, paged="all", **kw):
     kw.setdefault("min_offload_bytes", 1)
     off = ActivationOffloader(blocks, CPU, **kw).attach()
@@ -314,13 +327,7 @@ def test_parameters_views_of_parameters_and_buffers_are_never_paged():
     off = _offloader(list(blocks))
     spy = _spy(off)
     x = torch.randn(16, 64, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = x, xr
-    for b, r in zip(blocks, ref):
-        y, yr = b(y), r(yr)
-    y.sum().backward()
-    yr.sum().backward()
-    _assert_same_grads(blocks, ref)
+    xr = _backward_both(blocks, ref, x)
     assert torch.equal(x.grad, xr.grad)
     persistent = {t.untyped_storage().data_ptr() for t in
                   list(blocks.parameters()) + list(blocks.buffers())}
@@ -411,13 +418,7 @@ def test_same_storage_saved_twice_in_a_block_is_copied_once():
     ref = clone(blocks)
     off = _offloader(list(blocks), min_offload_bytes=16 * 1024)
     x = torch.randn(64, 32, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = x, xr
-    for b, r in zip(blocks, ref):
-        y, yr = b(y), r(yr)
-    y.sum().backward()
-    yr.sum().backward()
-    _assert_same_grads(blocks, ref)
+    _backward_both(blocks, ref, x)
     # per block: h (saved 2x by h*h, and as a, b) -> one copy of its storage
     s = off.stats()
     assert s["copies_d2h"] == 2 and s["bytes_d2h"] == 2 * 64 * 128 * 4
@@ -438,13 +439,7 @@ def test_small_view_of_a_large_storage_copies_its_span_only():
     ref = clone(blocks)
     off = _offloader(list(blocks), min_offload_bytes=8 * 1024)
     x = torch.randn(8, 16, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = x, xr
-    for b, r in zip(blocks, ref):
-        y, yr = b(y), r(yr)
-    y.sum().backward()
-    yr.sum().backward()
-    _assert_same_grads(blocks, ref)
+    _backward_both(blocks, ref, x)
     s = off.stats()
     # the view's span (row 6 col 1000 .. row 7 col 2999) is < half its storage: copied from the
     # 512-byte boundary below its start to its end

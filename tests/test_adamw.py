@@ -13,39 +13,11 @@ import torch
 import ramstream.functional as F
 from ramstream._native import lib
 
+# isa, restore_isa and restore_threads are fixtures: pytest finds them here once imported
+from _isa import isa, restore_isa, restore_threads, supported_isas  # noqa: F401
+
 C = lib()
-ISAS = ["scalar", "avx2", "avx512"]
 STEPS = 20
-
-
-def _isa_supported(name: str) -> bool:
-    return ISAS.index(name) <= ISAS.index(C.best_isa())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Forces each ISA in turn (skipping those this CPU lacks) and restores the previous one."""
-    name = request.param
-    if not _isa_supported(name):
-        pytest.skip(f"CPU supports at most {C.best_isa()}")
-    prev = C.active_isa()
-    C.set_isa(name)
-    yield name
-    C.set_isa(prev)
-
-
-@pytest.fixture
-def restore_isa():
-    prev = C.active_isa()
-    yield
-    C.set_isa(prev)
-
-
-@pytest.fixture
-def restore_threads():
-    prev = C.num_threads()
-    yield
-    C.set_num_threads(prev)
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -187,7 +159,7 @@ def test_every_isa_identical_mixed(restore_isa, grad_dtype, moment_dtype, out_dt
     n = 1000 + 37
     p0, grads = make_problem(n, seed=21, steps=4)
     runs = []
-    for name in [i for i in ISAS if _isa_supported(i)]:
+    for name in supported_isas():
         C.set_isa(name)
         p = p0.clone()
         m = torch.zeros(n, dtype=moment_dtype)

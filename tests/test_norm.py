@@ -9,38 +9,12 @@ import torch
 import ramstream.functional as F
 from ramstream._native import lib
 
+# isa, restore_isa and restore_threads are fixtures: pytest finds them here once imported
+from _isa import isa, restore_isa, restore_threads, supported_isas  # noqa: F401
+
 C = lib()
-ISAS = ["scalar", "avx2", "avx512"]
 SIZES = [0, 1, 15, 16, 17, 31, 32, 33, 65536 + 31, 1000003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _supported(name: str) -> bool:
-    return ISAS.index(name) <= ISAS.index(C.best_isa())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if not _supported(request.param):
-        pytest.skip(f"CPU supports at most {C.best_isa()}")
-    prev = C.active_isa()
-    C.set_isa(request.param)
-    yield request.param
-    C.set_isa(prev)
-
-
-@pytest.fixture
-def restore_isa():
-    prev = C.active_isa()
-    yield
-    C.set_isa(prev)
-
-
-@pytest.fixture
-def restore_threads():
-    prev = C.num_threads()
-    yield
-    C.set_num_threads(prev)
 
 
 def sample(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -88,7 +62,7 @@ def test_sq_norm_specials():
 def test_sq_norm_identical_across_isas_and_threads(restore_isa, restore_threads, dtype):
     x = sample(1000003, dtype, seed=5)
     results = set()
-    for name in [i for i in ISAS if _supported(i)]:
+    for name in supported_isas():
         C.set_isa(name)
         for threads in (1, 2, 3):
             C.set_num_threads(threads)

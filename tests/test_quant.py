@@ -2,7 +2,6 @@
 every ISA and thread count giving the same bytes, round-trip error, and argument checking."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -11,13 +10,15 @@ import torch
 import ramstream.functional as rf
 from ramstream._native import lib
 
+# isa is a fixture: pytest finds it here once imported
+from _isa import isa, supported_isas, using_isa  # noqa: F401
+
 C = lib()
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ISAS = ["scalar", "avx2", "avx512"]
 BNB_BLOCKS = [32, 64, 128, 256, 512, 1024, 2048, 4096]  # what bitsandbytes.quantize_4bit accepts
 
-# The NF4 format, typed in independently of the C++ (SPEC rule 4).
+# The NF4 format, typed in independently of the C++ (docs/NUMERICS.md rule 4).
 NF4_CODE = torch.tensor(
     [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
      -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -26,28 +27,6 @@ NF4_CODE = torch.tensor(
     dtype=torch.float32,
 )
 NF4_MID = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2  # float32 arithmetic
-
-
-def supported_isas() -> list[str]:
-    return ISAS[: ISAS.index(C.best_isa()) + 1]
-
-
-@contextlib.contextmanager
-def using_isa(name: str):
-    prev = C.active_isa()
-    C.set_isa(name)
-    try:
-        yield
-    finally:
-        C.set_isa(prev)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in supported_isas():
-        pytest.skip(f"CPU supports at most {C.best_isa()}")
-    with using_isa(request.param):
-        yield request.param
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +46,7 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert diff.numel() == 0, f"{diff.shape[0]} differ, first at {diff[0].tolist()}: {a.flatten()[diff[0]]} vs {b.flatten()[diff[0]]}"
 
 
-# ---- pure-torch references of SPEC rules 4 and 5 -------------------------------------------------
+# ---- pure-torch references of docs/NUMERICS.md rules 4 and 5 -------------------------------------
 
 def ref_absmax(xf: torch.Tensor, block: int) -> torch.Tensor:
     n = xf.numel()
@@ -165,8 +144,8 @@ def test_nf4_quantize_matches_bitsandbytes(bnbf, isa, dtype, kind):
 
 
 def test_nf4_zero_partial_block_absmax(bnbf):
-    # SPEC: absmax is the true max (0 for an all-zero block), also for the final partial block,
-    # where bitsandbytes stores its 1e-38 floor instead; the codes agree.
+    # docs/NUMERICS.md: absmax is the true max (0 for an all-zero block), also for the final
+    # partial block, where bitsandbytes stores its 1e-38 floor instead; the codes agree.
     x = torch.cat([torch.randn(64), torch.zeros(10)])
     packed, absmax = rf.quantize_nf4(x)
     ref_packed, state = bnbf.quantize_4bit(x, blocksize=64, quant_type="nf4")

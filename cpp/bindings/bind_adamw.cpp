@@ -6,6 +6,7 @@
 
 #include <nanobind/stl/optional.h>
 
+#include "adamw_hyper.h"
 #include "common.h"
 #include "ramstream/adamw.h"
 #include "ramstream/thread_pool.h"
@@ -23,11 +24,15 @@ DType float_dtype(const Array& a, const char* arg, bool allow_f16 = true) {
   return t;
 }
 
-void require_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
-  const std::int64_t k = numel(a);
-  if (k != n)
-    raise_value_error(std::string(arg) + ": has " + std::to_string(k) + " elements, " + ref + " has " +
-                      std::to_string(n));
+// The checks of accumulate_ and cast_to_float_: dst a contiguous host float32 tensor, src a
+// contiguous host float32/bfloat16/float16 tensor with as many elements. Returns src's dtype.
+DType check_dst_src(const Array& dst, const Array& src) {
+  require_host_buffer(dst, "dst");
+  require_dtype(dst, DType::kFloat32, "dst");
+  require_host_buffer(src, "src");
+  const DType t = float_dtype(src, "src");
+  require_numel(src, "src", numel(dst), "dst");
+  return t;
 }
 
 DType dtype_from_int(int code, const char* arg) {
@@ -40,20 +45,6 @@ DType dtype_from_int(int code, const char* arg) {
 template <typename T>
 T* ptr_of(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
-}
-
-AdamWHyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
-                      std::int64_t step, double grad_scale, std::uint64_t seed) {
-  AdamWHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.seed = seed;
-  return h;
 }
 
 }  // namespace
@@ -99,12 +90,7 @@ void bind_adamw(nb::module_& m) {
         b.n = n;
         b.offset = offset;
         const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = adamw_step(b, h, global_pool());
-        }
-        check(s);
+        check_without_gil([&] { return adamw_step(b, h, global_pool()); });
       },
       nb::arg("param").noconvert(), nb::arg("grad").noconvert(), nb::arg("exp_avg").noconvert(),
       nb::arg("exp_avg_sq").noconvert(), nb::arg("out").noconvert().none(), nb::kw_only(),
@@ -123,12 +109,7 @@ void bind_adamw(nb::module_& m) {
         const DType t = float_dtype(x, "x");
         const std::int64_t n = numel(x);
         double r = 0;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = sq_norm(x.data(), t, n, global_pool(), &r);
-        }
-        check(s);
+        check_without_gil([&] { return sq_norm(x.data(), t, n, global_pool(), &r); });
         return r;
       },
       nb::arg("x").noconvert(),
@@ -138,18 +119,11 @@ void bind_adamw(nb::module_& m) {
   m.def(
       "accumulate_",
       [](Array dst, Array src) {
-        require_host_buffer(dst, "dst");
-        require_dtype(dst, DType::kFloat32, "dst");
-        require_host_buffer(src, "src");
-        const DType t = float_dtype(src, "src");
+        const DType t = check_dst_src(dst, src);
         const std::int64_t n = numel(dst);
-        require_numel(src, "src", n, "dst");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = accumulate(static_cast<float*>(dst.data()), src.data(), t, n, global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return accumulate(static_cast<float*>(dst.data()), src.data(), t, n, global_pool());
+        });
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
       "dst += float(src) in place: dst a contiguous host float32 tensor, src float32/bfloat16/\n"
@@ -158,19 +132,12 @@ void bind_adamw(nb::module_& m) {
   m.def(
       "cast_to_float_",
       [](Array dst, Array src, double scale) {
-        require_host_buffer(dst, "dst");
-        require_dtype(dst, DType::kFloat32, "dst");
-        require_host_buffer(src, "src");
-        const DType t = float_dtype(src, "src");
+        const DType t = check_dst_src(dst, src);
         const std::int64_t n = numel(dst);
-        require_numel(src, "src", n, "dst");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = cast_to_float(static_cast<float*>(dst.data()), src.data(), t, n,
-                            static_cast<float>(scale), global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return cast_to_float(static_cast<float*>(dst.data()), src.data(), t, n,
+                               static_cast<float>(scale), global_pool());
+        });
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("scale") = 1.0,
       "dst = float(src) * float(scale) in place (scale == 1: a plain cast); dst contiguous host\n"
@@ -195,12 +162,7 @@ void bind_adamw(nb::module_& m) {
         b.n = n;
         b.offset = offset;
         const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = adamw_step(b, h, global_pool());
-        }
-        check(s);
+        check_without_gil([&] { return adamw_step(b, h, global_pool()); });
       },
       nb::arg("param"), nb::arg("grad"), nb::arg("grad_dtype"), nb::arg("exp_avg"),
       nb::arg("exp_avg_sq"), nb::arg("moment_dtype"), nb::arg("out"), nb::arg("out_dtype"),
@@ -216,12 +178,7 @@ void bind_adamw(nb::module_& m) {
       [](std::uintptr_t x, int dtype, std::int64_t n) {
         const DType t = dtype_from_int(dtype, "dtype");
         double r = 0;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = sq_norm(ptr_of<const void>(x), t, n, global_pool(), &r);
-        }
-        check(s);
+        check_without_gil([&] { return sq_norm(ptr_of<const void>(x), t, n, global_pool(), &r); });
         return r;
       },
       nb::arg("ptr"), nb::arg("dtype"), nb::arg("n"),
@@ -231,12 +188,9 @@ void bind_adamw(nb::module_& m) {
       "accumulate_ptr",
       [](std::uintptr_t dst, std::uintptr_t src, int src_dtype, std::int64_t n) {
         const DType t = dtype_from_int(src_dtype, "src_dtype");
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = accumulate(ptr_of<float>(dst), ptr_of<const void>(src), t, n, global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return accumulate(ptr_of<float>(dst), ptr_of<const void>(src), t, n, global_pool());
+        });
       },
       nb::arg("dst"), nb::arg("src"), nb::arg("src_dtype"), nb::arg("n"),
       "Internal: float32 dst[i] += float(src[i]) on raw host addresses. Releases the GIL.");

@@ -20,6 +20,7 @@
 #ifdef RAMSTREAM_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "adamw_hyper.h"
 #include "ramstream/adamw.h"
 #include "ramstream/cuda/adamw.h"
 #include "ramstream/cuda/common.h"
@@ -64,12 +65,6 @@ void require_float_dtype(const Array& a, const char* arg) {
                      dtype_name(t));
 }
 
-void require_same_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
-  if (numel(a) != n)
-    raise_value_error(std::string(arg) + ": has " + std::to_string(numel(a)) + " elements, " + ref +
-                      " has " + std::to_string(n));
-}
-
 std::string cuda_error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
@@ -108,61 +103,61 @@ void* moment_pointer(const Array& a, int device, const char* arg) {
   return dev;
 }
 
-void cuda_dequantize_nf4(const Array& packed, const Array& absmax, const Array& out,
-                         int block_size, std::uintptr_t stream, OptDevice device) {
-  require_cuda_buffer(packed, "packed");
-  require_dtype(packed, DType::kUInt8, "packed");
+// What a dequantize binding hands to its launcher once its arguments are checked.
+struct DequantArgs {
+  const void* codes;
+  const float* absmax;
+  std::int64_t n;  // out's elements
+  void* out;
+  DType out_dtype;
+};
+
+// The checks of cuda_dequantize_nf4 (nf4: uint8 `packed`, two codes per byte, even block_size)
+// and cuda_dequantize_int8 (int8 `codes`); makes the device of the call current.
+DequantArgs check_dequant(const Array& codes, const Array& absmax, const Array& out,
+                          int block_size, OptDevice device, bool nf4) {
+  const char* name = nf4 ? "packed" : "codes";
+  require_cuda_buffer(codes, name);
+  require_dtype(codes, nf4 ? DType::kUInt8 : DType::kInt8, name);
   require_cuda_buffer(absmax, "absmax");
   require_dtype(absmax, DType::kFloat32, "absmax");
   require_cuda_buffer(out, "out");
   require_float_dtype(out, "out");
-  if (block_size < 2 || block_size % 2 != 0)
+  if (nf4 && (block_size < 2 || block_size % 2 != 0))
     raise_value_error("block_size: must be even and >= 2, got " + std::to_string(block_size));
+  if (!nf4 && block_size < 1)
+    raise_value_error("block_size: must be >= 1, got " + std::to_string(block_size));
   const std::int64_t n = numel(out);
-  require_same_numel(packed, "packed", (n + 1) / 2, "(out's elements + 1) // 2");
-  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
+  if (nf4)
+    require_numel(codes, name, (n + 1) / 2, "(out's elements + 1) // 2");
+  else
+    require_numel(codes, name, n, "out");
+  require_numel(absmax, "absmax", (n + block_size - 1) / block_size,
+                "ceil(out's elements / block_size)");
   const int d = select_device(device, out);
-  require_on_device(packed, d, "packed");
+  require_on_device(codes, d, name);
   require_on_device(absmax, d, "absmax");
   require_on_device(out, d, "out");
-  const auto* p = static_cast<const std::uint8_t*>(packed.data());
-  const auto* a = static_cast<const float*>(absmax.data());
-  const DType t = dtype_of(out, "out");
-  void* o = out.data();
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::dequantize_nf4(p, a, n, block_size, o, t, cuda::as_stream(stream));
-  }
-  check(s);
+  return {codes.data(), static_cast<const float*>(absmax.data()), n, out.data(),
+          dtype_of(out, "out")};
+}
+
+void cuda_dequantize_nf4(const Array& packed, const Array& absmax, const Array& out,
+                         int block_size, std::uintptr_t stream, OptDevice device) {
+  const DequantArgs a = check_dequant(packed, absmax, out, block_size, device, /*nf4=*/true);
+  check_without_gil([&] {
+    return cuda::dequantize_nf4(static_cast<const std::uint8_t*>(a.codes), a.absmax, a.n,
+                                block_size, a.out, a.out_dtype, cuda::as_stream(stream));
+  });
 }
 
 void cuda_dequantize_int8(const Array& codes, const Array& absmax, const Array& out,
                           int block_size, std::uintptr_t stream, OptDevice device) {
-  require_cuda_buffer(codes, "codes");
-  require_dtype(codes, DType::kInt8, "codes");
-  require_cuda_buffer(absmax, "absmax");
-  require_dtype(absmax, DType::kFloat32, "absmax");
-  require_cuda_buffer(out, "out");
-  require_float_dtype(out, "out");
-  if (block_size < 1) raise_value_error("block_size: must be >= 1, got " + std::to_string(block_size));
-  const std::int64_t n = numel(out);
-  require_same_numel(codes, "codes", n, "out");
-  require_same_numel(absmax, "absmax", (n + block_size - 1) / block_size, "ceil(out's elements / block_size)");
-  const int d = select_device(device, out);
-  require_on_device(codes, d, "codes");
-  require_on_device(absmax, d, "absmax");
-  require_on_device(out, d, "out");
-  const auto* c = static_cast<const std::int8_t*>(codes.data());
-  const auto* a = static_cast<const float*>(absmax.data());
-  const DType t = dtype_of(out, "out");
-  void* o = out.data();
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::dequantize_int8(c, a, n, block_size, o, t, cuda::as_stream(stream));
-  }
-  check(s);
+  const DequantArgs a = check_dequant(codes, absmax, out, block_size, device, /*nf4=*/false);
+  check_without_gil([&] {
+    return cuda::dequantize_int8(static_cast<const std::int8_t*>(a.codes), a.absmax, a.n,
+                                 block_size, a.out, a.out_dtype, cuda::as_stream(stream));
+  });
 }
 
 void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
@@ -182,10 +177,10 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
     require_float_dtype(*out, "out");
   }
   const std::int64_t n = numel(param);
-  require_same_numel(grad, "grad", n, "param");
-  require_same_numel(exp_avg, "exp_avg", n, "param");
-  require_same_numel(exp_avg_sq, "exp_avg_sq", n, "param");
-  if (out) require_same_numel(*out, "out", n, "param");
+  require_numel(grad, "grad", n, "param");
+  require_numel(exp_avg, "exp_avg", n, "param");
+  require_numel(exp_avg_sq, "exp_avg_sq", n, "param");
+  if (out) require_numel(*out, "out", n, "param");
 
   const int d = select_device(device, grad);
   require_on_device(grad, d, "grad");
@@ -205,21 +200,8 @@ void cuda_adamw(const Array& param, const Array& grad, const Array& exp_avg,
   b.n = n;
   b.offset = offset;
 
-  AdamWHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.seed = seed;
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::adamw(b, h, cuda::as_stream(stream));
-  }
-  check(s);
+  const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
+  check_without_gil([&] { return cuda::adamw(b, h, cuda::as_stream(stream)); });
 }
 
 DType dtype_from_code(int code, const char* arg) {
@@ -247,22 +229,11 @@ void cuda_adamw_ptr(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, s
   b.out_dtype = dtype_from_code(out_dtype, "out_dtype");
   b.n = n;
   b.offset = offset;
-  AdamWHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.seed = seed;
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice");
-    if (s.is_ok()) s = cuda::adamw(b, h, cuda::as_stream(stream));
-  }
-  check(s);
+  const AdamWHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed);
+  check_without_gil([&] {
+    RAMSTREAM_RETURN_IF_ERROR(cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice"));
+    return cuda::adamw(b, h, cuda::as_stream(stream));
+  });
 }
 
 void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintptr_t stream,
@@ -279,12 +250,7 @@ void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintpt
   const DType t = dtype_of(x, "x");
   const std::int64_t n = numel(x);
   auto* o = static_cast<double*>(out.data());
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate);
-  }
-  check(s);
+  check_without_gil([&] { return cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate); });
 }
 
 #else  // no CUDA in this build: same signatures, each raises RuntimeError

@@ -45,12 +45,7 @@ TorchArray arena_tensor(const std::vector<std::int64_t>& shape, nb::dlpack::dtyp
   }
   if (overflow) raise_value_error("pinned_empty: the tensor's byte size overflows 64 bits");
   void* p = nullptr;
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = global_arena().allocate(bytes, &p);
-  }
-  check(s);
+  check_without_gil([&] { return global_arena().allocate(bytes, &p); });
   nb::capsule owner(p, &release_block);  // frees the block when the tensor's storage dies
   return TorchArray(p, dims.size(), dims.data(), owner, nullptr, dt, nb::device::cpu::value, 0);
 }
@@ -124,8 +119,9 @@ void bind_memory(nb::module_& m) {
       [](std::int64_t bytes) {
         if (bytes < 0)
           raise_value_error("set_pin_budget: bytes must be >= 0, got " + std::to_string(bytes));
-        nb::gil_scoped_release release;
-        check(global_arena().set_budget(static_cast<std::uint64_t>(bytes)));
+        check_without_gil([&] {
+          return global_arena().set_budget(static_cast<std::uint64_t>(bytes));
+        });
       },
       nb::arg("bytes"),
       "Sets the page-lock budget in bytes; cached pinned blocks are unpinned to fit when they can.");
@@ -144,8 +140,7 @@ void bind_memory(nb::module_& m) {
   m.def(
       "empty_cache",
       [] {
-        nb::gil_scoped_release release;
-        check(global_arena().trim());
+        check_without_gil([] { return global_arena().trim(); });
       },
       "Unpins fully free slabs and cached dedicated blocks (cudaFreeHost; synchronises the GPU).");
   m.def("reset_peak_memory_stats", [] { global_arena().reset_peak(); },
@@ -157,12 +152,7 @@ void bind_memory(nb::module_& m) {
         const std::size_t bytes = byte_size(t);
         if (bytes == 0) raise_value_error("register_host_memory: tensor has no elements");
         void* p = t.data();
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = global_arena().register_memory(p, bytes);
-        }
-        check(s);
+        check_without_gil([&] { return global_arena().register_memory(p, bytes); });
       },
       nb::arg("tensor").noconvert(),
       "Page-locks a contiguous CPU tensor's memory in place (cudaHostRegister), within the budget.");
@@ -171,12 +161,7 @@ void bind_memory(nb::module_& m) {
       [](Array t) {
         require_host(t, "tensor");
         void* p = t.data();
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = global_arena().unregister_memory(p);
-        }
-        check(s);
+        check_without_gil([&] { return global_arena().unregister_memory(p); });
       },
       nb::arg("tensor").noconvert(), "Undoes register_host_memory(tensor).");
   m.def(
@@ -200,12 +185,7 @@ void bind_memory(nb::module_& m) {
       [](std::size_t bytes) {
         void* p = nullptr;
         bool pinned = false;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = global_arena().allocate(bytes, &p, &pinned);
-        }
-        check(s);
+        check_without_gil([&] { return global_arena().allocate(bytes, &p, &pinned); });
         return std::make_pair(reinterpret_cast<std::uintptr_t>(p), pinned);
       },
       nb::arg("bytes"),

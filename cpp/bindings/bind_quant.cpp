@@ -59,13 +59,10 @@ void bind_quant(nb::module_& m) {
         const std::int64_t n = numel(x);
         expect_size(op, packed, "packed", nf4_packed_size(n), nf4_why(n));
         expect_size(op, absmax, "absmax", quant_num_blocks(n, block), blocks_why(n, block));
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = quantize_nf4(x.data(), xt, n, block, static_cast<std::uint8_t*>(packed.data()),
-                           static_cast<float*>(absmax.data()), global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return quantize_nf4(x.data(), xt, n, block, static_cast<std::uint8_t*>(packed.data()),
+                              static_cast<float*>(absmax.data()), global_pool());
+        });
       },
       nb::arg("x").noconvert(), nb::arg("packed").noconvert(), nb::arg("absmax").noconvert(),
       nb::arg("block_size"),
@@ -82,14 +79,11 @@ void bind_quant(nb::module_& m) {
         const std::int64_t n = numel(out);
         expect_size(op, packed, "packed", nf4_packed_size(n), nf4_why(n));
         expect_size(op, absmax, "absmax", quant_num_blocks(n, block), blocks_why(n, block));
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = dequantize_nf4(static_cast<const std::uint8_t*>(packed.data()),
-                             static_cast<const float*>(absmax.data()), n, block, out.data(), ot,
-                             global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return dequantize_nf4(static_cast<const std::uint8_t*>(packed.data()),
+                                static_cast<const float*>(absmax.data()), n, block, out.data(), ot,
+                                global_pool());
+        });
       },
       nb::arg("packed").noconvert(), nb::arg("absmax").noconvert(), nb::arg("out").noconvert(),
       nb::arg("block_size"),
@@ -106,13 +100,10 @@ void bind_quant(nb::module_& m) {
         const std::int64_t n = numel(x);
         expect_size(op, codes, "codes", n, "one code per element of x");
         expect_size(op, absmax, "absmax", quant_num_blocks(n, block), blocks_why(n, block));
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = quantize_int8(x.data(), xt, n, block, static_cast<std::int8_t*>(codes.data()),
-                            static_cast<float*>(absmax.data()), global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return quantize_int8(x.data(), xt, n, block, static_cast<std::int8_t*>(codes.data()),
+                               static_cast<float*>(absmax.data()), global_pool());
+        });
       },
       nb::arg("x").noconvert(), nb::arg("codes").noconvert(), nb::arg("absmax").noconvert(),
       nb::arg("block_size"),
@@ -129,14 +120,11 @@ void bind_quant(nb::module_& m) {
         const std::int64_t n = numel(out);
         expect_size(op, codes, "codes", n, "one code per element of out");
         expect_size(op, absmax, "absmax", quant_num_blocks(n, block), blocks_why(n, block));
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = dequantize_int8(static_cast<const std::int8_t*>(codes.data()),
-                              static_cast<const float*>(absmax.data()), n, block, out.data(), ot,
-                              global_pool());
-        }
-        check(s);
+        check_without_gil([&] {
+          return dequantize_int8(static_cast<const std::int8_t*>(codes.data()),
+                                 static_cast<const float*>(absmax.data()), n, block, out.data(), ot,
+                                 global_pool());
+        });
       },
       nb::arg("codes").noconvert(), nb::arg("absmax").noconvert(), nb::arg("out").noconvert(),
       nb::arg("block_size"),

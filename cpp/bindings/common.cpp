@@ -76,4 +76,11 @@ void require_host_buffer(const Array& a, const char* arg) {
   require_contiguous(a, arg);
 }
 
+void require_numel(const Array& a, const char* arg, std::int64_t n, const char* ref) {
+  const std::int64_t k = numel(a);
+  if (k != n)
+    raise_value_error(std::string(arg) + ": has " + std::to_string(k) + " elements, " + ref + " has " +
+                      std::to_string(n));
+}
+
 }  // namespace ramstream::py

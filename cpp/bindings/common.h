@@ -1,5 +1,6 @@
-// Shared by every binding file: Status -> Python exception, and DLPack tensor checks that name
-// the offending argument. The only place that maps error codes to exception types.
+// Shared by every binding file: Status -> Python exception (also around a GIL-released call), and
+// DLPack tensor checks that name the offending argument. The only place that maps error codes to
+// exception types.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -24,6 +25,17 @@ inline void check(const Status& s) {
 [[noreturn]] void raise_value_error(const std::string& msg);
 [[noreturn]] void raise_type_error(const std::string& msg);
 
+// Runs fn() (returning a Status) with the GIL released, then check()s its Status with the GIL held.
+template <class Fn>
+void check_without_gil(const Fn& fn) {
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = fn();
+  }
+  check(s);
+}
+
 // The element type of `a`; TypeError naming `arg` when it is not one of ours.
 DType dtype_of(const Array& a, const char* arg);
 std::int64_t numel(const Array& a);
@@ -37,6 +49,8 @@ void require_cuda(const Array& a, const char* arg);
 void require_dtype(const Array& a, DType want, const char* arg);
 // Both checks above plus contiguity: the usual contract of an in-place host argument.
 void require_host_buffer(const Array& a, const char* arg);
+// ValueError "arg: has K elements, ref has n" unless numel(a) == n.
+void require_numel(const Array& a, const char* arg, std::int64_t n, const char* ref);
 
 // Registration functions, one per binding file.
 void bind_system(nb::module_& m);

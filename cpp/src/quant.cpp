@@ -53,12 +53,17 @@ Status check_args(const char* op, std::int64_t n, int block, const void* in, con
   return Status::ok();
 }
 
-// Runs fn(b0, b1) over the blocks of n elements on `pool`.
-template <class Fn>
-void for_blocks(ThreadPool& pool, std::int64_t n, int block, const Fn& fn) {
+// Runs kernel(a0, a1, n, block, b0, b1, a2, a3) over the blocks [b0, b1) of n elements on `pool`
+// (the argument order every quantize / dequantize kernel shares); returns ok.
+template <class Kernel, class A0, class A1, class A2, class A3>
+Status run_blocks(Kernel kernel, ThreadPool& pool, A0 a0, A1 a1, std::int64_t n, int block, A2 a2,
+                  A3 a3) {
   const std::int64_t blocks = quant_num_blocks(n, block);
   pool.parallel_for(blocks, 1, std::max<std::int64_t>(1, kMinElemsPerTask / block),
-                    [&](std::int64_t b0, std::int64_t b1) { fn(b0, b1); });
+                    [&](std::int64_t b0, std::int64_t b1) {
+                      kernel(a0, a1, n, block, b0, b1, a2, a3);
+                    });
+  return Status::ok();
 }
 
 }  // namespace
@@ -73,44 +78,28 @@ Status quantize_nf4(const void* x, DType x_dtype, std::int64_t n, int block, std
                     float* absmax, ThreadPool& pool) {
   RAMSTREAM_RETURN_IF_ERROR(
       check_args("quantize_nf4", n, block, x, "x", packed, "packed", absmax, x_dtype, "x"));
-  const auto k = kernels().quantize_nf4;
-  for_blocks(pool, n, block, [&](std::int64_t b0, std::int64_t b1) {
-    k(x, x_dtype, n, block, b0, b1, packed, absmax);
-  });
-  return Status::ok();
+  return run_blocks(kernels().quantize_nf4, pool, x, x_dtype, n, block, packed, absmax);
 }
 
 Status dequantize_nf4(const std::uint8_t* packed, const float* absmax, std::int64_t n, int block,
                       void* out, DType out_dtype, ThreadPool& pool) {
   RAMSTREAM_RETURN_IF_ERROR(check_args("dequantize_nf4", n, block, packed, "packed", out, "out",
                                        absmax, out_dtype, "out"));
-  const auto k = kernels().dequantize_nf4;
-  for_blocks(pool, n, block, [&](std::int64_t b0, std::int64_t b1) {
-    k(packed, absmax, n, block, b0, b1, out, out_dtype);
-  });
-  return Status::ok();
+  return run_blocks(kernels().dequantize_nf4, pool, packed, absmax, n, block, out, out_dtype);
 }
 
 Status quantize_int8(const void* x, DType x_dtype, std::int64_t n, int block, std::int8_t* codes,
                      float* absmax, ThreadPool& pool) {
   RAMSTREAM_RETURN_IF_ERROR(
       check_args("quantize_int8", n, block, x, "x", codes, "codes", absmax, x_dtype, "x"));
-  const auto k = kernels().quantize_int8;
-  for_blocks(pool, n, block, [&](std::int64_t b0, std::int64_t b1) {
-    k(x, x_dtype, n, block, b0, b1, codes, absmax);
-  });
-  return Status::ok();
+  return run_blocks(kernels().quantize_int8, pool, x, x_dtype, n, block, codes, absmax);
 }
 
 Status dequantize_int8(const std::int8_t* codes, const float* absmax, std::int64_t n, int block,
                        void* out, DType out_dtype, ThreadPool& pool) {
   RAMSTREAM_RETURN_IF_ERROR(check_args("dequantize_int8", n, block, codes, "codes", out, "out",
                                        absmax, out_dtype, "out"));
-  const auto k = kernels().dequantize_int8;
-  for_blocks(pool, n, block, [&](std::int64_t b0, std::int64_t b1) {
-    k(codes, absmax, n, block, b0, b1, out, out_dtype);
-  });
-  return Status::ok();
+  return run_blocks(kernels().dequantize_int8, pool, codes, absmax, n, block, out, out_dtype);
 }
 
 }  // namespace ramstream

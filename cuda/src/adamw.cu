@@ -1,4 +1,5 @@
-// CUDA AdamW over flat buffers (SPEC rules 2, 3): moments in device or mapped pinned host memory.
+// CUDA AdamW over flat buffers (docs/NUMERICS.md rules 2, 3): moments in device or mapped pinned
+// host memory.
 //
 // Memory-bound; with host-mapped moments every moment byte crosses PCIe once each way, so each
 // thread moves 4 consecutive elements with one 16-byte (fp32) or 8-byte (bf16) access per

@@ -1,4 +1,5 @@
-// CUDA dequantization of NF4 / int8 blockwise codes (SPEC rules 4, 5): vectorised, grid-stride.
+// CUDA dequantization of NF4 / int8 blockwise codes (docs/NUMERICS.md rules 4, 5): vectorised,
+// grid-stride.
 #include <cuda_fp16.h>
 
 #include <cstdint>

@@ -4,6 +4,7 @@ of the backward pass (saved_tensors_hooks); find_blocks() finds a model's repeat
 Mechanism only: which blocks page is decided by the caller (planner.py, wrap()). Works with a CUDA
 device (pinned arena buffers, a D2H and an H2D copy stream ordered by events) and with the CPU as
 the "device" (plain copies into pooled host buffers, no streams), so CI tests the same logic.
+The host buffers, the copy engines and the saved-tensor records live in activation_buffers.py.
 
     off = ActivationOffloader(find_blocks(model), torch.device("cuda"), prefetch_depth=1)
     off.attach(); off.set_paged({0, 1, 2})
@@ -19,6 +20,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
+
+from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Saved,
+                                 byte_view)
 
 __all__ = ["find_blocks", "ActivationOffloader"]
 
@@ -62,295 +66,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             f"(such as model.layers or transformer.h); containers seen: {found}. Pass the blocks "
             "explicitly (blocks=[...]).")
     return best[1]
-
-
-# ---- host buffer pool --------------------------------------------------------------------------
-def _size_class(n: int) -> int:
-    """Rounds a byte count up to one of 8 classes per power of two (<= 12.5 % waste, >= 4 KiB)."""
-    if n <= 4096:
-        return 4096
-    step = max(4096, 1 << (n.bit_length() - 4))
-    return (n + step - 1) // step * step
-
-
-class _HostBuf:
-    __slots__ = ("t", "size", "event", "tick")
-
-    def __init__(self, t: torch.Tensor, size: int) -> None:
-        self.t = t          # uint8 host tensor of `size` bytes
-        self.size = size
-        self.event = None   # the last copy reading from it (CUDA event) or None
-        self.tick = 0
-
-
-def _drop(bufs: list[_HostBuf]) -> None:
-    """Lets buffers go back to the arena, once the last copy reading them has finished (the arena
-    does not track streams)."""
-    for b in bufs:
-        if b.event is not None:
-            b.event.synchronize()
-            b.event = None
-
-
-class _HostPool:
-    """Host buffers by size class, reused across steps; pinned arena memory on CUDA.
-
-    take()/give() are thread-safe (entries die on autograd's device thread). Free buffers idle for
-    more than `keep_passes` forward passes are dropped (their memory returns to the arena cache).
-    """
-
-    def __init__(self, pinned: bool, keep_passes: int = 2) -> None:
-        self.pinned = pinned
-        self.keep_passes = keep_passes
-        self.free: dict[int, list[_HostBuf]] = {}
-        self.lock = threading.Lock()
-        self.tick = 0
-        self.closed = False
-        self.bytes_held = 0
-        self.bytes_in_use = 0
-        self.peak_held = 0
-        self.allocations = 0
-        self.reuses = 0
-
-    def take(self, nbytes: int) -> _HostBuf:
-        size = _size_class(nbytes)
-        with self.lock:
-            lst = self.free.get(size)
-            buf = lst.pop() if lst else None
-            self.bytes_in_use += size
-            if buf is not None:
-                self.reuses += 1
-                return buf
-        if self.pinned:
-            from .ops.memory import pinned_empty
-
-            t = pinned_empty(size, torch.uint8)
-        else:
-            t = torch.empty(size, dtype=torch.uint8)
-        with self.lock:
-            self.allocations += 1
-            self.bytes_held += size
-            self.peak_held = max(self.peak_held, self.bytes_held)
-        return _HostBuf(t, size)
-
-    def give(self, buf: _HostBuf, event) -> None:
-        buf.event = event
-        with self.lock:
-            buf.tick = self.tick
-            self.bytes_in_use -= buf.size
-            if not self.closed:
-                self.free.setdefault(buf.size, []).append(buf)
-                return
-            self.bytes_held -= buf.size
-        _drop([buf])
-
-    def new_pass(self) -> None:
-        dropped = []
-        with self.lock:
-            self.tick += 1
-            for size, lst in list(self.free.items()):
-                keep = [b for b in lst if self.tick - b.tick <= self.keep_passes]
-                dropped += [b for b in lst if self.tick - b.tick > self.keep_passes]
-                self.bytes_held -= size * (len(lst) - len(keep))
-                if keep:
-                    self.free[size] = keep
-                else:
-                    del self.free[size]
-        _drop(dropped)
-
-    def close(self) -> None:
-        """Drops the free buffers; buffers still in use are dropped when given back."""
-        with self.lock:
-            self.closed = True
-            dropped = [b for lst in self.free.values() for b in lst]
-            self.bytes_held -= sum(b.size for b in dropped)
-            self.free.clear()
-        _drop(dropped)
-
-    def reopen(self) -> None:
-        with self.lock:
-            self.closed = False
-
-
-# ---- copies: CUDA streams or plain CPU copies ---------------------------------------------------
-def _byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int,
-               n: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (n,), (1,))
-
-
-class _CpuCopies:
-    """The CPU as the device: copies are synchronous, events are None."""
-
-    pinned = False
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def to_host(self, buf: _HostBuf, src: torch.Tensor) -> None:
-        buf.t[:src.numel()].copy_(src)
-
-    def d2h_event(self):
-        return None
-
-    def to_device(self, buf: _HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
-        out = torch.empty(n, dtype=torch.uint8, device=self.device)
-        out.copy_(buf.t[:n])
-        return out, None
-
-    def use_on_current(self, entry) -> None:
-        pass
-
-    def stall_seconds(self) -> float:
-        return 0.0
-
-    def mark(self):
-        return None
-
-
-class _CudaCopies:
-    """D2H and H2D streams; events order them against torch's current stream."""
-
-    pinned = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-        self._lock = threading.Lock()
-        self._timed: list = []
-
-    def to_host(self, buf: _HostBuf, src: torch.Tensor) -> None:
-        """Queues the copy after the work queued so far on the current stream; the source's memory
-        is not reused by the caching allocator before the copy has run (record_stream)."""
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        if buf.event is not None:              # the last H2D out of this buffer
-            self.d2h.wait_event(buf.event)
-            buf.event = None
-        with torch.cuda.stream(self.d2h):
-            buf.t[:src.numel()].copy_(src, non_blocking=True)
-        src.record_stream(self.d2h)
-
-    def d2h_event(self):
-        ev = torch.cuda.Event()
-        ev.record(self.d2h)
-        return ev
-
-    def to_device(self, buf: _HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
-        """Allocates n bytes from the H2D stream's pool and queues the copy there."""
-        with torch.cuda.stream(self.h2d):
-            if after is not None:
-                self.h2d.wait_event(after)
-            out = torch.empty(n, dtype=torch.uint8, device=self.device)
-            out.copy_(buf.t[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.h2d)
-        return out, ev
-
-    def use_on_current(self, entry) -> None:
-        """The current stream waits for the entry's H2D; its memory stays reserved for the
-        current stream's queued work after the entry dies. The first wait per entry and stream is
-        bracketed by timing events: the GPU time it stalled (stall_seconds)."""
-        cur = torch.cuda.current_stream(self.device)
-        sid = cur.stream_id
-        if entry.used_on == sid:
-            cur.wait_event(entry.h2d_event)
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(cur)
-        cur.wait_event(entry.h2d_event)
-        end.record(cur)
-        with self._lock:
-            self._timed.append((start, end))
-            if len(self._timed) > 100_000:       # never polled: keep the newest
-                del self._timed[:50_000]
-        entry.gpu.record_stream(cur)
-        entry.used_on = sid
-
-    def mark(self):
-        """An event recorded on the current stream (where compute has got to)."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def stall_seconds(self) -> float:
-        """GPU time the compute stream waited for H2D copies, over the waits completed since the
-        last call (a wait not yet run on the GPU is counted at a later call)."""
-        with self._lock:
-            timed, self._timed = self._timed, []
-        total, pending = 0.0, []
-        for start, end in timed:
-            if end.query():
-                total += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end))
-        if pending:
-            with self._lock:
-                self._timed = pending + self._timed
-        return total
-
-
-# ---- entries, handles, call records -------------------------------------------------------------
-class _Call:
-    """One forward call of one block: the entries it paged (weakly), the calls before it (strong)
-    and after it (weak), its last D2H event and the event marking that backward reached it."""
-
-    __slots__ = ("index", "pass_id", "prev", "next", "entries", "fetched", "d2h_event",
-                 "bwd_event", "__weakref__")
-
-    def __init__(self, index: int, pass_id: int, prev) -> None:
-        self.index = index
-        self.pass_id = pass_id
-        self.prev = prev
-        self.next = None          # weakref to the next call of the pass
-        self.entries: list[weakref.ref] = []
-        self.fetched = False
-        self.d2h_event = None
-        self.bwd_event = None
-
-
-class _Entry:
-    """A byte range [lo, lo + nbytes) of one device storage, copied into a host buffer.
-
-    Lives as long as a handle (saved tensor) refers to it: when autograd frees the last one (after
-    backward used it, or when the graph dies) the host buffer returns to the pool.
-    """
-
-    __slots__ = ("owner", "call", "buf", "lo", "nbytes", "d2h_event", "gpu", "h2d_event",
-                 "used_on", "__weakref__")
-
-    def __init__(self, owner, call: _Call, buf: _HostBuf, lo: int, nbytes: int) -> None:
-        self.owner = owner
-        self.call = call
-        self.buf = buf
-        self.lo = lo
-        self.nbytes = nbytes
-        self.d2h_event = None
-        self.gpu: torch.Tensor | None = None
-        self.h2d_event = None
-        self.used_on = None
-
-    def __del__(self) -> None:
-        owner, buf = self.owner, self.buf
-        if owner is None or buf is None:
-            return
-        self.buf = None
-        try:
-            owner._release(buf, self.h2d_event if self.h2d_event is not None else self.d2h_event)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-
-
-class _Saved:
-    """What pack returns for a paged tensor: its entry and its exact layout."""
-
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
-
-    def __init__(self, entry: _Entry, dtype, size, stride, offset: int) -> None:
-        self.entry = entry
-        self.dtype = dtype
-        self.size = size
-        self.stride = stride
-        self.offset = offset  # in elements of dtype, from the start of the entry's bytes
 
 
 def _top_hooks_are_checkpoint() -> bool:
@@ -421,9 +136,9 @@ class ActivationOffloader:
                                    "no CUDA GPU; pass device='cpu' for the CPU engine")
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            self._copies = _CudaCopies(device)
+            self._copies = CudaCopies(device)
         elif device.type == "cpu":
-            self._copies = _CpuCopies(device)
+            self._copies = CpuCopies(device)
         else:
             raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got "
                              f"{device}")
@@ -435,12 +150,12 @@ class ActivationOffloader:
         self.log = log or (lambda msg: None)
         self.measuring = False
         self._paged: frozenset[int] = frozenset()
-        self._pool = _HostPool(self._copies.pinned)
+        self._pool = HostPool(self._copies.pinned)
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
         self._last_index = _NO_CALL
-        self._last_call: _Call | None = None
+        self._last_call: Call | None = None
         self._persistent: set[int] = set()
         self._by_storage: dict[int, list] = {}
         self._block_bytes = [0] * len(blocks)
@@ -551,7 +266,7 @@ class ActivationOffloader:
             return
         # every call gets a record (the chain that backward walks to prefetch); only paged or
         # measured blocks get saved-tensor hooks
-        call = _Call(i, self._pass, self._last_call)
+        call = Call(i, self._pass, self._last_call)
         if self._last_call is not None:
             self._last_call.next = weakref.ref(call)
         self._last_call = call
@@ -584,7 +299,7 @@ class ActivationOffloader:
         if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
             out.register_hook(lambda g, call=call: self._on_output_grad(call))
 
-    def _throttle_d2h(self, call: _Call) -> None:
+    def _throttle_d2h(self, call: Call) -> None:
         """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
         finished: device memory held by copies in flight stays bounded (the forward thread waits,
         so it runs at most that far ahead of the copies)."""
@@ -605,7 +320,7 @@ class ActivationOffloader:
         with self._lock:
             self._counters[counter] += time.perf_counter() - t0
 
-    def _on_output_grad(self, call: _Call) -> None:
+    def _on_output_grad(self, call: Call) -> None:
         t0 = time.perf_counter()
         if call.bwd_event is None:
             call.bwd_event = self._copies.mark()
@@ -645,7 +360,7 @@ class ActivationOffloader:
             return False
         return t.untyped_storage().data_ptr() not in self._persistent
 
-    def _pack(self, t: torch.Tensor, call: _Call, paged: bool):
+    def _pack(self, t: torch.Tensor, call: Call, paged: bool):
         if not self._pageable(t):
             return t
         t0 = time.perf_counter()
@@ -655,7 +370,7 @@ class ActivationOffloader:
             self._counters["pack_s"] += time.perf_counter() - t0
         return t if saved is None else saved
 
-    def _page(self, t: torch.Tensor, call: _Call, paged: bool):
+    def _page(self, t: torch.Tensor, call: Call, paged: bool):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         size = st.nbytes()
@@ -687,8 +402,8 @@ class ActivationOffloader:
                 return None
             self._pass_bytes += n
             buf = self._pool.take(n)
-            self._copies.to_host(buf, _byte_view(st, self.device, lo, n))
-            found = _Entry(self, call, buf, lo, n)
+            self._copies.to_host(buf, byte_view(st, self.device, lo, n))
+            found = Entry(self, call, buf, lo, n)
             found.d2h_event = call.d2h_event = self._copies.d2h_event()
             call.entries.append(weakref.ref(found))
             recs.append((weakref.ref(st), version, weakref.ref(found), lo, hi))
@@ -698,10 +413,10 @@ class ActivationOffloader:
                 self._counters["live_entries"] += 1
         if not paged:
             return None
-        return _Saved(found, t.dtype, tuple(t.shape), tuple(t.stride()),
+        return Saved(found, t.dtype, tuple(t.shape), tuple(t.stride()),
                       (lo_t - found.lo) // item)
 
-    def _fetch(self, e: _Entry) -> None:
+    def _fetch(self, e: Entry) -> None:
         if e.gpu is not None or e.buf is None:
             return
         e.gpu, e.h2d_event = self._copies.to_device(e.buf, e.nbytes, after=e.d2h_event)
@@ -709,7 +424,7 @@ class ActivationOffloader:
             self._counters["copies_h2d"] += 1
             self._counters["bytes_h2d"] += e.nbytes
 
-    def _fetch_call(self, call: _Call) -> None:
+    def _fetch_call(self, call: Call) -> None:
         if call.fetched:
             return
         call.fetched = True
@@ -718,7 +433,7 @@ class ActivationOffloader:
             if e is not None:
                 self._fetch(e)
 
-    def _prefetch_before(self, call: _Call) -> None:
+    def _prefetch_before(self, call: Call) -> None:
         """Starts the H2D of the prefetch_depth paged calls that precede `call` in its pass.
 
         Before new device memory is taken for them, the compute stream must have reached the
@@ -739,7 +454,7 @@ class ActivationOffloader:
             c = c.prev
 
     def _unpack(self, x):
-        if type(x) is not _Saved:
+        if type(x) is not Saved:
             return x
         t0 = time.perf_counter()
         e = x.entry
@@ -756,7 +471,7 @@ class ActivationOffloader:
             self._counters["unpack_s"] += time.perf_counter() - t0
         return out
 
-    def _release(self, buf: _HostBuf, event) -> None:
+    def _release(self, buf: HostBuf, event) -> None:
         self._pool.give(buf, event)
         with self._lock:
             self._counters["live_entries"] -= 1

@@ -52,7 +52,7 @@ inline float f16_to_f32(uint16_t h) {
   return u2f(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-// SPEC rule 1: round to nearest even; NaN -> sign | 0x7FC0.
+// docs/NUMERICS.md rule 1: round to nearest even; NaN -> sign | 0x7FC0.
 inline uint16_t f32_to_bf16(float f) {
   const uint32_t u = f2u(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7FC0u);

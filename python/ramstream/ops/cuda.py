@@ -66,19 +66,22 @@ def _shape(op: str, shape) -> tuple[tuple[int, ...], int]:
     return dims, math.prod(dims)
 
 
-def _dequant_args(op, codes_name, codes, codes_dtype, absmax, shape, dtype, block_size, even):
-    _checks.check_tensor(op, codes_name, codes, (codes_dtype,))
+def _dequantize(codes, absmax, shape, dtype, block_size, *, nf4: bool) -> torch.Tensor:
+    """The body of dequantize_nf4 (``nf4``: uint8 ``packed``, two codes per byte, even block size)
+    and of dequantize_int8 (int8 ``codes``): checks, then the kernel on codes' current stream."""
+    op, codes_name = ("dequantize_nf4", "packed") if nf4 else ("dequantize_int8", "codes")
+    _checks.check_tensor(op, codes_name, codes, (torch.uint8 if nf4 else torch.int8,))
     _checks.check_tensor(op, "absmax", absmax, (torch.float32,))
     if dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"{op}: dtype must be torch.float32/bfloat16/float16, got {dtype!r}")
-    if even:
+    if nf4:
         block_size = _checks.check_int(op, "block_size", block_size, ge=2)
         if block_size % 2:
             raise ValueError(f"{op}: block_size must be an even int >= 2, got {block_size}")
     else:
         block_size = _checks.check_int(op, "block_size", block_size, ge=1)
     dims, n = _shape(op, shape)
-    want = (n + 1) // 2 if even else n
+    want = (n + 1) // 2 if nf4 else n
     if codes.numel() != want:
         raise ValueError(
             f"{op}: {codes_name} has {codes.numel()} elements, shape {dims} needs {want}"
@@ -92,7 +95,11 @@ def _dequant_args(op, codes_name, codes, codes_dtype, absmax, shape, dtype, bloc
     cuda_ready(op)
     _require_cuda(op, codes_name, codes)
     _require_cuda(op, "absmax", absmax, codes.device)
-    return dims, block_size
+    out = torch.empty(dims, dtype=dtype, device=codes.device)
+    kernel = lib().cuda_dequantize_nf4 if nf4 else lib().cuda_dequantize_int8
+    _launch(codes.device, kernel, codes.detach(), absmax.detach(), out, block_size,
+            _stream(codes.device), codes.device.index)
+    return out
 
 
 def dequantize_nf4(
@@ -102,7 +109,7 @@ def dequantize_nf4(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 64,
 ) -> torch.Tensor:
-    """Dequantize NF4 codes on the GPU (SPEC rule 4; bit-identical to the host kernel).
+    """Dequantize NF4 codes on the GPU (docs/NUMERICS.md rule 4; bit-identical to the host).
 
     Args:
         packed: uint8 CUDA tensor, contiguous, (n + 1) // 2 bytes: element 2j in the high nibble
@@ -115,13 +122,7 @@ def dequantize_nf4(
     Returns:
         A new tensor of ``shape`` and ``dtype`` on packed's device, written on its current stream.
     """
-    op = "dequantize_nf4"
-    dims, block_size = _dequant_args(op, "packed", packed, torch.uint8, absmax, shape, dtype,
-                                     block_size, even=True)
-    out = torch.empty(dims, dtype=dtype, device=packed.device)
-    _launch(packed.device, lib().cuda_dequantize_nf4, packed.detach(), absmax.detach(), out,
-            block_size, _stream(packed.device), packed.device.index)
-    return out
+    return _dequantize(packed, absmax, shape, dtype, block_size, nf4=True)
 
 
 def dequantize_int8(
@@ -131,7 +132,8 @@ def dequantize_int8(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 64,
 ) -> torch.Tensor:
-    """Dequantize symmetric blockwise int8 codes on the GPU (SPEC rule 5; bit-identical to the host).
+    """Dequantize symmetric blockwise int8 codes on the GPU (docs/NUMERICS.md rule 5; bit-identical
+    to the host).
 
     Args:
         codes: int8 CUDA tensor, contiguous, n elements.
@@ -144,13 +146,7 @@ def dequantize_int8(
     Returns:
         A new tensor of ``shape`` and ``dtype`` on codes' device, written on its current stream.
     """
-    op = "dequantize_int8"
-    dims, block_size = _dequant_args(op, "codes", codes, torch.int8, absmax, shape, dtype,
-                                     block_size, even=False)
-    out = torch.empty(dims, dtype=dtype, device=codes.device)
-    _launch(codes.device, lib().cuda_dequantize_int8, codes.detach(), absmax.detach(), out,
-            block_size, _stream(codes.device), codes.device.index)
-    return out
+    return _dequantize(codes, absmax, shape, dtype, block_size, nf4=False)
 
 
 def adamw_(
@@ -170,7 +166,8 @@ def adamw_(
     seed: int = 0,
     offset: int = 0,
 ) -> None:
-    """One AdamW step on the GPU, in place (the numerics of the host kernel, SPEC rules 2 and 3).
+    """One AdamW step on the GPU, in place (the numerics of the host kernel, docs/NUMERICS.md rules
+    2 and 3).
 
     Args:
         param: float32 master weights, updated in place: a CUDA tensor on grad's device, or

@@ -91,6 +91,36 @@ def _check_absmax(op: str, absmax, codes: torch.Tensor, n: int, block_size: int)
         )
 
 
+def _dequantize(codes, absmax, shape, dtype, block_size, *, nf4: bool) -> torch.Tensor:
+    """The body of dequantize_nf4 (``nf4``: uint8 ``packed``, two codes per byte) and of
+    dequantize_int8 (int8 ``codes``): checks, then the host kernel, or the CUDA one (ops/cuda.py)
+    when the codes are CUDA tensors."""
+    op = "dequantize_nf4" if nf4 else "dequantize_int8"
+    block_size = _check_block_size(op, block_size)
+    dims, n = _check_shape(op, shape)
+    _check_out_dtype(op, dtype)
+    if nf4:
+        name, want, unit, why = "packed", (n + 1) // 2, "bytes", f"ceil({n} / 2) for shape {dims}"
+        _check_tensor(op, name, codes, (torch.uint8,), "uint8")
+    else:
+        name, want, unit, why = "codes", n, "elements", f"shape {dims}"
+        _check_tensor(op, name, codes, (torch.int8,), "int8")
+    if codes.numel() != want:
+        raise ValueError(f"{op}: {name} has {codes.numel()} {unit}, expected {want} ({why})")
+    _check_absmax(op, absmax, codes, n, block_size)
+    if codes.is_cuda:
+        from . import cuda as _cuda  # noqa: PLC0415
+
+        gpu = _cuda.dequantize_nf4 if nf4 else _cuda.dequantize_int8
+        return gpu(codes, absmax, dims, dtype, block_size)
+    if codes.device.type != "cpu":
+        raise ValueError(f"{op}: {name} must be a CPU or CUDA tensor, got {codes.device}")
+    out = torch.empty(dims, dtype=dtype)
+    host = lib().dequantize_nf4 if nf4 else lib().dequantize_int8
+    host(codes, absmax, out, block_size)
+    return out
+
+
 def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4-quantize a host tensor in blocks of ``block_size`` consecutive elements.
 
@@ -143,26 +173,7 @@ def dequantize_nf4(
     Returns:
         A new contiguous tensor of ``shape`` and ``dtype`` on packed's device.
     """
-    op = "dequantize_nf4"
-    block_size = _check_block_size(op, block_size)
-    dims, n = _check_shape(op, shape)
-    _check_out_dtype(op, dtype)
-    _check_tensor(op, "packed", packed, (torch.uint8,), "uint8")
-    if packed.numel() != (n + 1) // 2:
-        raise ValueError(
-            f"{op}: packed has {packed.numel()} bytes, expected {(n + 1) // 2} "
-            f"(ceil({n} / 2) for shape {dims})"
-        )
-    _check_absmax(op, absmax, packed, n, block_size)
-    if packed.is_cuda:
-        from . import cuda as _cuda  # noqa: PLC0415
-
-        return _cuda.dequantize_nf4(packed, absmax, dims, dtype, block_size)
-    if packed.device.type != "cpu":
-        raise ValueError(f"{op}: packed must be a CPU or CUDA tensor, got {packed.device}")
-    out = torch.empty(dims, dtype=dtype)
-    lib().dequantize_nf4(packed, absmax, out, block_size)
-    return out
+    return _dequantize(packed, absmax, shape, dtype, block_size, nf4=True)
 
 
 def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,22 +223,4 @@ def dequantize_int8(
     Returns:
         A new contiguous tensor of ``shape`` and ``dtype`` on codes' device.
     """
-    op = "dequantize_int8"
-    block_size = _check_block_size(op, block_size)
-    dims, n = _check_shape(op, shape)
-    _check_out_dtype(op, dtype)
-    _check_tensor(op, "codes", codes, (torch.int8,), "int8")
-    if codes.numel() != n:
-        raise ValueError(
-            f"{op}: codes has {codes.numel()} elements, expected {n} (shape {dims})"
-        )
-    _check_absmax(op, absmax, codes, n, block_size)
-    if codes.is_cuda:
-        from . import cuda as _cuda  # noqa: PLC0415
-
-        return _cuda.dequantize_int8(codes, absmax, dims, dtype, block_size)
-    if codes.device.type != "cpu":
-        raise ValueError(f"{op}: codes must be a CPU or CUDA tensor, got {codes.device}")
-    out = torch.empty(dims, dtype=dtype)
-    lib().dequantize_int8(codes, absmax, out, block_size)
-    return out
+    return _dequantize(codes, absmax, shape, dtype, block_size, nf4=False)

@@ -1,4 +1,5 @@
-// CUDA launchers: dequantize NF4 / int8 blockwise codes to float32, bfloat16 or float16 (SPEC rules 4, 5).
+// CUDA launchers: dequantize NF4 / int8 blockwise codes to float32, bfloat16 or float16
+// (docs/NUMERICS.md rules 4, 5).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -9,7 +10,7 @@
 
 namespace ramstream::cuda {
 
-// out[i] = nf4_table[code(i)] * absmax[i / block], cast to out_dtype (RNE, SPEC rule 1).
+// out[i] = nf4_table[code(i)] * absmax[i / block], in out_dtype (RNE, docs/NUMERICS.md rule 1).
 // packed: (n + 1) / 2 bytes, element 2j in the high nibble of byte j, 2j+1 in the low nibble;
 // absmax: ceil(n / block) floats; block: even, >= 2; out: n elements of out_dtype (float32,
 // bfloat16 or float16). All pointers are device pointers (may be null when n == 0).

@@ -127,7 +127,7 @@ def quantize_nf4(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, t
     Args:
         x: CPU tensor (float32, bfloat16 or float16), contiguous, any shape; n = x.numel().
             Read only; flattened in row-major order.
-        block_size: even int >= 2 (keyword-only; bitsandbytes' default 64).
+        block_size: even int >= 2 (bitsandbytes' default 64).
 
     Returns:
         ``(packed, absmax)``: packed is a new 1-D uint8 CPU tensor of ceil(n / 2) bytes, two codes
@@ -168,7 +168,7 @@ def dequantize_nf4(
         absmax: float32 tensor with ceil(n / block_size) elements, contiguous, same device.
         shape: int or sequence of ints, the shape of the result.
         dtype: torch.float32, torch.bfloat16 or torch.float16.
-        block_size: the block size used to quantize (even int >= 2, keyword-only).
+        block_size: the block size used to quantize (even int >= 2).
 
     Returns:
         A new contiguous tensor of ``shape`` and ``dtype`` on packed's device.
@@ -183,7 +183,7 @@ def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, 
 
     Args:
         x: CPU tensor (float32, bfloat16 or float16), contiguous, any shape; n = x.numel().
-        block_size: even int >= 2 (keyword-only).
+        block_size: even int >= 2.
 
     Returns:
         ``(codes, absmax)``: codes is a new int8 CPU tensor of x's shape with values in
@@ -218,7 +218,7 @@ def dequantize_int8(
         absmax: float32 tensor with ceil(n / block_size) elements, contiguous, same device.
         shape: int or sequence of ints, the shape of the result.
         dtype: torch.float32, torch.bfloat16 or torch.float16.
-        block_size: the block size used to quantize (even int >= 2, keyword-only).
+        block_size: the block size used to quantize (even int >= 2).
 
     Returns:
         A new contiguous tensor of ``shape`` and ``dtype`` on codes' device.

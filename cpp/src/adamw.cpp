@@ -12,6 +12,10 @@
 #include "cpu/adamw_kernels.h"
 #include "ramstream/cpu_features.h"
 
+#if defined(RAMSTREAM_HAVE_X86_ISAS) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 namespace ramstream {
 
 static_assert(static_cast<int>(DType::kFloat32) == cpu::kKF32 &&
@@ -51,8 +55,11 @@ bool use_avx512_bf16() {
 #if defined(RAMSTREAM_HAVE_X86_ISAS) && (defined(__GNUC__) || defined(__clang__))
     const char* env = std::getenv("RAMSTREAM_AVX512BF16");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
+    // CPUID.(EAX=7, ECX=1):EAX bit 5. The kernel runs only where AVX-512 (and its OS support) was
+    // already detected.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    return (eax & (1u << 5)) != 0;
 #else
     return false;
 #endif

@@ -467,6 +467,37 @@ def test_large_out_placements_identical(isa, restore_threads, out_dtype):
         assert_bits_equal(out, p.to(out_dtype), "out is the cast of param")
 
 
+@pytest.mark.parametrize("offset", [2**32 - 1024, 2**32 - 1008])
+def test_large_out_across_index_word_boundary(isa, restore_threads, offset):
+    """A streamed `out` when the random-stream index crosses 2**32 inside a task: the vector that
+    straddles it takes the element update, and (with the first offset: `out` starts 5 elements
+    past a 64-byte line, an even number of vectors before the straddling one) the next vector
+    realigns `out` to whole lines. The scalar kernel's bits either way."""
+    n = BIG
+    p0, grads = make_problem(n, seed=43, steps=1)
+    g = grads[0].to(torch.bfloat16)
+
+    def run():
+        p = p0.clone()
+        m = torch.zeros(n, dtype=torch.bfloat16)
+        v = torch.zeros(n, dtype=torch.bfloat16)
+        out = torch.empty(n + 40, dtype=torch.bfloat16)[5:5 + n]
+        C.adamw_(p, g, m, v, out, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 step=1, grad_scale=1.0, seed=5, offset=offset)
+        return [p, m, v, out]
+
+    C.set_num_threads(2)
+    got = run()
+    prev = C.active_isa()
+    C.set_isa("scalar")
+    try:
+        ref = run()
+    finally:
+        C.set_isa(prev)
+    for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "out"), got, ref):
+        assert_bits_equal(a, b, f"{isa} {what}")
+
+
 def test_sr_nan_payloads_stay_nan(isa):
     """NaN moments whose payload would carry into the sign under `bits + r` keep rule 2's NaN case,
     wherever they fall in the vector loop."""

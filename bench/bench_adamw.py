@@ -4,9 +4,12 @@
 
 (a) fp32 everything: ramstream vs torch fused=True (the baseline) and foreach=True;
 (b) mixed: bf16 grads in, bf16 moments (stochastic rounding), bf16 weights out, vs the same
-    torch fused fp32 baseline. Size: RAMSTREAM_BENCH_PARAMS (default 16M; 256M on the GPU box).
+    torch fused fp32 baseline; once with a separate `out` buffer (written with non-temporal
+    stores) and once engine-style, `out` being the grad buffer itself (the engine's call).
+Size: RAMSTREAM_BENCH_PARAMS (default 16M; 256M on the GPU box).
 GB/s counts the state each step must touch once (fp32: read p, g, m, v and write p, m, v =
-28 B/param; mixed: read p(4) g(2) m(2) v(2), write p(4) m(2) v(2) out(2) = 20 B/param).
+28 B/param; mixed: read p(4) g(2) m(2) v(2), write p(4) m(2) v(2) out(2) = 20 B/param; a
+separate `out` written with ordinary stores would also be read first: 22 B of traffic).
 """
 from __future__ import annotations
 
@@ -83,16 +86,25 @@ def test_ramstream_fp32(benchmark):
     _run(benchmark, "ramstream fp32", "fp32", fn)
 
 
-def test_ramstream_mixed_bf16(benchmark):
+def _mixed(benchmark, name: str, out_is_grad: bool):
     p, grad = _fp32_state(0)
     grad = grad.to(torch.bfloat16)
     m = torch.zeros(N, dtype=torch.bfloat16)
     v = torch.zeros(N, dtype=torch.bfloat16)
-    out = torch.empty(N, dtype=torch.bfloat16)
+    out = grad if out_is_grad else torch.empty(N, dtype=torch.bfloat16)
     step = [0]
 
     def fn():
         step[0] += 1
         F.adamw_(p, grad, m, v, step=step[0], lr=1e-3, weight_decay=1e-2, out=out, seed=1)
 
-    _run(benchmark, "ramstream mixed (bf16 g/m/v/out, fp32 p)", "mixed", fn)
+    _run(benchmark, name, "mixed", fn)
+
+
+def test_ramstream_mixed_bf16(benchmark):
+    _mixed(benchmark, "ramstream mixed (bf16 g/m/v/out, fp32 p)", out_is_grad=False)
+
+
+def test_ramstream_mixed_bf16_out_is_grad(benchmark):
+    """The engine's call: the new bf16 weights overwrite the bf16 gradient they were made from."""
+    _mixed(benchmark, "ramstream mixed, out = grad (engine)", out_is_grad=True)

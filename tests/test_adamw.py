@@ -392,6 +392,147 @@ def test_adamw_ptr_equals_tensor_api():
     assert (C.DTYPE_FLOAT32, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT16) == (0, 1, 2)
 
 
+# ---- large calls: non-temporal stores of `out`, `out` over `grad`, the AVX512-BF16 path ----------------
+
+BIG = (1 << 18) + 16 * 37 + 5  # from 2**18 elements on, `out` gets non-temporal stores
+
+
+def _big_run(out_dtype, placement, steps=2):
+    """AdamW over BIG elements, bf16 moments, grads in out_dtype; `out` separate ("aligned"), at an
+    address 3 elements past an aligned one ("unaligned"), or the grad buffer itself ("grad")."""
+    n = BIG
+    p0, grads = make_problem(n, seed=41, steps=steps)
+    p = p0.clone()
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    out = {"aligned": torch.empty(n, dtype=out_dtype),
+           "unaligned": torch.empty(n + 40, dtype=out_dtype)[3:3 + n],
+           "grad": None}[placement]
+    for s, g in enumerate(grads):
+        g = g.to(out_dtype)
+        o = g if placement == "grad" else out
+        F.adamw_(p, g, m, v, step=s + 1, lr=lr_at(s), grad_scale=0.5, out=o, seed=17)
+    return [p, m, v, o]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_large_out_placements_identical(isa, restore_threads, out_dtype):
+    """Streaming `out` from its first 64-byte aligned element, ordinary stores when it is the grad
+    buffer: the same bits for every placement and thread count, equal to the scalar kernel's."""
+    C.set_num_threads(3)
+    runs = {pl: _big_run(out_dtype, pl) for pl in ("aligned", "unaligned", "grad")}
+    C.set_num_threads(1)
+    runs["1 thread"] = _big_run(out_dtype, "unaligned")
+    prev = C.active_isa()
+    C.set_isa("scalar")
+    try:
+        ref = _big_run(out_dtype, "aligned")
+    finally:
+        C.set_isa(prev)
+    for name, tensors in runs.items():
+        for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "out"), tensors, ref):
+            assert_bits_equal(a, b, f"{isa} {out_dtype} {name} {what}")
+    p, out = ref[0], ref[3]
+    if out_dtype == torch.bfloat16:
+        np.testing.assert_array_equal(bits(out), _bf16_rne_reference(p))
+    else:
+        assert_bits_equal(out, p.to(out_dtype), "out is the cast of param")
+
+
+@pytest.mark.parametrize("offset", [2**32 - 1024, 2**32 - 1008])
+def test_large_out_across_index_word_boundary(isa, restore_threads, offset):
+    """A streamed `out` when the random-stream index crosses 2**32 inside a task: the vector that
+    straddles it takes the element update, and (with the first offset: `out` starts 5 elements
+    past a 64-byte line, an even number of vectors before the straddling one) the next vector
+    realigns `out` to whole lines. The scalar kernel's bits either way."""
+    n = BIG
+    p0, grads = make_problem(n, seed=43, steps=1)
+    g = grads[0].to(torch.bfloat16)
+
+    def run():
+        p = p0.clone()
+        m = torch.zeros(n, dtype=torch.bfloat16)
+        v = torch.zeros(n, dtype=torch.bfloat16)
+        out = torch.empty(n + 40, dtype=torch.bfloat16)[5:5 + n]
+        C.adamw_(p, g, m, v, out, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 step=1, grad_scale=1.0, seed=5, offset=offset)
+        return [p, m, v, out]
+
+    C.set_num_threads(2)
+    got = run()
+    prev = C.active_isa()
+    C.set_isa("scalar")
+    try:
+        ref = run()
+    finally:
+        C.set_isa(prev)
+    for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "out"), got, ref):
+        assert_bits_equal(a, b, f"{isa} {what}")
+
+
+def test_sr_nan_payloads_stay_nan(isa):
+    """NaN moments whose payload would carry into the sign under `bits + r` keep rule 2's NaN case,
+    wherever they fall in the vector loop."""
+    n = 1000 + 3
+    g = torch.randn(n)
+    nan_at = [0, 17, 31, 32, 500, 999, 1001]
+    payloads = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0xFF80FFFF, 0x7FFFFF00, 0xFFC0FFFF, 0x7F80FFFF],
+                        dtype=np.uint32)
+    g.numpy().view(np.uint32)[nan_at] = payloads
+    p = torch.randn(n)
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    F.adamw_(p, g, m, v, step=1, lr=1e-3, beta1=0.0, beta2=0.0, weight_decay=0.0, out=out, seed=3)
+    for name, t in (("exp_avg", m), ("exp_avg_sq", v), ("out", out), ("param", p)):
+        assert torch.isnan(t[nan_at].float()).all(), name
+        ok = torch.ones(n, dtype=torch.bool)
+        ok[nan_at] = False
+        assert not torch.isnan(t[ok].float()).any(), name
+
+
+_BF16_SWITCH_SCRIPT = """
+import hashlib, numpy as np, torch
+import ramstream._C as C, ramstream.functional as F
+def run():
+    n = (1 << 18) + 77
+    rng = np.random.default_rng(5)
+    u = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    p = torch.from_numpy(u.view(np.int32).copy()).view(torch.float32)  # NaN payloads, subnormals
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    out1 = torch.empty(n, dtype=torch.bfloat16)
+    F.adamw_(p, torch.zeros(n, dtype=torch.bfloat16), m, v, step=1, lr=0.0, weight_decay=0.0, out=out1)
+    q = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    g = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    out2 = torch.empty(n, dtype=torch.bfloat16)
+    F.adamw_(q, g, m, v, step=2, lr=1e-3, out=out2, seed=9)
+    return [t.view(torch.int16 if t.dtype != torch.float32 else torch.int32).numpy().tobytes()
+            for t in (p, m, v, out1, q, out2)]
+fast = run()
+C.set_isa("scalar")
+same = fast == run()
+print(C.best_isa(), same, hashlib.sha256(b"".join(fast)).hexdigest())
+"""
+
+
+def test_avx512_bf16_conversion_switch():
+    """The AVX-512 kernel converts bf16 `out` with vcvtne2ps2bf16 where the CPU has AVX512-BF16
+    (NaN and subnormal weights take the integer rule instead); RAMSTREAM_AVX512BF16=0 turns it off.
+    Both give the scalar kernel's bits."""
+    if C.best_isa() != "avx512":
+        pytest.skip("needs AVX-512")
+    lines = []
+    for flag in ("1", "0"):
+        env = dict(os.environ, RAMSTREAM_AVX512BF16=flag)
+        env.pop("RAMSTREAM_FORCE_ISA", None)
+        res = subprocess.run([sys.executable, "-c", _BF16_SWITCH_SCRIPT], env=env, capture_output=True,
+                             text=True, check=True)
+        lines.append(res.stdout.split())
+    for isa_name, same, _ in lines:
+        assert isa_name == "avx512" and same == "True"
+    assert lines[0][2] == lines[1][2]
+
+
 def test_force_isa_environment():
     code = "import ramstream._C as C; print(C.active_isa()); print(repr(C.isa_env_error()))"
     env = dict(os.environ, RAMSTREAM_FORCE_ISA="scalar")

@@ -4,11 +4,17 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 
 #include "cpu/adamw_kernels.h"
 #include "ramstream/cpu_features.h"
+
+#if defined(RAMSTREAM_HAVE_X86_ISAS) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 namespace ramstream {
 
@@ -40,6 +46,31 @@ AdamWRangeFn pick_adamw_kernel() {
 #endif
     default: return &cpu::scalar::adamw_range;
   }
+}
+
+// AVX512-BF16 (vcvtne2ps2bf16) for the AVX-512 kernel's bf16 `out`; RAMSTREAM_AVX512BF16=0 turns it
+// off (tests compare both paths). Read once.
+bool use_avx512_bf16() {
+  static const bool use = [] {
+#if defined(RAMSTREAM_HAVE_X86_ISAS) && (defined(__GNUC__) || defined(__clang__))
+    const char* env = std::getenv("RAMSTREAM_AVX512BF16");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    // CPUID.(EAX=7, ECX=1):EAX bit 5. The kernel runs only where AVX-512 (and its OS support) was
+    // already detected.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    return (eax & (1u << 5)) != 0;
+#else
+    return false;
+#endif
+  }();
+  return use;
+}
+
+// Whether [a, a + an) and [b, b + bn) (bytes) share a byte.
+bool overlaps(const void* a, std::int64_t an, const void* b, std::int64_t bn) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + static_cast<std::uintptr_t>(bn) && y < x + static_cast<std::uintptr_t>(an);
 }
 
 std::uint32_t sr_key(std::uint64_t seed, std::int64_t step, int moment) {
@@ -120,8 +151,19 @@ Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool) 
   a.grad_dtype = static_cast<int>(b.grad_dtype);
   a.moment_dtype = static_cast<int>(b.moment_dtype);
   a.out_dtype = static_cast<int>(b.out_dtype);
-  a.out_streaming = b.out != nullptr && b.n >= kStreamMinElems &&
-                    (reinterpret_cast<std::uintptr_t>(b.out) % 64) == 0;
+  // `out` is only written: non-temporal stores spare the read of each line before its write
+  // (write-allocate), 2 of 22 bytes per element in the mixed case. Not when it shares memory
+  // with an input (the engine passes out == grad): those lines were just read into the cache,
+  // ordinary stores are faster there.
+  if (b.out != nullptr && b.n >= kStreamMinElems) {
+    const auto bytes = [&](DType t) { return b.n * static_cast<std::int64_t>(dtype_size(t)); };
+    const std::int64_t out_bytes = bytes(b.out_dtype), moment_bytes = bytes(b.moment_dtype);
+    a.out_streaming = !overlaps(b.out, out_bytes, b.grad, bytes(b.grad_dtype)) &&
+                      !overlaps(b.out, out_bytes, b.param, bytes(DType::kFloat32)) &&
+                      !overlaps(b.out, out_bytes, b.exp_avg, moment_bytes) &&
+                      !overlaps(b.out, out_bytes, b.exp_avg_sq, moment_bytes);
+  }
+  a.bf16_cvt = use_avx512_bf16();
   a.tail_begin = b.n - b.n % 8;
   a.offset = b.offset;
   a.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);

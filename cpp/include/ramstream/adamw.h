@@ -60,7 +60,12 @@ struct AdamWBuffers {
 // grad_scale finite). kInvalidArgument with a message naming the field otherwise.
 Status validate_adamw_hyper(const AdamWHyper& h);
 
-// One AdamW step over b.n elements on `pool` (buffers must not overlap one another).
+// One AdamW step over b.n elements on `pool`. Buffers must not overlap one another, except that
+// `out` may be `grad` itself when both have the same dtype (the engine writes the new weights over
+// the gradients it has just read). From 256K elements on, an `out` that shares no memory with the
+// other buffers is written with non-temporal stores (it is never read: this spares the cache-line
+// reads of write-allocate). On CPUs with AVX512-BF16 the AVX-512 kernel converts bf16 `out` with
+// vcvtne2ps2bf16, with identical results (RAMSTREAM_AVX512BF16=0 turns that off).
 // Thread-safe for disjoint buffers; no GIL needed. Calls below 32K elements run inline.
 // The "last n % 8 elements" rule above applies to each call: an engine that splits one tensor
 // into several calls should cut it at multiples of 16 elements to match torch on the whole.

@@ -18,7 +18,9 @@ struct AdamWKernelArgs {
   int grad_dtype;        // KernelDType
   int moment_dtype;      // kKF32 or kKBF16
   int out_dtype;         // KernelDType (ignored when out is null)
-  bool out_streaming;    // out may be written with non-temporal stores (large, aligned)
+  bool out_streaming;    // out may get non-temporal stores (large, overlaps no other buffer); the
+                         // kernel uses them from the first 64-byte aligned element of its range
+  bool bf16_cvt;         // AVX-512 kernel: the CPU has AVX512-BF16 (vcvtne2ps2bf16 for bf16 out)
   std::int64_t tail_begin;  // elements >= tail_begin use torch's scalar-remainder form of v
   std::int64_t offset;      // index of element 0 in the random stream
   // coefficients (see ramstream/adamw.h)

@@ -10,8 +10,9 @@
 #include <immintrin.h>
 #endif
 #if defined(__GNUC__) && !defined(__clang__)
-// GCC 12 reports its own _mm512_undefined_*() in avx512fintrin.h as "maybe uninitialized".
+// GCC 12 reports its own _mm512_undefined_*() in avx512fintrin.h as "(maybe) uninitialized".
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #include <cmath>
@@ -171,6 +172,44 @@ inline __m256i f32x16_to_bf16_sr(__m512 x, __m512i r) {
   const __m512i sum = _mm512_add_epi32(u, r);
   // NaN lanes: (u | 0x00400000) >> 16 == (u >> 16) | 0x40
   return high_halves16(_mm512_mask_or_epi32(sum, is_nan16(x), u, _mm512_set1_epi32(0x00400000)));
+}
+
+// ---- AVX-512, two vectors (32 elements) at a time: the pair loop of the AdamW kernel ------------
+
+// 32 bf16 (one 64-byte load) -> two float vectors: each word goes to the high half of its lane and
+// the low half is zeroed, one vpermw per vector (no shift).
+inline void bf16x32_to_f32(__m512i h, __m512& lo, __m512& hi) {
+  const __m512i idx_lo = _mm512_setr_epi32(0x00000000, 0x00010000, 0x00020000, 0x00030000, 0x00040000, 0x00050000,
+                                           0x00060000, 0x00070000, 0x00080000, 0x00090000, 0x000A0000, 0x000B0000,
+                                           0x000C0000, 0x000D0000, 0x000E0000, 0x000F0000);
+  const __m512i idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(0x00100000));
+  lo = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx_lo, h));
+  hi = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx_hi, h));
+}
+
+template <int D>
+inline void load32(const void* p, std::int64_t i, __m512& lo, __m512& hi) {
+  if constexpr (D == 1) {
+    bf16x32_to_f32(_mm512_loadu_si512(static_cast<const std::uint16_t*>(p) + i), lo, hi);
+  } else {
+    lo = load16<D>(p, i);
+    hi = load16<D>(p, i + 16);
+  }
+}
+
+// The high 16 bits of each lane of a (elements 0..15) then b (16..31): one vpermt2w.
+inline __m512i high_halves32(__m512i a, __m512i b) {
+  const __m512i idx = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                        0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                        0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+  return _mm512_permutex2var_epi16(a, idx, b);
+}
+
+// Rule 1 without the NaN case: u + 0x7FFF + ((u >> 16) & 1); the bf16 is its high half.
+inline __m512i bf16_rne_sum16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
 }
 
 template <int D>

@@ -100,7 +100,9 @@ def adamw_(
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         grad_scale: multiplies the gradient before the update (clipping or averaging); 1 skips it.
         out: None, or a contiguous float32/bfloat16/float16 tensor that receives the new param
-            (round to nearest even), written in the same pass.
+            (round to nearest even), written in the same pass. On the CPU it may be ``grad``
+            itself when the dtypes match (the new weights overwrite the gradient, as the engine
+            does); any other overlap with the other tensors is not allowed.
         seed: 0 <= seed < 2**64, the stochastic-rounding seed.
 
     With float32 state on the CPU the result is bit-identical to

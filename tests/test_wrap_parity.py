@@ -195,3 +195,23 @@ def test_gpu_mode_needs_cuda_and_auto_falls_back_to_cpu():
         ramstream.wrap(model, optimizer_mode="gpu")
     model, opt = ramstream.wrap(make_model(0), optimizer_mode="auto")
     assert opt._engine.mapped_numel == 0
+
+
+def test_bucket_layout_large_first_small_tail_aligned():
+    from ramstream.engine.buckets import ALIGN_BYTES, Slot, build_buckets
+
+    sizes = [(32, 300_000, 32, 32, 1000), (32, 32, 1000)]   # with and without a large slot
+    buckets = []
+    for case in sizes:
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in case]
+        slots = [Slot(param=p, index=i, group=0, numel=p.numel()) for i, p in enumerate(params)]
+        buckets += build_buckets(slots, 8 << 20, 4)
+    assert any(not any(s.direct for s in b.slots) for b in buckets)
+    for b in buckets:
+        small = [s for s in b.slots if not s.direct]
+        assert all(s.offset >= b.small_lo for s in small)
+        assert all(s.offset + s.numel <= b.small_lo for s in b.slots if s.direct)
+        assert all(s.offset * 4 % ALIGN_BYTES == 0 for s in b.slots)
+        assert all(s.offset + s.numel <= b.numel for s in b.slots)
+        if small and not any(s.direct for s in b.slots):
+            assert b.small_lo == 0

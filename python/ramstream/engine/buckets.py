@@ -105,13 +105,13 @@ def build_buckets(slots: list[Slot], bucket_bytes: int, elem_size: int = 4) -> l
         for s in cur:
             s.direct = len(cur) == 1 or s.numel * elem_size >= DIRECT_BYTES
         off = 0
-        for s in [s for s in cur if s.direct] + [s for s in cur if not s.direct]:
-            if not s.direct and b.small_lo == 0 and off > 0:
-                b.small_lo = off
+        for s in [s for s in cur if s.direct]:
             s.bucket, s.offset = b, off
             off = _align(off + s.numel, align)
-        if all(s.direct for s in cur):
-            b.small_lo = off
+        b.small_lo = off
+        for s in [s for s in cur if not s.direct]:
+            s.bucket, s.offset = b, off
+            off = _align(off + s.numel, align)
         b.numel = off
         buckets.append(b)
         state_offset += off

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ramstream
+import ramstream.engine.core as core   # imported before any patching (it binds host_jobs.update)
 from ramstream.engine import host_jobs
 from _models import batches, clone, make_model, max_diff, train_torch
 
@@ -21,8 +22,6 @@ def slow_updates(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(host_jobs, "update", slow)
-    import ramstream.engine.core as core
-
     monkeypatch.setattr(core, "update", slow)
 
 

@@ -201,3 +201,24 @@ def test_offload_adamw_standalone_threads_and_thread_safety():
         assert max_diff(ref, model) < 1e-5
     finally:
         lib().set_num_threads(before)
+
+
+def test_dropped_optimizers_release_their_engine_thread():
+    import gc
+    import threading
+
+    def alive():
+        return sum(t.name == "ramstream-engine" for t in threading.enumerate())
+
+    gc.collect()
+    time.sleep(0.2)
+    before = alive()
+    for _ in range(3):
+        model, opt = ramstream.wrap(make_model(0), lr=1e-3)
+        train_torch(model, opt, batches(1))
+        del model, opt
+    gc.collect()
+    deadline = time.time() + 5
+    while alive() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert alive() == before

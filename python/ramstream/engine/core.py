@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import weakref
 
 import torch
 
@@ -66,6 +67,7 @@ class Engine:
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
+        weakref.finalize(self, self.worker.stop)   # a dropped optimizer does not leak its thread
         if max_inflight_bytes is None and self.dev.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             max_inflight_bytes = min(1 << 30, total // 10)
@@ -76,7 +78,12 @@ class Engine:
         self._task = -1
         self._micro = 0
         self._dev_norm = None
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.slots]
+        # hooks hold the engine weakly: a tensor's hooks are reachable from C++, where Python's
+        # garbage collector cannot see a cycle, so a strong reference would keep it alive forever
+        self._weak_on_grad = _weak_method(self, "_on_grad")
+        self._weak_wait = _weak_method(self, "wait_bucket")
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._weak_on_grad)
+                       for s in self.slots]
         self._module_hooks: list = []
         self.forward_waits = False
         self.names: dict[str, Slot] = {}
@@ -87,7 +94,7 @@ class Engine:
                       "throttle_s": 0.0}
         for s in self.slots:
             s.param._ramstream_slot = s
-            s.engine_wait = self.wait_bucket
+            s.engine_wait = self._weak_wait
             if guard_params:
                 _guard.guard(s.param)
 
@@ -144,8 +151,8 @@ class Engine:
         self._hooks[i].remove()
         _guard.unguard(old)
         s.param = p
-        p._ramstream_slot, s.engine_wait = s, self.wait_bucket
-        self._hooks[i] = p.register_post_accumulate_grad_hook(self._on_grad)
+        p._ramstream_slot, s.engine_wait = s, self._weak_wait
+        self._hooks[i] = p.register_post_accumulate_grad_hook(self._weak_on_grad)
         if self.guard_params:
             _guard.guard(p)
         for g in self.param_groups:
@@ -525,6 +532,19 @@ class Engine:
         if self.dp is not None:
             self.dp.close()
         self.closed = True
+
+
+def _weak_method(obj, name: str):
+    """A function calling obj.name(...) while obj lives (a no-op afterwards)."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        o = ref()
+        if o is not None:
+            return getattr(o, name)(*args)
+        return None
+
+    return call
 
 
 def clip_coefficient(max_norm: float, total_norm: float) -> float:

@@ -59,6 +59,8 @@ class Worker:
                     fn()
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
                 self._error = e
+            finally:
+                del fn, job          # a finished job must not keep its engine alive
             with self._cv:
                 self._done.add(seq)
                 while self._low + 1 in self._done:
@@ -101,8 +103,13 @@ class Worker:
     def failed(self) -> bool:
         return self._error is not None
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Lets the thread finish the queued jobs and exit (no wait)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)

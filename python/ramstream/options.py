@@ -65,7 +65,7 @@ def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
 class WrapOptions:
     """Every wrap() option with its default. See README "Options" for what each does."""
 
-    optimizer_mode: str = "auto"
+    optimizer_mode: str = "cpu"
     offload: Any = "auto"
     device: Any = None
     distributed: Any = None

@@ -1,0 +1,191 @@
+"""The backward half of the engine: what each gradient hook does, and the end of a backward pass.
+
+A host bucket's gradients land in its pinned buffer (large ones directly, small ones gathered on
+the device first) and the bucket's job is queued once every expected gradient arrived; a mapped
+bucket's gradient is updated on the GPU right away; with data parallel a bucket's gradients are
+summed onto its owner first. Mixed into Engine (core.py), whose state these methods use.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .buckets import Bucket, Slot
+from .gpu_updates import dev_norm_add, launch_mapped
+from .host_jobs import Piece, land
+
+
+class BackwardHooks:
+    # ---- backward ---------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        if self._micro >= self.accumulation_steps:
+            k = self.accumulation_steps
+            raise RuntimeError(
+                f"ramstream: backward pass {self._micro + 1} before optimizer.step(), but "
+                f"accumulation_steps={k}. Gradients leave the GPU as they are produced and are "
+                f"summed on the host only for declared micro-batches: pass "
+                f"accumulation_steps={self._micro + 1} (or more) to wrap()/OffloadAdamW, or call "
+                "optimizer.step() after each backward.")
+        self.worker.raise_if_failed()
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    @property
+    def _final_micro(self) -> bool:
+        return self._micro == self.accumulation_steps - 1
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        s: Slot = p._ramstream_slot
+        self.check_param(p)
+        task = torch._C._current_graph_task_id()
+        if self._in_backward and task != self._task:
+            self._abandon_backward()
+        if not self._in_backward:
+            self._begin_backward()
+            self._task = task
+        b = s.bucket
+        if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
+            raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
+                               "without the engine seeing it; call model.to(...) on the wrapped "
+                               "model itself (it rebinds the engine) or wrap() again")
+        if p.grad is None:
+            return
+        s.micro_arrived = True
+        if b.placement == "mapped":
+            self._on_grad_mapped(s, b, p)
+        else:
+            self._on_grad_host(s, b, p)
+
+    def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
+        if not b.pending_landing_checked:
+            self.worker.wait(b.landing_seq)          # the engine has finished reading the landing
+            self.dev.wait_landing_reusable(b.h2d_event)
+            b.pending_landing_checked = True
+        g = p.grad
+        if self.dp is not None:
+            if b.staging is None:
+                b.staging = self.dev.zeros(b.numel, b.dtype)
+            self.dev.gather_on_device(b.staging[s.offset:s.offset + s.numel], g)
+        elif s.direct or self.dev.type == "cpu":
+            self._throttle(g.nbytes)
+            self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
+            self._track(self.dev.record_d2h(), g.nbytes)
+        else:
+            if b.staging is None:
+                b.staging = self.dev.staging(b.numel - b.small_lo, b.dtype)
+            lo = s.offset - b.small_lo
+            self.dev.gather_on_device(b.staging[lo:lo + s.numel], g)
+        p.grad = None
+        s.arrivals += 1
+        b.micro_list.append(s)
+        if all(x.micro_arrived for x in b.slots if x.expected):
+            self._flush_bucket(b)
+
+    def _flush_dp(self, b: Bucket) -> list[Slot] | None:
+        """Data parallel: sum the bucket's gradients onto its owner. Every trainable slot of the
+        bucket counts as arrived on every rank (a missing gradient is zero), so all ranks agree
+        on steps. Returns the slots the owner updates, None on other ranks."""
+        staging = b.staging if b.staging is not None else self.dev.zeros(b.numel, b.dtype)
+        b.staging = None
+        for s in b.slots:
+            if s.param.requires_grad and not s.micro_arrived:
+                s.micro_arrived = True
+                s.arrivals += 1
+        self.dp.reduce(b, staging)
+        slots = [s for s in b.slots if s.param.requires_grad]
+        if not self.dp.owns(b):
+            return None
+        self.dev.flush_to_host(b.landing, staging)
+        return slots
+
+    def _on_grad_mapped(self, s: Slot, b: Bucket, p) -> None:
+        """The GPU updates this slot itself; its gradient stays on the device until then."""
+        s.arrivals += 1
+        if not self._final_micro:
+            return                               # autograd sums the next micro-batch into .grad
+        if self.max_grad_norm is not None:
+            dev_norm_add(self, p.grad)           # the update waits for the global norm
+            return
+        hyper = self._hypers()[s.group]
+        s.step += 1
+        s.updated = True
+        launch_mapped(self, b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
+
+    def _flush_bucket(self, b: Bucket) -> None:
+        """Queues the engine job for the slots of b that arrived since the last flush."""
+        slots, b.micro_list = b.micro_list, []
+        if self.dp is not None:
+            slots = self._flush_dp(b)
+            if not slots:
+                for s in b.slots:       # non-owner: the owner takes the step
+                    if s.param.requires_grad and self._final_micro:
+                        s.step += self.max_grad_norm is None
+                        s.updated = self.max_grad_norm is None
+                return
+        elif not slots:
+            return
+        if b.staging is not None:
+            self._throttle(b.staging.nbytes)
+            small = [s for s in slots if not s.direct]
+            if len(small) == sum(1 for s in b.slots if not s.direct):
+                self.dev.flush_to_host(b.landing[b.small_lo:], b.staging)
+            else:  # a partial flush must not overwrite ranges that landed earlier
+                for s in small:
+                    lo = s.offset - b.small_lo
+                    self.dev.flush_to_host(b.landing[s.offset:s.offset + s.numel],
+                                           b.staging[lo:lo + s.numel])
+            nbytes = b.staging.nbytes
+            b.staging = None
+            self._track(self.dev.record_d2h(), nbytes)
+        ev = self.dev.record_d2h()
+        self.stats["bytes_d2h"] += sum(s.numel for s in slots) * b.landing.element_size()
+        accumulate = self.accumulation_steps > 1
+        pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
+        eager = self._final_micro and self.max_grad_norm is None
+        want_norm = self._final_micro and self.max_grad_norm is not None
+        hypers = self._hypers() if eager else None
+        scale = 1.0 / self.dp.world if self.dp is not None else 1.0
+        if eager:
+            for s in slots:
+                s.step += 1
+                s.updated = True
+            self._mark_pending(b)
+
+        def job() -> None:
+            self.dev.host_wait(ev)
+            t0 = time.perf_counter()
+            land(b, pieces, accumulate, want_norm)
+            self.stats["host_land_s"] += time.perf_counter() - t0
+            if eager:
+                self._update_and_send(b, pieces, hypers, scale, accumulate)
+
+        seq = self.worker.submit(job, priority=b.index, deps=(b.last_seq,))
+        b.last_seq = b.landing_seq = seq
+        if eager:
+            b.update_seq = seq
+
+    def _abandon_backward(self) -> None:
+        """The previous backward pass failed before its end: its unqueued gradients are dropped
+        (buckets already queued were processed; nothing else is half-done)."""
+        dropped = 0
+        for b in self.buckets:
+            for s in b.micro_list:
+                s.arrivals -= 1
+                dropped += 1
+            b.micro_list = []
+            b.staging = None
+        self.log(f"a backward pass ended without finishing; {dropped} unqueued gradients dropped")
+        self._end_backward()
+        self._micro -= 1
+
+    def _end_backward(self) -> None:
+        for b in self.buckets:
+            if b.micro_list or (self.dp is not None and any(
+                    s.param.requires_grad and not s.micro_arrived for s in b.slots)):
+                self._flush_bucket(b)
+            b.pending_landing_checked = False
+            for s in b.slots:
+                s.micro_arrived = False
+        self._micro += 1
+        self._in_backward = False

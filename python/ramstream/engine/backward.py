@@ -28,8 +28,15 @@ class BackwardHooks:
                 f"accumulation_steps={self._micro + 1} (or more) to wrap()/OffloadAdamW, or call "
                 "optimizer.step() after each backward.")
         self.worker.raise_if_failed()
+        self._bw_hypers = None
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _backward_hypers(self):
+        """param_groups' hyper-parameters, read (and validated) once per backward pass."""
+        if self._bw_hypers is None:
+            self._bw_hypers = self._hypers()
+        return self._bw_hypers
 
     @property
     def _final_micro(self) -> bool:
@@ -107,7 +114,7 @@ class BackwardHooks:
         if self.max_grad_norm is not None:
             dev_norm_add(self, p.grad)           # the update waits for the global norm
             return
-        hyper = self._hypers()[s.group]
+        hyper = self._backward_hypers()[s.group]
         s.step += 1
         s.updated = True
         launch_mapped(self, b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
@@ -144,7 +151,7 @@ class BackwardHooks:
         pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
         eager = self._final_micro and self.max_grad_norm is None
         want_norm = self._final_micro and self.max_grad_norm is not None
-        hypers = self._hypers() if eager else None
+        hypers = self._backward_hypers() if eager else None
         scale = 1.0 / self.dp.world if self.dp is not None else 1.0
         if eager:
             for s in slots:

@@ -80,6 +80,7 @@ class Engine(BackwardHooks):
         self._task = -1
         self._micro = 0
         self._dev_norm = None
+        self._bw_hypers = None
         # hooks hold the engine weakly: a tensor's hooks are reachable from C++, where Python's
         # garbage collector cannot see a cycle, so a strong reference would keep it alive forever
         self._weak_on_grad = _weak_method(self, "_on_grad")

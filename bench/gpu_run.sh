@@ -33,8 +33,8 @@ for stage in $STAGES; do
       summary "tests -m cuda: $(tail -1 "$OUT/tests_cuda.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20 ;;
     cputorch)  # the host AdamW's bit-exactness against this machine's torch
-      (cd tests && timeout 120 python3 -m pytest test_adamw.py -q -m "not cuda" -p no:cacheprovider \
-        > "$OUT/tests_cpu.log" 2>&1)
+      (cd tests && timeout 120 python3 -m pytest test_adamw.py test_adamw_rounding.py \
+        test_adamw_input.py -q -m "not cuda" -p no:cacheprovider > "$OUT/tests_cpu.log" 2>&1)
       summary "test_adamw cpu (torch $(python3 -c 'import torch;print(torch.__version__)')): $(tail -1 "$OUT/tests_cpu.log")" ;;
     micro)
       for b in ${BENCHES:-adamw copy cuda_kernels quant}; do

@@ -1,5 +1,6 @@
-"""Activation offload on the CPU engine: bit-exact gradients, what is (not) paged, layouts, pool
-reuse, checkpointing, find_blocks, and the planner's arithmetic with injected timings."""
+"""Activation offload on the CPU engine, the mechanism: bit-exact gradients, prefetch order,
+layouts, what is (not) paged, dedupe and spans, checkpointing, hooks, validation (the host buffer
+pool: test_activation_pool.py; find_blocks and the planner: test_find_blocks_planner.py)."""
 from __future__ import annotations
 
 import gc
@@ -13,56 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import ramstream
 from ramstream.activations import ActivationOffloader, find_blocks
-from ramstream.planner import (
-    choose_paged_blocks,
-    copy_seconds,
-    estimate_overlap,
-    fraction_to_blocks,
-)
+from _act_helpers import CPU, _assert_same_grads, _backward_both, _offloader, _spy
 from _models import batches, clone, make_model
-
-CPU = torch.device("cpu")
-
-
-def _assert_same_grads(a, b):
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert (pa.grad is None) == (pb.grad is None), name
-        if pa.grad is not None:
-            assert torch.equal(pa.grad, pb.grad), f"{name}: max diff " \
-                f"{(pa.grad - pb.grad).abs().max().item()}"
-
-
-def _backward_both(blocks, ref, x):
-    """Runs x through `blocks` and a copy of x through `ref` (their clone) block after block,
-    backward of each sum, and asserts bit-equal parameter gradients. Returns the copy of x."""
-    xr = x.detach().clone().requires_grad_()
-    y, yr = x, xr
-    for b, r in zip(blocks, ref):
-        y, yr = b(y), r(yr)
-    y.sum().backward()
-    yr.sum().backward()
-    _assert_same_grads(blocks, ref)
-    return xr
-
-
-def _offloader(blocks, paged="all", **kw):
-    kw.setdefault("min_offload_bytes", 1)
-    off = ActivationOffloader(blocks, CPU, **kw).attach()
-    off.set_paged(range(len(off.blocks)) if paged == "all" else paged)
-    return off
-
-
-def _spy(off):
-    """Records every tensor that reaches the paging decision (after the parameter/size filter)."""
-    seen = []
-    real = off._page
-
-    def page(t, call, paged):
-        seen.append((call.index, t.untyped_storage().data_ptr(), t.numel() * t.element_size()))
-        return real(t, call, paged)
-
-    off._page = page
-    return seen
 
 
 # ---- bit-exactness ------------------------------------------------------------------------------
@@ -140,69 +93,6 @@ def test_prefetch_looks_across_unpaged_blocks():
     # so blocks 3 and 2 compute while it copies
     assert ev.index(("grad", 3)) < ev.index(("fetch", 1)) < ev.index(("grad", 2))
     assert ev.index(("fetch", 0)) < ev.index(("grad", 0))
-
-
-class _FakeEvent:
-    """Never complete by itself: every wait is logged."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def query(self):
-        return False
-
-    def synchronize(self):
-        self.log.append(self)
-
-
-def _fake_events(off):
-    """CPU engine whose D2H events and compute-stream marks are _FakeEvents."""
-    waits: list = []
-    off._copies.d2h_event = lambda: _FakeEvent(waits)
-    off._copies.mark = lambda: _FakeEvent(waits)
-    return waits
-
-
-def _calls(off):
-    c, out = off._last_call, []
-    while c is not None:
-        out.append(c)
-        c = c.prev
-    return out[::-1]
-
-
-@pytest.mark.parametrize("lag", [1, 2, 3])
-def test_forward_waits_for_the_copies_lag_blocks_back(lag):
-    n = 5
-    model = make_model(0, n_blocks=n, d=32)
-    off = _offloader(find_blocks(model), d2h_lag=lag)
-    waits = _fake_events(off)
-    x, y = batches(1, b=4, t=16)[0]
-    loss = model(x, y)
-    calls = _calls(off)
-    owner = {id(c.d2h_event): c.index for c in calls}
-    forward_waits = [owner[id(e)] for e in waits]
-    # before block i: the last copy of block i - lag has finished
-    assert forward_waits == list(range(n - lag))
-    waits.clear()
-    loss.backward()
-    assert all(id(e) not in owner for e in waits)    # no D2H waits in backward
-
-
-@pytest.mark.parametrize("depth,expected", [(1, [4, 3, 2]), (2, [4, 3]), (4, [])])
-def test_prefetch_waits_for_the_gpu_to_reach_the_block_before(depth, expected):
-    n = 5
-    model = make_model(0, n_blocks=n, d=32)
-    off = _offloader(find_blocks(model), prefetch_depth=depth)
-    waits = _fake_events(off)
-    x, y = batches(1, b=4, t=16)[0]
-    loss = model(x, y)
-    calls = _calls(off)
-    waits.clear()
-    loss.backward()
-    owner = {id(c.bwd_event): c.index for c in calls}
-    # prefetching from block k first waits for backward to have reached block k + 1
-    assert [owner[id(e)] for e in waits] == expected
 
 
 class _LayoutProbe(torch.autograd.Function):
@@ -401,7 +291,7 @@ def test_unpaged_blocks_untouched_and_measuring_counts_their_bytes():
     assert s["bytes_paged_last_pass"] == paged      # only block 1 copied
 
 
-# ---- dedupe, spans, pool -------------------------------------------------------------------------
+# ---- dedupe, spans -------------------------------------------------------------------------------
 def test_same_storage_saved_twice_in_a_block_is_copied_once():
     class Sq(nn.Module):
         def __init__(self):
@@ -445,55 +335,6 @@ def test_small_view_of_a_large_storage_copies_its_span_only():
     # 512-byte boundary below its start to its end
     span = (4096 + 2000) * 4
     assert s["copies_d2h"] == 2 and span * 2 <= s["bytes_d2h"] <= 2 * (span + 512)
-
-
-def test_pool_reused_and_host_memory_flat_over_50_steps():
-    model = make_model(0, n_blocks=3, d=32)
-    off = _offloader(find_blocks(model))
-    data = batches(2, b=4, t=16)
-    held = []
-    for step in range(50):
-        x, y = data[step % 2]
-        model(x, y).backward()
-        model.zero_grad(set_to_none=True)
-        s = off.stats()
-        held.append(s["host_bytes_held"])
-        assert s["host_bytes_in_use"] == 0 and s["live_entries"] == 0
-    s = off.stats()
-    assert held[0] > 0 and len(set(held)) == 1
-    assert s["host_allocations"] == s["copies_d2h"] // 50
-    assert s["host_reuses"] == s["copies_d2h"] - s["host_allocations"]
-    assert s["host_bytes_peak"] == held[0]
-
-
-def test_pool_gives_back_buffers_idle_for_two_passes():
-    model = make_model(0, n_blocks=3, d=32)
-    off = _offloader(find_blocks(model))
-    x, y = batches(1, b=4, t=16)[0]
-    model(x, y).backward()
-    all_held = off.stats()["host_bytes_held"]
-    off.set_paged({0})
-    held = []
-    for _ in range(4):
-        model(x, y).backward()
-        held.append(off.stats()["host_bytes_held"])
-    assert held[0] == held[1] == all_held             # kept while they may come back
-    assert 0 < held[3] < all_held / 2                 # then block 0's buffers only
-    assert held[3] >= off.stats()["block_bytes"][0]      # (size classes round up)
-
-
-def test_graph_dropped_without_backward_releases_buffers():
-    model = make_model(0, n_blocks=3, d=32)
-    off = _offloader(find_blocks(model))
-    x, y = batches(1, b=4, t=16)[0]
-    loss = model(x, y)
-    assert off.stats()["live_entries"] > 0 and off.stats()["host_bytes_in_use"] > 0
-    del loss
-    gc.collect()
-    s = off.stats()
-    assert s["live_entries"] == 0 and s["host_bytes_in_use"] == 0
-    model(x, y).backward()                         # buffers are reused
-    assert off.stats()["host_allocations"] == s["host_allocations"]
 
 
 def test_retain_graph_backward_twice_matches_torch():
@@ -629,161 +470,3 @@ def test_constructor_and_set_paged_validation():
     off = ActivationOffloader(blocks, CPU, log=events.append)
     off.set_paged({0, 1})
     assert off.paged == [0, 1] and "0-1" in events[-1]
-
-
-# ---- find_blocks ---------------------------------------------------------------------------------
-class _Attn(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
-
-
-class _Expert(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-
-class _DecoderLayer(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.self_attn = _Attn(d)
-        self.experts = nn.ModuleList(_Expert(d) for _ in range(4))   # a smaller repeated list
-
-
-class _HFLike(nn.Module):
-    """LlamaForCausalLM-like: model.embed_tokens, model.layers, model.norm, lm_head."""
-
-    def __init__(self, d=16, n=3):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(10, d)
-        self.model.layers = nn.ModuleList(_DecoderLayer(d) for _ in range(n))
-        self.lm_head = nn.Linear(d, 10)
-
-
-class _GPT2Like(nn.Module):
-    def __init__(self, d=16, n=4):
-        super().__init__()
-        self.transformer = nn.Module()
-        self.transformer.wte = nn.Embedding(10, d)
-        self.transformer.h = nn.ModuleList(_DecoderLayer(d) for _ in range(n))
-        self.head = nn.Sequential(nn.Linear(d, d), nn.Linear(d, d))   # 2 Linears, fewer params
-
-
-def test_find_blocks_on_gpt_hf_and_sequential_structures():
-    m = make_model(0, n_blocks=3)
-    assert find_blocks(m) == list(m.blocks)
-    hf = _HFLike()
-    assert find_blocks(hf) == list(hf.model.layers)
-    g2 = _GPT2Like()
-    assert find_blocks(g2) == list(g2.transformer.h)
-    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    assert find_blocks(seq) == list(seq)
-    shared, other = _Expert(4), _Expert(4)
-    assert find_blocks(nn.ModuleList([shared, shared, other])) == [shared, other]
-
-
-def test_find_blocks_errors():
-    class Flat(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.ReLU()
-            self.mixed = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])
-            self.drops = nn.ModuleList([nn.Dropout(), nn.Dropout()])
-
-    with pytest.raises(ValueError, match=r"no repeated layer stack.*blocks=\[") as e:
-        find_blocks(Flat())
-    assert "mixed" in str(e.value)
-    with pytest.raises(TypeError):
-        find_blocks("model")
-
-
-# ---- planner -------------------------------------------------------------------------------------
-GB = 10**9
-
-
-def test_planner_pages_as_many_as_the_slowdown_allows():
-    # 8 blocks of 1 GB; 50+50 GB/s -> 40 ms of copies per block; 1 s step; half hidden
-    idx, info = choose_paged_blocks([GB] * 8, unpaged_step_s=1.0, d2h_gbps=50, h2d_gbps=50,
-                                    compute_overlap=0.5, max_slowdown=0.15)
-    # added = 0.5 * 0.04 * k <= 0.15 -> k <= 7.5
-    assert idx == list(range(7))
-    assert info["k_within_slowdown"] == 7 and info["k_to_fit"] == 0 and info["fits"]
-    assert info["copy_s"] == pytest.approx(0.28) and info["added_s"] == pytest.approx(0.14)
-    assert info["expected_slowdown"] == pytest.approx(0.14)
-    assert "7 of 8" in info["reason"]
-    assert info["copy_s_per_block"][0] == pytest.approx(copy_seconds(GB, 50, 50))
-
-
-def test_planner_overlap_is_bounded_by_the_step():
-    # overlap 1.0 but copies (0.4 s/block) exceed a 1 s step after 2.5 blocks
-    idx, info = choose_paged_blocks([5 * GB] * 6, unpaged_step_s=1.0, d2h_gbps=25, h2d_gbps=25,
-                                    compute_overlap=1.0, max_slowdown=0.15)
-    # k=2: 0.8 s hidden -> 0; k=3: 1.2 - 1.0 = 0.2 > 0.15
-    assert idx == [0, 1] and info["added_s"] == pytest.approx(0.0)
-    idx, _ = choose_paged_blocks([5 * GB] * 6, unpaged_step_s=1.0, d2h_gbps=25, h2d_gbps=25,
-                                 compute_overlap=1.0, max_slowdown=0.25)
-    assert idx == [0, 1, 2]
-
-
-def test_planner_pages_more_when_needed_to_fit_and_reports_the_cost():
-    sizes = [GB, 2 * GB, GB, GB]
-    idx, info = choose_paged_blocks(sizes, unpaged_step_s=0.5, d2h_gbps=20, h2d_gbps=20,
-                                    compute_overlap=0.0, max_slowdown=0.15, must_free_bytes=3 * GB)
-    # within slowdown: 0.1 s per GB -> only block 0 (0.1 s <= 0.075? no) -> 0 blocks
-    assert info["k_within_slowdown"] == 0
-    assert idx == [0, 1] and info["k_to_fit"] == 2 and info["fits"]
-    assert info["paged_bytes"] == 3 * GB
-    assert info["expected_slowdown"] == pytest.approx(0.3 / 0.5)
-    assert "needed to fit" in info["reason"]
-    idx, info = choose_paged_blocks(sizes, unpaged_step_s=0.5, d2h_gbps=20, h2d_gbps=20,
-                                    compute_overlap=0.0, max_slowdown=0.15,
-                                    must_free_bytes=6 * GB)
-    assert idx == [0, 1, 2, 3] and not info["fits"] and "frees" in info["reason"]
-
-
-def test_planner_zero_budget_and_empty():
-    idx, info = choose_paged_blocks([GB] * 3, unpaged_step_s=1.0, d2h_gbps=50, h2d_gbps=50,
-                                    compute_overlap=0.0, max_slowdown=0.0)
-    assert idx == [] and info["expected_slowdown"] == 0.0
-    idx, info = choose_paged_blocks([], unpaged_step_s=1.0, d2h_gbps=50, h2d_gbps=50,
-                                    compute_overlap=0.5, max_slowdown=0.15)
-    assert idx == [] and info["n_blocks"] == 0
-
-
-@pytest.mark.parametrize("kw,match", [
-    (dict(block_bytes=[-1]), "block_bytes"),
-    (dict(block_bytes=[1.5]), "block_bytes"),
-    (dict(unpaged_step_s=0), "unpaged_step_s"),
-    (dict(d2h_gbps=float("nan")), "d2h_gbps"),
-    (dict(h2d_gbps=-1), "h2d_gbps"),
-    (dict(compute_overlap=1.5), "compute_overlap"),
-    (dict(max_slowdown=-0.1), "max_slowdown"),
-    (dict(must_free_bytes=-5), "must_free_bytes"),
-    (dict(max_slowdown=True), "max_slowdown"),
-])
-def test_planner_validation(kw, match):
-    args = dict(block_bytes=[GB], unpaged_step_s=1.0, d2h_gbps=50, h2d_gbps=50,
-                compute_overlap=0.5, max_slowdown=0.15)
-    args.update(kw)
-    bb = args.pop("block_bytes")
-    with pytest.raises(ValueError, match=match):
-        choose_paged_blocks(bb, **args)
-
-
-def test_estimate_overlap_and_fraction_to_blocks():
-    assert estimate_overlap(1.0, 1.1, 0.4) == pytest.approx(0.75)
-    assert estimate_overlap(1.0, 0.9, 0.4) == 1.0
-    assert estimate_overlap(1.0, 2.0, 0.4) == 0.0
-    assert estimate_overlap(1.0, 1.0, 0.0) == 1.0
-    assert fraction_to_blocks(0.0, 32) == []
-    assert fraction_to_blocks(1.0, 32) == list(range(32))
-    assert fraction_to_blocks(0.5, 3) == [0, 1]
-    assert fraction_to_blocks(0.25, 32) == list(range(8))
-    assert fraction_to_blocks(0.1, 4) == []
-    for bad in (-0.1, 1.01, float("nan"), True, "0.5"):
-        with pytest.raises(ValueError, match="fraction"):
-            fraction_to_blocks(bad, 4)
-    with pytest.raises(ValueError, match="n_blocks"):
-        fraction_to_blocks(0.5, -1)

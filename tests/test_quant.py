@@ -1,5 +1,6 @@
 """Blockwise NF4 / int8 quantization: bitsandbytes parity, a pure-torch reference of the spec,
-every ISA and thread count giving the same bytes, round-trip error, and argument checking."""
+round-trip error, the CUDA dequantization against the host (every ISA and thread count giving the
+same bytes: test_quant_isa.py; argument checking: test_quant_input.py)."""
 from __future__ import annotations
 
 import math
@@ -8,42 +9,17 @@ import pytest
 import torch
 
 import ramstream.functional as rf
-from ramstream._native import lib
+from _quant_helpers import FLOAT_DTYPES, NF4_CODE, NF4_MID, assert_bits_equal, bits
 
 # isa is a fixture: pytest finds it here once imported
 from _isa import isa, supported_isas, using_isa  # noqa: F401
 
-C = lib()
-
-FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BNB_BLOCKS = [32, 64, 128, 256, 512, 1024, 2048, 4096]  # what bitsandbytes.quantize_4bit accepts
-
-# The NF4 format, typed in independently of the C++ (docs/NUMERICS.md rule 4).
-NF4_CODE = torch.tensor(
-    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
-    dtype=torch.float32,
-)
-NF4_MID = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2  # float32 arithmetic
 
 
 @pytest.fixture(scope="module")
 def bnbf():
     return pytest.importorskip("bitsandbytes.functional")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bits of a float tensor, for bitwise comparison (NaNs compare by payload)."""
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    return t.contiguous().view(view[t.dtype])
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = (bits(a) != bits(b)).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} differ, first at {diff[0].tolist()}: {a.flatten()[diff[0]]} vs {b.flatten()[diff[0]]}"
 
 
 # ---- pure-torch references of docs/NUMERICS.md rules 4 and 5 -------------------------------------
@@ -373,205 +349,7 @@ def test_shapes_and_empty():
     assert torch.equal(rf.quantize_nf4(w)[0], rf.quantize_nf4(w.detach())[0])
 
 
-# ---- every ISA, every thread count: the same bytes -----------------------------------------------
-
-def _random_bit_floats(n: int, g: torch.Generator) -> torch.Tensor:
-    """Floats from random bit patterns: NaN payloads, infs, subnormals, huge and tiny values."""
-    return torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=g).to(torch.int32).view(torch.float32)
-
-
-def _all_outputs(x: torch.Tensor, block: int, absmax_bits: torch.Tensor) -> list[torch.Tensor]:
-    n = x.numel()
-    outs = list(rf.quantize_nf4(x, block_size=block)) + list(rf.quantize_int8(x, block_size=block))
-    packed = torch.full(((n + 1) // 2,), 0xF0, dtype=torch.uint8)  # codes 15 and 0: +-absmax exactly
-    codes = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
-    for dt in FLOAT_DTYPES:
-        outs.append(bits(rf.dequantize_nf4(packed, absmax_bits, (n,), dt, block_size=block)))
-        outs.append(bits(rf.dequantize_int8(codes, absmax_bits, (n,), dt, block_size=block)))
-    return [bits(o) if o.is_floating_point() else o for o in outs]
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_every_isa_gives_identical_bytes(dtype):
-    isas = supported_isas()
-    if len(isas) < 2:
-        pytest.skip("only one ISA on this CPU")
-    g = torch.Generator().manual_seed(4)
-    for block in (2, 6, 14, 16, 18, 64, 100):
-        n = 40 * block + 11
-        x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
-        x[::37] = 0.0
-        x[5::101] = float("nan")
-        x[7::211] = float("inf")
-        x = x.to(dtype)
-        absmax_bits = _random_bit_floats(-(-n // block), g)
-        with using_isa("scalar"):
-            ref = _all_outputs(x, block, absmax_bits)
-        for name in isas[1:]:
-            with using_isa(name):
-                got = _all_outputs(x, block, absmax_bits)
-            for i, (a, b) in enumerate(zip(ref, got)):
-                assert torch.equal(a, b), (name, block, i)
-
-
-def test_output_rounding_rule_1(isa):
-    # code 15 is 1.0: the dequantized value is absmax itself, so out == absmax cast (rule 1).
-    g = torch.Generator().manual_seed(6)
-    vals = torch.cat([
-        _random_bit_floats(4000, g),
-        torch.tensor([65504.0, 65519.99, 65520.0, 1e6, 6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-45, 0.0, -0.0,
-                      float("inf"), -float("inf")]),
-        torch.randn(2000, generator=g) * 1e-5,  # fp16 subnormal range
-    ])
-    packed = torch.full((vals.numel(),), 0xF0, dtype=torch.uint8)  # pairs: (+absmax, -absmax)
-    for dt in (torch.bfloat16, torch.float16):
-        out = rf.dequantize_nf4(packed, vals, (2 * vals.numel(),), dt, block_size=2)
-        for got, v in ((out[0::2], vals), (out[1::2], NF4_CODE[0] * vals)):
-            nan = torch.isnan(v)  # (the product keeps a NaN operand's sign)
-            assert_bits_equal(got[~nan], v[~nan].to(dt))
-            assert torch.isnan(got[nan]).all()
-            if dt == torch.bfloat16:  # NaN -> sign | 0x7FC0
-                vb = v[nan].view(torch.int32)
-                expect = torch.where(vb < 0, -64, 0x7FC0).to(torch.int16)  # 0xFFC0 == -64
-                assert torch.equal(bits(got[nan]), expect)
-
-
-def test_thread_count_independence():
-    prev = C.num_threads()
-    x = torch.randn(600_001, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    results = []
-    try:
-        for threads in (1, 3, 7):
-            C.set_num_threads(threads)
-            p, a = rf.quantize_nf4(x, block_size=64)
-            c, a8 = rf.quantize_int8(x, block_size=100)
-            y = rf.dequantize_nf4(p, a, x.shape, torch.float16, block_size=64)
-            z = rf.dequantize_int8(c, a8, x.shape, torch.bfloat16, block_size=100)
-            results.append((p, bits(a), c, bits(a8), bits(y), bits(z)))
-    finally:
-        C.set_num_threads(prev)
-    for r in results[1:]:
-        for a, b in zip(results[0], r):
-            assert torch.equal(a, b)
-
-
-# ---- bad input -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("block_size", [3, 0, 1, -2, 63, 64.0, "64", True, None])
-def test_bad_block_size(block_size):
-    x = torch.randn(100)
-    packed, absmax = rf.quantize_nf4(x)
-    codes, absmax8 = rf.quantize_int8(x)
-    calls = [
-        lambda: rf.quantize_nf4(x, block_size=block_size),
-        lambda: rf.quantize_int8(x, block_size=block_size),
-        lambda: rf.dequantize_nf4(packed, absmax, x.shape, block_size=block_size),
-        lambda: rf.dequantize_int8(codes, absmax8, x.shape, block_size=block_size),
-    ]
-    for call in calls:
-        with pytest.raises(ValueError, match="block_size"):
-            call()
-
-
-def test_bad_dtypes():
-    x = torch.randn(128)
-    packed, absmax = rf.quantize_nf4(x)
-    codes, absmax8 = rf.quantize_int8(x)
-    for bad in (x.double(), x.long(), x.to(torch.int8)):
-        with pytest.raises(TypeError, match="x must be float32/bfloat16/float16"):
-            rf.quantize_nf4(bad)
-        with pytest.raises(TypeError, match="x must be float32/bfloat16/float16"):
-            rf.quantize_int8(bad)
-    with pytest.raises(TypeError, match="packed must be uint8"):
-        rf.dequantize_nf4(packed.view(torch.int8), absmax, x.shape)
-    with pytest.raises(TypeError, match="absmax must be float32"):
-        rf.dequantize_nf4(packed, absmax.half(), x.shape)
-    with pytest.raises(TypeError, match="codes must be int8"):
-        rf.dequantize_int8(codes.view(torch.uint8), absmax8, x.shape)
-    with pytest.raises(TypeError, match="absmax must be float32"):
-        rf.dequantize_int8(codes, absmax8.double(), x.shape)
-    for bad_dtype in (torch.float64, torch.int8, "bfloat16"):
-        with pytest.raises(TypeError, match="dtype must be"):
-            rf.dequantize_nf4(packed, absmax, x.shape, bad_dtype)
-        with pytest.raises(TypeError, match="dtype must be"):
-            rf.dequantize_int8(codes, absmax8, x.shape, bad_dtype)
-    with pytest.raises(TypeError, match="torch.Tensor"):
-        rf.quantize_nf4([1.0, 2.0])
-    with pytest.raises(TypeError, match="shape"):
-        rf.dequantize_nf4(packed, absmax, 128.0)
-
-
-def test_non_contiguous():
-    x = torch.randn(64, 64)
-    with pytest.raises(ValueError, match=r"contiguous.*\.contiguous\(\)"):
-        rf.quantize_nf4(x.t())
-    with pytest.raises(ValueError, match="contiguous"):
-        rf.quantize_int8(x[:, ::2])
-    packed, absmax = rf.quantize_nf4(x)
-    p2 = torch.stack([packed, packed], 1)[:, 0]
-    with pytest.raises(ValueError, match="packed must be contiguous"):
-        rf.dequantize_nf4(p2, absmax, x.shape)
-    a2 = torch.stack([absmax, absmax], 1)[:, 0]
-    with pytest.raises(ValueError, match="absmax must be contiguous"):
-        rf.dequantize_nf4(packed, a2, x.shape)
-    codes, absmax8 = rf.quantize_int8(x)
-    with pytest.raises(ValueError, match="codes must be contiguous"):
-        rf.dequantize_int8(codes.t(), absmax8, x.shape)
-
-
-def test_mismatched_sizes():
-    x = torch.randn(1000)
-    packed, absmax = rf.quantize_nf4(x)
-    with pytest.raises(ValueError, match=r"packed has 500 bytes, expected 501"):
-        rf.dequantize_nf4(packed, absmax, (1001,))
-    with pytest.raises(ValueError, match=r"absmax has 15 entries, expected 16"):
-        rf.dequantize_nf4(packed, absmax[:-1], x.shape)
-    with pytest.raises(ValueError, match=r"absmax has 16 entries, expected 8"):
-        rf.dequantize_nf4(packed, absmax, x.shape, block_size=128)
-    codes, absmax8 = rf.quantize_int8(x)
-    with pytest.raises(ValueError, match=r"codes has 1000 elements, expected 999"):
-        rf.dequantize_int8(codes, absmax8, (999,))
-    with pytest.raises(ValueError, match=r"absmax has 16 entries, expected 4"):
-        rf.dequantize_int8(codes, absmax8, x.shape, block_size=256)
-    with pytest.raises(ValueError, match="negative"):
-        rf.dequantize_int8(codes, absmax8, (-1000,))
-
-
-def test_quantize_rejects_non_host_input():
-    x = torch.empty(100, device="meta")
-    for fn in (rf.quantize_nf4, rf.quantize_int8):
-        with pytest.raises(ValueError, match=r"runs on the host.*x\.cpu\(\)"):
-            fn(x)
-
-
-def test_binding_checks():
-    x = torch.randn(100)
-    packed = torch.empty(50, dtype=torch.uint8)
-    absmax = torch.empty(2)
-    with pytest.raises(ValueError, match="block_size must be even"):
-        C.quantize_nf4(x, packed, absmax, 3)
-    with pytest.raises(ValueError, match=r"packed has 49 elements, expected 50"):
-        C.quantize_nf4(x, packed[:49], absmax, 64)
-    with pytest.raises(ValueError, match=r"absmax has 2 elements, expected 1"):
-        C.quantize_nf4(x, packed, absmax, 128)
-    with pytest.raises(TypeError):
-        C.quantize_nf4(x.double(), packed, absmax, 64)
-    with pytest.raises(TypeError):
-        C.quantize_int8(x, packed, absmax, 64)  # codes must be int8
-    out = torch.empty(10, 20)
-    with pytest.raises(ValueError, match="contiguous"):
-        C.dequantize_nf4(packed, absmax, out.t(), 64)  # in-place output is never copied
-
-
 # ---- CUDA (run by the lead on a GPU machine) -----------------------------------------------------
-
-@pytest.mark.cuda
-def test_quantize_rejects_cuda_input():
-    x = torch.randn(100, device="cuda")
-    for fn in (rf.quantize_nf4, rf.quantize_int8):
-        with pytest.raises(ValueError, match=r"runs on the host.*x\.cpu\(\)"):
-            fn(x)
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)

@@ -1,29 +1,23 @@
-// The pinned host arena: size-class slabs, dedicated large blocks, budget, registration, fallback.
+// The pinned host arena: size-class slabs, dedicated large blocks, budget, registration, fallback
+// (size classes and budget parsing: host_memory_sizes.cpp; the driver: host_memory_driver.cpp).
 #include "ramstream/host_memory.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cctype>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <unordered_set>
 
-#ifdef RAMSTREAM_WITH_CUDA
-#include <cuda_runtime_api.h>
-
-#include "ramstream/cuda/common.h"
-#endif
+#include "host_memory_internal.h"
 
 namespace ramstream {
 
+using detail::fmt_ptr;
+using detail::kMaxRequest;
+using detail::round_up;
+
 namespace {
-
-constexpr std::uint64_t kMaxRequest = std::uint64_t{1} << 50;  // 1 PiB: more than any host has
-
-std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 
 std::string fmt_bytes(std::uint64_t b) {
   char buf[64];
@@ -36,88 +30,6 @@ std::string fmt_bytes(std::uint64_t b) {
   }
   return buf;
 }
-
-std::string fmt_ptr(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
-
-// ---- the CUDA driver (all calls are made without the arena's lock) ---------------------------
-#ifdef RAMSTREAM_WITH_CUDA
-Status select_device(int device) {
-  if (device < 0) return Status::ok();
-  return cuda::from_cuda(cudaSetDevice(device), "cudaSetDevice");
-}
-
-std::string cuda_availability() {
-  int n = 0;
-  cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("no usable CUDA driver or GPU (cudaGetDeviceCount: ") +
-           cudaGetErrorName(err) + ", " + cudaGetErrorString(err) + ")";
-  }
-  return n > 0 ? std::string() : std::string("no CUDA device visible");
-}
-
-Status cuda_pin(int device, std::size_t bytes, void** out) {
-  *out = nullptr;
-  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
-  cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    *out = nullptr;
-  }
-  return cuda::from_cuda(err, ("cudaHostAlloc(" + std::to_string(bytes) + " bytes)").c_str());
-}
-
-void cuda_unpin(int device, void* p) {
-  (void)select_device(device);
-  if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // nothing else to do about it
-}
-
-Status cuda_register(int device, void* p, std::size_t bytes) {
-  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
-  cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
-  if (err != cudaSuccess) cudaGetLastError();
-  return cuda::from_cuda(err, "cudaHostRegister");
-}
-
-Status cuda_unregister(int device, void* p) {
-  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
-  cudaError_t err = cudaHostUnregister(p);
-  if (err != cudaSuccess) cudaGetLastError();
-  return cuda::from_cuda(err, "cudaHostUnregister");
-}
-
-Status cuda_device_pointer(int device, void* host, void** dev) {
-  *dev = nullptr;
-  RAMSTREAM_RETURN_IF_ERROR(select_device(device));
-  cudaError_t err = cudaHostGetDevicePointer(dev, host, 0);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    *dev = nullptr;
-  }
-  return cuda::from_cuda(err, ("cudaHostGetDevicePointer(" + fmt_ptr(host) + ")").c_str());
-}
-#else
-Status no_cuda() { return Status::unsupported("ramstream was built without CUDA"); }
-std::string cuda_availability() {
-  return "ramstream was built without CUDA (RAMSTREAM_CUDA=OFF or no toolkit)";
-}
-Status cuda_pin(int, std::size_t, void** out) {
-  *out = nullptr;
-  return no_cuda();
-}
-void cuda_unpin(int, void*) {}
-Status cuda_register(int, void*, std::size_t) { return no_cuda(); }
-Status cuda_unregister(int, void*) { return no_cuda(); }
-Status cuda_device_pointer(int, void*, void** dev) {
-  *dev = nullptr;
-  return no_cuda();
-}
-#endif
 
 bool in_ranges(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_t p) {
   auto it = ranges.upper_bound(p);
@@ -135,78 +47,6 @@ bool overlaps(const std::map<std::uintptr_t, std::size_t>& ranges, std::uintptr_
 }
 
 }  // namespace
-
-// ---- free functions --------------------------------------------------------------------------
-
-const PinDriver& cuda_pin_driver() {
-  static const PinDriver driver{&cuda_availability, &cuda_pin,        &cuda_unpin,
-                                &cuda_register,     &cuda_unregister, &cuda_device_pointer};
-  return driver;
-}
-
-std::size_t host_size_class(std::size_t bytes) {
-  if (bytes <= HostArena::kMinBlock) return HostArena::kMinBlock;
-  const int lg = 63 - __builtin_clzll(static_cast<unsigned long long>(bytes - 1));
-  const std::size_t step = std::max<std::size_t>(HostArena::kAlignment, (std::size_t{1} << lg) / 4);
-  return round_up(bytes, step);
-}
-
-std::uint64_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return 0;
-  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
-}
-
-Status parse_byte_size(const std::string& text, std::uint64_t physical, std::uint64_t* out) {
-  auto bad = [&](const std::string& why) {
-    return Status::invalid("cannot parse '" + text + "' as a byte size (" + why +
-                           "); expected bytes with an optional K/M/G/T suffix (powers of 1024, "
-                           "e.g. 8G, 512M, 1073741824) or a percentage of RAM (e.g. 60%)");
-  };
-  std::size_t i = 0, n = text.size();
-  while (i < n && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  while (n > i && std::isspace(static_cast<unsigned char>(text[n - 1]))) --n;
-  const std::size_t num_begin = i;
-  bool dot = false, digit = false;
-  for (; i < n; ++i) {
-    const char c = text[i];
-    if (std::isdigit(static_cast<unsigned char>(c))) {
-      digit = true;
-    } else if (c == '.' && !dot) {
-      dot = true;
-    } else {
-      break;
-    }
-  }
-  if (!digit) return bad("no number");
-  const long double value = std::strtold(text.substr(num_begin, i - num_begin).c_str(), nullptr);
-  while (i < n && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  std::string suffix;
-  for (; i < n; ++i) suffix += static_cast<char>(std::tolower(static_cast<unsigned char>(text[i])));
-
-  long double bytes = 0;
-  if (suffix == "%") {
-    if (value > 100) return bad("a percentage must be at most 100");
-    if (physical == 0) return bad("physical RAM is unknown, so a percentage cannot be used");
-    bytes = static_cast<long double>(physical) * value / 100;
-  } else {
-    int power = -1;
-    static const char* const kNames[][4] = {{"", "b", nullptr, nullptr},
-                                            {"k", "kb", "kib", nullptr},
-                                            {"m", "mb", "mib", nullptr},
-                                            {"g", "gb", "gib", nullptr},
-                                            {"t", "tb", "tib", nullptr}};
-    for (int p = 0; p < 5 && power < 0; ++p)
-      for (int k = 0; k < 4 && kNames[p][k]; ++k)
-        if (suffix == kNames[p][k]) power = p;
-    if (power < 0) return bad("unknown suffix '" + suffix + "'");
-    bytes = value * std::pow(1024.0L, power);
-  }
-  if (!(bytes < static_cast<long double>(kMaxRequest) * 1024)) return bad("too large");
-  *out = static_cast<std::uint64_t>(std::floor(bytes));
-  return Status::ok();
-}
 
 // ---- HostArena -------------------------------------------------------------------------------
 

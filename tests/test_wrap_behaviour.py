@@ -222,3 +222,14 @@ def test_dropped_optimizers_release_their_engine_thread():
     while alive() > before and time.time() < deadline:
         time.sleep(0.05)
     assert alive() == before
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(bucket_bytes=0), "bucket_bytes"), (dict(seed=-1), "seed"),
+    (dict(max_inflight_bytes=10), "max_inflight_bytes"), (dict(vram_headroom=1.5), "vram_headroom"),
+    (dict(mode="tpu"), "mode"), (dict(offload=False), "offload"), (dict(lr=-1.0), "lr"),
+    (dict(betas=(0.9, 1.0)), "betas"), (dict(moment_dtype="fp8"), "moment_dtype"),
+])
+def test_offload_adamw_rejects_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ramstream.OffloadAdamW(make_model(0).parameters(), **kw)

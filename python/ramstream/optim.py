@@ -80,6 +80,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._threads = parse_threads(threads, "OffloadAdamW:")
         if not isinstance(guard_params, bool):
             raise ValueError(f"OffloadAdamW: guard_params={guard_params!r}; accepted: True, False")
+        for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: an integer >= {lo}")
+        if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not
+                                               isinstance(max_inflight_bytes, int)
+                                               or max_inflight_bytes < (1 << 20)):
+            raise ValueError(f"OffloadAdamW: max_inflight_bytes={max_inflight_bytes!r}; accepted: "
+                             "None or an integer >= 1 MiB")
+        if isinstance(vram_headroom, bool) or not isinstance(vram_headroom, (int, float)) \
+                or not 0.0 <= vram_headroom < 1.0:
+            raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number "
+                             "in [0, 1)")
         self._engine = None
         self._resident = None
         self._step_callbacks: list = []

@@ -1,0 +1,61 @@
+"""The end-to-end benchmark scripts run (on the CPU, tiny model) and their variants train alike.
+
+The scripts are what produce bench/RESULTS.md on the GPU machine; this keeps them from rotting
+between GPU runs, and checks that the variants they compare compute the same training run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TRAIN = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train")
+
+
+def _run(script: str, args: list[str], out) -> list[dict]:
+    cmd = [sys.executable, os.path.join(TRAIN, script), "--device", "cpu", "--model", "tiny",
+           "--seq", "64", "--steps", "2", "--warmup", "1", "--out", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_bench_offload_variants_train_the_same_model(tmp_path):
+    names = ["stock_capped", "ramstream_cpu", "ramstream_auto_act2", "ramstream_auto_chunked"]
+    res = {r["name"]: r for r in _run("bench_offload.py",
+                                      ["--batch", "2", "--variants", ",".join(names)],
+                                      tmp_path / "offload.json")}
+    assert list(res) == names
+    for r in res.values():
+        assert r["ok"], r.get("error")
+        assert r["s_per_step"] > 0 and r["peak_vram_gib"] is None
+    ref = res["stock_capped"]["loss"]
+    # same seed, data and AdamW: after 3 steps the losses agree (fp32 on the CPU)
+    for name in names[1:]:
+        assert res[name]["loss"] == pytest.approx(ref, rel=1e-4), name
+        assert res[name]["stats"]["steps"] == 3
+    assert res["ramstream_auto_chunked"]["loss_fn"] == "chunked"
+
+
+def test_bench_offload_rejects_an_unknown_variant(tmp_path):
+    cmd = [sys.executable, os.path.join(TRAIN, "bench_offload.py"), "--variants", "nope"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unknown variant 'nope'" in p.stderr
+
+
+def test_bench_activations_reports_every_mode(tmp_path):
+    rows = _run("bench_activations.py", ["--batches", "1,2", "--cap-gib", "0"],
+                tmp_path / "act.json")
+    modes = {(r["variant"], r["mode"], r["batch"]) for r in rows}
+    for batch in (1, 2):
+        assert {("stock", "stock", batch), ("ramstream", "unpaged", batch),
+                ("ramstream", "all_paged", batch), ("ramstream", "planner", batch)} <= modes
+    for r in rows:
+        assert r["ok"], r.get("error")
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 64 / r["s_per_step"])
+    paged = [r for r in rows if r["mode"] == "all_paged"]
+    assert all(r["paged_blocks"] == 2 for r in paged)      # both blocks of the tiny GPT

@@ -58,6 +58,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         distributed: data parallel over the initialised torch.distributed process group: each
             rank keeps and updates the host state of its share of the buckets.
         seed: the stochastic-rounding stream of bf16 moments.
+        eager_updates: True (default) updates a bucket as soon as its gradients are complete in
+            the last micro-batch's backward (no clipping), overlapping host AdamW with backward.
+            False defers every update to step(), so a backward pass that raises leaves weights
+            and optimizer state untouched, at the cost of that overlap. With max_grad_norm the
+            updates wait for step() either way.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -66,7 +71,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  device=None, offload: Any = True, vram_headroom: float = 0.10,
                  guard_params: bool = True, bucket_bytes: int = 32 << 20,
                  max_inflight_bytes: int | None = None, distributed: bool = False, seed: int = 0,
-                 _order=None, _log=None) -> None:
+                 eager_updates: bool = True, _order=None, _log=None) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
             raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', "
@@ -78,8 +83,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        if not isinstance(guard_params, bool):
-            raise ValueError(f"OffloadAdamW: guard_params={guard_params!r}; accepted: True, False")
+        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates)):
+            if not isinstance(value, bool):
+                raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
         for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: an integer >= {lo}")
@@ -119,7 +125,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             mapped_fraction=self._mapped_fraction(mode, device), max_grad_norm=self._max_grad_norm,
             accumulation_steps=self._accumulation_steps, bucket_bytes=bucket_bytes,
             guard_params=guard_params, max_inflight_bytes=max_inflight_bytes,
-            distributed=distributed, seed=seed, log=_log)
+            distributed=distributed, seed=seed, log=_log, eager_updates=eager_updates)
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
         if mode == "cpu" or self._distributed:
@@ -178,6 +184,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             fn()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._resident is None:
+            self._engine.recover_if_abandoned()   # after a failed backward: start clean
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:

@@ -79,6 +79,7 @@ class WrapOptions:
     bucket_bytes: int = 32 << 20
     vram_headroom: float = 0.10
     max_inflight_bytes: int | None = None
+    eager_updates: bool = True
     activation_offload: Any = False
     prefetch_depth: int = 1
     min_offload_bytes: int = 1 << 20
@@ -104,7 +105,7 @@ class WrapOptions:
         o.device = parse_device(o.device)
         if o.distributed not in (None, True, False):
             raise _fail("distributed", o.distributed, "None (auto), True, False")
-        for name in ("guard_params", "verbose"):
+        for name in ("guard_params", "verbose", "eager_updates"):
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")
         o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)

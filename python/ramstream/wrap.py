@@ -142,7 +142,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                        mode=opts.optimizer_mode, offload=opts.offload,
                        vram_headroom=opts.vram_headroom,
                        max_inflight_bytes=opts.max_inflight_bytes, distributed=use_dp,
-                       _order=_forward_order(model), _log=log)
+                       eager_updates=opts.eager_updates, _order=_forward_order(model), _log=log)
     if old_state is not None:
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")

@@ -4,10 +4,15 @@ A host bucket's gradients land in its pinned buffer (large ones directly, small 
 the device first) and the bucket's job is queued once every expected gradient arrived; a mapped
 bucket's gradient is updated on the GPU right away; with data parallel a bucket's gradients are
 summed onto its owner first. Mixed into Engine (core.py), whose state these methods use.
+
+A backward pass that raises leaves the engine mid-pass (autograd never runs its end callback);
+recover_if_abandoned(), called before anything else touches the engine, discards what the pass
+and the micro-batches before it gathered, so the next step starts clean.
 """
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -47,7 +52,7 @@ class BackwardHooks:
         self.check_param(p)
         task = torch._C._current_graph_task_id()
         if self._in_backward and task != self._task:
-            self._abandon_backward()
+            self._abandon_backward()              # the last pass raised before its end
         if not self._in_backward:
             self._begin_backward()
             self._task = task
@@ -114,6 +119,8 @@ class BackwardHooks:
         if self.max_grad_norm is not None:
             dev_norm_add(self, p.grad)           # the update waits for the global norm
             return
+        if not self.eager_updates:
+            return                               # step() launches it
         hyper = self._backward_hypers()[s.group]
         s.step += 1
         s.updated = True
@@ -149,7 +156,7 @@ class BackwardHooks:
         self.stats["bytes_d2h"] += sum(s.numel for s in slots) * b.landing.element_size()
         accumulate = self.accumulation_steps > 1
         pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
-        eager = self._final_micro and self.max_grad_norm is None
+        eager = self._final_micro and self.max_grad_norm is None and self.eager_updates
         want_norm = self._final_micro and self.max_grad_norm is not None
         hypers = self._backward_hypers() if eager else None
         scale = 1.0 / self.dp.world if self.dp is not None else 1.0
@@ -172,19 +179,46 @@ class BackwardHooks:
         if eager:
             b.update_seq = seq
 
+    def recover_if_abandoned(self) -> None:
+        """Outside a backward pass, a pass still marked as running raised before its end."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()
+
     def _abandon_backward(self) -> None:
-        """The previous backward pass failed before its end: its unqueued gradients are dropped
-        (buckets already queued were processed; nothing else is half-done)."""
-        dropped = 0
+        """The last backward pass raised before its end. Everything gathered since the last
+        optimizer step is discarded: host sums of earlier micro-batches cannot be told apart from
+        the failed pass's share, so the whole accumulation window goes (as zero_grad() would).
+        Updates that wait for step() (clipping, accumulation, eager_updates=False) have not run,
+        so weights and optimizer state are as they were before the pass. Updates that already
+        ran during the pass (eager: a bucket's gradients complete, no clipping) cannot be
+        undone: those parameters keep their step, and a RuntimeWarning says how many."""
+        if self.dp is not None:
+            raise RuntimeError(
+                "ramstream: a backward pass raised on this rank under data parallel; the other "
+                "ranks wait in its collectives, so the process group cannot continue (as with "
+                "DistributedDataParallel): restart from a checkpoint")
+        self.worker.drain()                       # its queued landings and norms have run
+        self.dev.synchronize()                    # and its copies and GPU norms
+        stepped = [s for s in self.slots if s.updated]
+        dropped = sum(1 for s in self.slots if s.arrivals > 0 and not s.updated)
         for b in self.buckets:
-            for s in b.micro_list:
-                s.arrivals -= 1
-                dropped += 1
-            b.micro_list = []
-            b.staging = None
-        self.log(f"a backward pass ended without finishing; {dropped} unqueued gradients dropped")
-        self._end_backward()
-        self._micro -= 1
+            b.micro_list, b.staging, b.sq_norm = [], None, 0.0
+            b.pending_landing_checked = False
+            for s in b.slots:
+                if b.placement == "mapped" and not s.updated:
+                    s.param.grad = None           # a mapped slot's gradient waits on the device
+                s.arrivals, s.micro_arrived, s.updated = 0, False, False
+        if self._dev_norm is not None:
+            self._dev_norm.zero_()
+        self._micro, self._in_backward, self._task = 0, False, -1
+        msg = (f"a backward pass raised before its end: the gradients of {dropped} parameters "
+               "gathered since the last step were discarded")
+        if stepped:
+            msg += (f"; {len(stepped)} parameters had already taken their update during the "
+                    "pass and keep it (pass eager_updates=False, or use max_grad_norm, for "
+                    "steps that a failed backward leaves untouched)")
+            warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=3)
+        self.log(msg)
 
     def _end_backward(self) -> None:
         for b in self.buckets:

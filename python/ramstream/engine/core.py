@@ -34,8 +34,9 @@ class Engine(BackwardHooks):
                  max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
                  guard_params: bool, order: list | None = None, seed: int = 0, log=None,
                  mapped_fraction: float = 0.0, max_inflight_bytes: int | None = None,
-                 distributed: bool = False) -> None:
+                 distributed: bool = False, eager_updates: bool = True) -> None:
         self.param_groups = param_groups
+        self.eager_updates = eager_updates
         self.device = device
         self.moment_dtype = moment_dtype
         self.max_grad_norm = max_grad_norm
@@ -218,8 +219,7 @@ class Engine(BackwardHooks):
 
     def step(self) -> None:
         """Queues every update not yet queued; returns without waiting for host updates."""
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
-            self._abandon_backward()      # the last backward raised before its end
+        self.recover_if_abandoned()
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         self.worker.raise_if_failed()
@@ -305,6 +305,7 @@ class Engine(BackwardHooks):
 
     def synchronize(self) -> None:
         """Waits for every queued job and copy; afterwards the model's weights are current."""
+        self.recover_if_abandoned()
         self.worker.drain()
         for b in self.buckets:
             self.wait_bucket(b)

@@ -39,6 +39,11 @@ def test_bench_offload_variants_train_the_same_model(tmp_path):
         assert res[name]["loss"] == pytest.approx(ref, rel=1e-4), name
         assert res[name]["stats"]["steps"] == 3
     assert res["ramstream_auto_chunked"]["loss_fn"] == "chunked"
+    # the time split covers the timed steps only: every step moves each gradient to the host once
+    split = res["ramstream_cpu"]["time_split"]
+    grad_gb = res["ramstream_cpu"]["params"] * 4 / 1e9
+    assert split["d2h_gb"] == pytest.approx(grad_gb, rel=0.01)
+    assert split["host_adamw_s"] > 0
 
 
 def test_bench_offload_rejects_an_unknown_variant(tmp_path):

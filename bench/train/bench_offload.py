@@ -44,6 +44,17 @@ def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def time_split(before: dict, after: dict, steps: int) -> dict:
+    """Per timed step, from OffloadAdamW.stats(): host AdamW and landing time (engine thread),
+    forward waits for weights, backward throttling, bytes each way over PCIe."""
+    def d(k):
+        return (after[k] - before.get(k, 0)) / steps
+
+    return {"host_adamw_s": d("host_update_s"), "host_land_s": d("host_land_s"),
+            "forward_wait_s": d("wait_s"), "backward_throttle_s": d("throttle_s"),
+            "d2h_gb": d("bytes_d2h") / 1e9, "h2d_gb": d("bytes_h2d") / 1e9}
+
+
 def _sync(dev) -> None:
     import torch
 
@@ -90,7 +101,7 @@ def run_variant(args) -> dict:
 
         x = torch.randint(0, cfg["vocab"], (args.batch, args.seq), device=dev)
         y = torch.randint(0, cfg["vocab"], (args.batch, args.seq), device=dev)
-        times = []
+        times, st0 = [], {}
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         for i in range(args.warmup + args.steps):
@@ -105,9 +116,13 @@ def run_variant(args) -> dict:
             _sync(dev)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+            elif i == args.warmup - 1 and args.variant == "ramstream":
+                opt.synchronize()
+                st0 = opt.stats()
         if args.variant == "ramstream":
             opt.synchronize()
             out["stats"] = opt.stats()
+            out["time_split"] = time_split(st0, out["stats"], args.steps)
             out["resident"] = opt.resident
             out["split"] = opt.split_info
             out["report_events"] = ramstream.memory_report(model)["events"][-5:]
@@ -159,15 +174,23 @@ def main() -> int:
         r["name"] = v
         results.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n{'variant':28s} {'s/step':>8s} {'peak VRAM GiB':>14s} {'host RSS GiB':>13s}")
+    print(f"\n{'variant':28s} {'s/step':>8s} {'peak VRAM GiB':>14s} {'host RSS GiB':>13s} "
+          f"{'host AdamW':>10s} {'waits':>7s} {'D2H GB':>7s} {'H2D GB':>7s}")
     for r in results:
         if r.get("ok"):
             vram = r["peak_vram_gib"]
             vram = f"{vram:14.2f}" if vram is not None else f"{'-':>14s}"
-            print(f"{r['name']:28s} {r['s_per_step']:8.3f} {vram} "
-                  f"{r['host_rss_gib']:13.2f}")
+            line = f"{r['name']:28s} {r['s_per_step']:8.3f} {vram} {r['host_rss_gib']:13.2f}"
+            t = r.get("time_split")
+            if t:
+                waits = t["forward_wait_s"] + t["backward_throttle_s"]
+                line += (f" {t['host_adamw_s']:10.3f} {waits:7.3f} {t['d2h_gb']:7.2f}"
+                         f" {t['h2d_gb']:7.2f}")
+            print(line)
         else:
             print(f"{r['name']:28s} {'-':>8s}  {r.get('error', '')[:90]}")
+    print("host AdamW, waits (forward waits + backward throttling): seconds per timed step; "
+          "GB crossing PCIe per timed step. GPU compute: the fused_uncapped step.")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

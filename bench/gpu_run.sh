@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, micro, train), each under a time limit, logs under $OUT. Prints a short summary last.
+# (tests, cputorch, micro, train, act), each under a time limit, logs under $OUT. Prints a short
+# summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
+#   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RAMSTREAM_CUDA=ON RAMSTREAM_CUDA_ARCHS="${RAMSTREAM_CUDA_ARCHS:-90-real}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}" NCCL_NVLS_ENABLE=0
@@ -47,6 +49,11 @@ for stage in $STAGES; do
       timeout 400 python3 bench/train/bench_offload.py --model "${MODEL:-1.8b}" --batch 8 --seq 512 \
         --cap-gib 24 --out "$OUT/train.json" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       summary "train rc=$?"; tail -6 "$OUT/train.log" ;;
+    act)   # issue 4: largest batch and slowdown of activation paging, 1.8B at seq 1024, 24 GiB
+      timeout 500 python3 bench/train/bench_activations.py --model "${MODEL:-1.8b}" --seq 1024 \
+        --batches "${ACT_BATCHES:-4,8,16}" --cap-gib 24 --timeout 240 --out "$OUT/act.json" \
+        ${ACT_ARGS:-} > "$OUT/act.log" 2>&1
+      summary "act rc=$?"; tail -12 "$OUT/act.log" ;;
   esac
 done
 echo "==== summary"; cat "$OUT/summary.txt"

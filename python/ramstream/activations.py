@@ -157,6 +157,7 @@ class ActivationOffloader:
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
+        self._aged_pass = -1
         self._last_index = _NO_CALL
         self._last_call: Call | None = None
         self._persistent: set[int] = set()
@@ -264,6 +265,7 @@ class ActivationOffloader:
         if i <= self._last_index:
             self._new_pass()
         self._last_index = i
+        self._age_pool()
         if not self._paged and not self.measuring:
             stack.append((module, None, None))
             return
@@ -302,6 +304,19 @@ class ActivationOffloader:
         if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
             out.register_hook(lambda g, call=call: self._on_output_grad(call))
 
+    def _age_pool(self) -> None:
+        """Ages the pool's free buffers once per step: at the first block call of a pass while
+        nothing paged is alive. A pass starts whenever a block runs again (shared weights,
+        blocks called out of order), possibly several per step; aging per pass would drop and
+        reallocate the buffers every step."""
+        if self._aged_pass == self._pass:
+            return
+        with self._lock:
+            idle = self._counters["live_entries"] == 0
+        if idle:
+            self._aged_pass = self._pass
+            self._pool.new_pass()
+
     def _throttle_d2h(self, call: Call) -> None:
         """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
         finished: device memory held by copies in flight stays bounded (the forward thread waits,
@@ -338,7 +353,6 @@ class ActivationOffloader:
         self._by_storage = {}
         self._block_bytes = [0] * len(self.blocks)
         self._pass_bytes = 0
-        self._pool.new_pass()
         ptrs = set()
         for b in self.blocks:
             for t in list(b.parameters()) + list(b.buffers()):

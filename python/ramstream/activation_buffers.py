@@ -9,7 +9,8 @@ import weakref
 
 import torch
 
-__all__ = ["HostBuf", "HostPool", "byte_view", "CpuCopies", "CudaCopies", "Call", "Entry", "Saved"]
+__all__ = ["HostBuf", "HostPool", "byte_view", "CpuCopies", "CudaCopies", "Call", "Entry", "Saved",
+           "Kept", "version_probe", "check_version"]
 
 
 # ---- host buffer pool --------------------------------------------------------------------------
@@ -291,13 +292,52 @@ class Entry:
 
 
 class Saved:
-    """What pack returns for a paged tensor: its entry and its exact layout."""
+    """What pack returns for a paged tensor: its entry, its exact layout and what checks that it
+    was not modified in place after it was saved (``probe``, ``version``: version_probe)."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "probe", "version", "index")
 
-    def __init__(self, entry: Entry, dtype, size, stride, offset: int) -> None:
+    def __init__(self, entry: Entry, dtype, size, stride, offset: int, probe: torch.Tensor,
+                 version: int, index: int) -> None:
         self.entry = entry
         self.dtype = dtype
         self.size = size
         self.stride = stride
         self.offset = offset  # in elements of dtype, from the start of the entry's bytes
+        self.probe = probe
+        self.version = version
+        self.index = index    # the block that saved it (for the error message)
+
+
+class Kept:
+    """What pack returns for a tensor of a hooked block that stays on the device: the tensor and
+    its version when it was saved. torch checks the versions of saved tensors only when no
+    saved-tensor hooks are installed, so the hooks check them (check_version)."""
+
+    __slots__ = ("t", "version", "index")
+
+    def __init__(self, t: torch.Tensor, index: int) -> None:
+        self.t = t
+        self.version = t._version
+        self.index = index
+
+
+def version_probe(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing t's version counter but not its storage (detach() shares the counter;
+    replacing its data keeps the counter and drops the storage reference): in-place writes to t
+    or to any view of it show in probe._version while t's memory can be freed."""
+    probe = t.detach()
+    probe.data = t.new_empty(0)
+    return probe
+
+
+def check_version(current: int, x) -> None:
+    """Raises torch's own error when a saved tensor was modified in place after it was saved."""
+    if current != x.version:
+        t = x.t if type(x) is Kept else x
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.dtype} {list(t.size() if type(x) is Kept else t.size)}], "
+            f"saved for backward in block {x.index}, is at version {current}; expected version "
+            f"{x.version} instead. (ActivationOffloader checks the versions that torch does "
+            "not check behind saved-tensor hooks; without paging torch raises the same error.)")

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Saved,
-                                 byte_view)
+from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved,
+                                 byte_view, check_version, version_probe)
 
 __all__ = ["find_blocks", "ActivationOffloader"]
 
@@ -105,7 +105,10 @@ class ActivationOffloader:
     pass however many views of them are saved; a view covering less than half of its storage is
     copied as its byte span only. Unpacked tensors have the saved tensor's dtype, size, stride and
     storage offset (and alignment modulo 512 bytes). Nothing is paged inside the recomputation of
-    torch.utils.checkpoint (its own hooks own those tensors) or during backward.
+    torch.utils.checkpoint (its own hooks own those tensors) or during backward. A tensor saved
+    in a hooked block and then modified in place raises torch's "modified by an inplace
+    operation" error in backward, as without paging (torch checks no versions behind hooks, so
+    the unpack hook does, for paged and kept tensors alike).
 
     Threading: forward hooks run on the forward thread; unpack runs on autograd's thread; host
     buffers are returned to the pool from whichever thread frees the last saved-tensor handle.
@@ -154,6 +157,7 @@ class ActivationOffloader:
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
+        self._aged_pass = -1
         self._last_index = _NO_CALL
         self._last_call: Call | None = None
         self._persistent: set[int] = set()
@@ -261,6 +265,7 @@ class ActivationOffloader:
         if i <= self._last_index:
             self._new_pass()
         self._last_index = i
+        self._age_pool()
         if not self._paged and not self.measuring:
             stack.append((module, None, None))
             return
@@ -299,6 +304,19 @@ class ActivationOffloader:
         if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
             out.register_hook(lambda g, call=call: self._on_output_grad(call))
 
+    def _age_pool(self) -> None:
+        """Ages the pool's free buffers once per step: at the first block call of a pass while
+        nothing paged is alive. A pass starts whenever a block runs again (shared weights,
+        blocks called out of order), possibly several per step; aging per pass would drop and
+        reallocate the buffers every step."""
+        if self._aged_pass == self._pass:
+            return
+        with self._lock:
+            idle = self._counters["live_entries"] == 0
+        if idle:
+            self._aged_pass = self._pass
+            self._pool.new_pass()
+
     def _throttle_d2h(self, call: Call) -> None:
         """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
         finished: device memory held by copies in flight stays bounded (the forward thread waits,
@@ -335,7 +353,6 @@ class ActivationOffloader:
         self._by_storage = {}
         self._block_bytes = [0] * len(self.blocks)
         self._pass_bytes = 0
-        self._pool.new_pass()
         ptrs = set()
         for b in self.blocks:
             for t in list(b.parameters()) + list(b.buffers()):
@@ -361,14 +378,15 @@ class ActivationOffloader:
         return t.untyped_storage().data_ptr() not in self._persistent
 
     def _pack(self, t: torch.Tensor, call: Call, paged: bool):
+        # a tensor that stays is wrapped with its version: behind hooks torch checks none
         if not self._pageable(t):
-            return t
+            return Kept(t, call.index)
         t0 = time.perf_counter()
         with torch.no_grad():
             saved = self._page(t, call, paged)
         with self._lock:
             self._counters["pack_s"] += time.perf_counter() - t0
-        return t if saved is None else saved
+        return Kept(t, call.index) if saved is None else saved
 
     def _page(self, t: torch.Tensor, call: Call, paged: bool):
         st = t.untyped_storage()
@@ -414,7 +432,7 @@ class ActivationOffloader:
         if not paged:
             return None
         return Saved(found, t.dtype, tuple(t.shape), tuple(t.stride()),
-                      (lo_t - found.lo) // item)
+                     (lo_t - found.lo) // item, version_probe(t), version, call.index)
 
     def _fetch(self, e: Entry) -> None:
         if e.gpu is not None or e.buf is None:
@@ -454,8 +472,13 @@ class ActivationOffloader:
             c = c.prev
 
     def _unpack(self, x):
-        if type(x) is not Saved:
+        kind = type(x)
+        if kind is Kept:
+            check_version(x.t._version, x)
+            return x.t
+        if kind is not Saved:
             return x
+        check_version(x.probe._version, x)
         t0 = time.perf_counter()
         e = x.entry
         if e.call.bwd_event is None:

@@ -13,7 +13,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 __all__ = ["chunked_cross_entropy", "causal_lm_loss"]
 
@@ -32,6 +31,40 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
+    """The softmax, the log-sum-exp and the gradient accumulators: float64 for a float64 matmul,
+    float32 otherwise."""
+    return torch.float64 if cdtype == torch.float64 else torch.float32
+
+
+_TWICE = ("chunked_cross_entropy: double backward is not supported: backward recomputes the "
+          "logits chunk by chunk without a graph, so its gradients cannot be differentiated "
+          "again (create_graph=True); use F.cross_entropy(F.linear(hidden, weight, bias), "
+          "targets) for higher-order gradients")
+
+
+def _no_double_backward(grads: tuple, inputs: tuple) -> tuple:
+    """Backward's results under create_graph=True: differentiating any of them raises _TWICE.
+    Without this they would be constants and a later backward would silently miss their
+    contribution. The error node also takes the loss's inputs that require grad, so that
+    autograd.grad(..., inputs) of them reaches it rather than finding no path."""
+    idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+    anchors = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return grads
+    try:
+        err = torch._C._functions.DelayedError(_TWICE.encode(), len(idx) + len(anchors))
+    except (AttributeError, TypeError):  # pragma: no cover - the private API went away
+        raise RuntimeError(_TWICE) from None
+    outs = err(*[grads[i].detach().requires_grad_() for i in idx], *anchors)
+    if isinstance(outs, torch.Tensor):
+        outs = (outs,)
+    grads = list(grads)
+    for i, o in zip(idx, outs):
+        grads[i] = o
+    return tuple(grads)
+
+
 def _chunks(n: int, chunk: int, cdtype: torch.dtype):
     """Row ranges. A 16-bit matmul dtype takes half the rows at once: its logits (2 bytes) and
     their float32 copy (4 bytes) coexist, so both ways peak near chunk * V * 4 bytes."""
@@ -47,27 +80,30 @@ class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, cdtype, denom):
         dev = hidden.device.type
+        acc = _acc_dtype(cdtype)
         with torch.autocast(dev, enabled=False):
             w = weight.to(cdtype)
             b = bias.to(cdtype) if bias is not None else None
             valid = targets != ignore_index
             safe = torch.where(valid, targets, 0)
             n = hidden.shape[0]
-            lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            lse = torch.empty(n, dtype=acc, device=hidden.device)
+            total = torch.zeros((), dtype=acc, device=hidden.device)
             for s, e in _chunks(n, chunk, cdtype):
-                logits = F.linear(hidden[s:e].to(cdtype), w, b).float()
+                logits = F.linear(hidden[s:e].to(cdtype), w, b).to(acc)
                 tgt = logits.gather(1, safe[s:e, None]).squeeze(1)
                 m = logits.amax(1)
                 m = torch.where(torch.isfinite(m), m, 0.0)
-                # exp(logits - max) in place: one [chunk, V] fp32 buffer per chunk
+                # exp(logits - max) in place: one [chunk, V] fp32 (fp64) buffer per chunk
                 sumexp = logits.sub_(m[:, None]).exp_().sum(1)
                 lse_c = sumexp.log_().add_(m)
                 lse[s:e] = lse_c
                 total += torch.where(valid[s:e], lse_c - tgt, 0.0).sum()
                 del logits
             if denom is None:          # reduction="mean": over the rows not ignored
-                denom = valid.sum().to(torch.float32)
+                denom = valid.sum().to(acc)
+            elif torch.is_tensor(denom):
+                denom = denom.to(acc)
             loss = total / denom
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse,
                               denom if torch.is_tensor(denom) else None)
@@ -76,36 +112,44 @@ class _ChunkedCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if not torch.is_grad_enabled():
+            return _ChunkedCE._grads(ctx, grad_out)
+        with torch.no_grad():                  # create_graph=True
+            grads = _ChunkedCE._grads(ctx, grad_out)
+        return _no_double_backward(grads, ctx.saved_tensors[:3])
+
+    @staticmethod
+    def _grads(ctx, grad_out):
         hidden, weight, bias, safe, valid, lse, denom_t = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdtype, chunk = ctx.cdtype, ctx.chunk
+        acc = _acc_dtype(cdtype)
         denom = denom_t if denom_t is not None else ctx.denom
         dh = dw = db = None
         with torch.autocast(hidden.device.type, enabled=False):
-            scale = (grad_out.float() / denom).reshape(())
+            scale = (grad_out.to(acc) / denom).reshape(())
             w = weight.to(cdtype)
             b = bias.to(cdtype) if bias is not None else None
             if need_h:
                 dh = torch.empty_like(hidden)
             if need_w:
-                dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             if need_b:
-                db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                db = torch.zeros(bias.shape, dtype=acc, device=bias.device)
             n = hidden.shape[0]
-            zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            zero = torch.zeros((), dtype=acc, device=hidden.device)
             for s, e in _chunks(n, chunk, cdtype):
                 h = hidden[s:e].to(cdtype)
-                p = F.linear(h, w, b).float()
+                p = F.linear(h, w, b).to(acc)
                 p.sub_(lse[s:e, None]).exp_()                      # softmax
                 p.scatter_add_(1, safe[s:e, None],
                                torch.full((e - s, 1), -1.0, dtype=p.dtype, device=p.device))
                 p.mul_(torch.where(valid[s:e], scale, zero)[:, None])  # d loss / d logits
                 if need_b:
                     db += p.sum(0)
-                if cdtype == torch.float32:
-                    if need_h and dh.dtype == torch.float32:
+                if cdtype == acc:
+                    if need_h and dh.dtype == acc:
                         torch.mm(p, w, out=dh[s:e])
                     elif need_h:
                         dh[s:e].copy_(p @ w)
@@ -193,7 +237,7 @@ def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num
     else:
         cdtype = torch.promote_types(hidden.dtype, weight.dtype)
     if num_items is not None:
-        denom = num_items.reshape(()).to(hidden.device, torch.float32) \
+        denom = num_items.reshape(()).to(hidden.device) \
             if isinstance(num_items, torch.Tensor) else float(num_items)
     elif reduction == "sum":
         denom = 1.0
@@ -221,12 +265,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         num_items: Hugging Face's ``num_items_in_batch``: the summed loss divided by this number
             (an int/float > 0 or a one-element tensor) instead of by the count; needs "mean".
 
-    Returns a float32 scalar. Logits are computed one chunk at a time with the matmul in the
-    autocast dtype when torch.autocast is on (like F.linear), otherwise in the inputs' promoted
-    dtype, then upcast to float32 for the softmax. Backward recomputes each chunk's logits and
-    accumulates the weight (and bias) gradient in float32 before casting it to the parameter's
-    dtype. Raises ValueError naming the argument for bad shapes, devices, chunk_size, reduction,
-    ignore_index or num_items; TypeError for non-tensor or wrong-dtype inputs.
+    Returns a float32 scalar (float64 when the matmul dtype is float64). Logits are computed one
+    chunk at a time with the matmul in the autocast dtype when torch.autocast is on (like
+    F.linear), otherwise in the inputs' promoted dtype, then upcast to float32 (float64 inputs:
+    float64 throughout) for the softmax. Backward recomputes each chunk's logits and accumulates
+    the weight (and bias) gradient in float32 before casting it to the parameter's dtype. Backward
+    cannot be differentiated again: differentiating the gradients of a ``create_graph=True``
+    backward raises RuntimeError. Raises ValueError naming the argument for bad shapes, devices,
+    chunk_size, reduction, ignore_index or num_items; TypeError for non-tensor or wrong-dtype
+    inputs.
     """
     _check("chunked_cross_entropy", hidden, weight, targets, bias, chunk_size, ignore_index,
            reduction, num_items)

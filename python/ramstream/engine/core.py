@@ -86,8 +86,7 @@ class Engine(BackwardHooks):
         # garbage collector cannot see a cycle, so a strong reference would keep it alive forever
         self._weak_on_grad = _weak_method(self, "_on_grad")
         self._weak_wait = _weak_method(self, "wait_bucket")
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._weak_on_grad)
-                       for s in self.slots]
+        self._hooks = [_grad_hook(s.param, self._weak_on_grad) for s in self.slots]
         self._module_hooks: list = []
         self.forward_waits = False
         self.names: dict[str, Slot] = {}
@@ -156,7 +155,7 @@ class Engine(BackwardHooks):
         _guard.unguard(old)
         s.param = p
         p._ramstream_slot, s.engine_wait = s, self._weak_wait
-        self._hooks[i] = p.register_post_accumulate_grad_hook(self._weak_on_grad)
+        self._hooks[i] = _grad_hook(p, self._weak_on_grad)
         if self.guard_params:
             _guard.guard(p)
         for g in self.param_groups:
@@ -363,6 +362,18 @@ class Engine(BackwardHooks):
         if self.dp is not None:
             self.dp.close()
         self.closed = True
+
+
+def _grad_hook(p: torch.nn.Parameter, fn):
+    """p's post-accumulate-grad hook, also on a frozen parameter (only Python's check refuses it):
+    a parameter unfrozen after wrap() then trains like the others."""
+    if p.requires_grad:
+        return p.register_post_accumulate_grad_hook(fn)
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(fn)
+    finally:
+        p.requires_grad_(False)
 
 
 def _weak_method(obj, name: str):

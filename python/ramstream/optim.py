@@ -100,6 +100,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                              "in [0, 1)")
         self._engine = None
         self._resident = None
+        self._closed = False
         self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
@@ -162,6 +163,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
+                               "wrap() took its model): gradients no longer reach it; step the "
+                               "optimizer returned by the latest wrap()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -275,5 +280,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         (self._resident or self._engine).resync_masters()
 
     def close(self) -> None:
+        self._closed = True
         if self._engine is not None:
             self._engine.close()

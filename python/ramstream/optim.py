@@ -19,9 +19,20 @@ _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=Fal
 SWITCH_AFTER_STEPS = 2
 
 
+def _number(v):
+    """A one-element floating tensor (torch accepts them for lr and betas) as a float."""
+    if torch.is_tensor(v) and v.numel() == 1 and v.is_floating_point():
+        return float(v)
+    return v
+
+
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     def bad(name, value, accepted):
         return ValueError(f"OffloadAdamW: {name}={value!r} is invalid; accepted: {accepted}")
+
+    lr = _number(lr)
+    if isinstance(betas, (tuple, list)):
+        betas = tuple(_number(b) for b in betas)
 
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
         raise bad("lr", lr, "a finite float >= 0")

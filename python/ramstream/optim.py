@@ -15,7 +15,7 @@ from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_momen
                       parse_threads)
 
 _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
-                     differentiable=False, fused=None)
+                     differentiable=False, fused=None, decoupled_weight_decay=True)
 SWITCH_AFTER_STEPS = 2
 
 
@@ -287,8 +287,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             self._engine.rebind(model)
 
-    def _model_loaded(self) -> None:
-        (self._resident or self._engine).resync_masters()
+    def _model_loaded(self, model=None) -> None:
+        if self._resident is not None:
+            self._resident.resync_masters()
+        else:
+            self._engine.resync_masters(model)
 
     def close(self) -> None:
         self._closed = True

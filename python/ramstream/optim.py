@@ -15,13 +15,24 @@ from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_momen
                       parse_threads)
 
 _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
-                     differentiable=False, fused=None)
+                     differentiable=False, fused=None, decoupled_weight_decay=True)
 SWITCH_AFTER_STEPS = 2
+
+
+def _number(v):
+    """A one-element floating tensor (torch accepts them for lr and betas) as a float."""
+    if torch.is_tensor(v) and v.numel() == 1 and v.is_floating_point():
+        return float(v)
+    return v
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     def bad(name, value, accepted):
         return ValueError(f"OffloadAdamW: {name}={value!r} is invalid; accepted: {accepted}")
+
+    lr = _number(lr)
+    if isinstance(betas, (tuple, list)):
+        betas = tuple(_number(b) for b in betas)
 
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
         raise bad("lr", lr, "a finite float >= 0")
@@ -100,6 +111,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                              "in [0, 1)")
         self._engine = None
         self._resident = None
+        self._closed = False
         self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
@@ -162,6 +174,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
+                               "wrap() took its model): gradients no longer reach it; step the "
+                               "optimizer returned by the latest wrap()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -271,9 +287,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             self._engine.rebind(model)
 
-    def _model_loaded(self) -> None:
-        (self._resident or self._engine).resync_masters()
+    def _model_loaded(self, model=None) -> None:
+        if self._resident is not None:
+            self._resident.resync_masters()
+        else:
+            self._engine.resync_masters(model)
 
     def close(self) -> None:
+        self._closed = True
         if self._engine is not None:
             self._engine.close()

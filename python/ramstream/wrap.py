@@ -155,8 +155,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         w.activations = ActivationPolicy(model, device, opts, log)
         opt._step_callbacks.append(w.activations.on_step)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
+    w.handles.append(model.register_load_state_dict_pre_hook(
+        lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)))
     w.handles.append(model.register_load_state_dict_post_hook(
-        lambda module, keys: opt._model_loaded()))
+        lambda module, keys: opt._model_loaded(module)))
     w.orig_apply = model.__dict__.get("_apply")
 
     def _apply(self, fn, *args, **kwargs):

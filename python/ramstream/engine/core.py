@@ -86,13 +86,13 @@ class Engine(BackwardHooks):
         # garbage collector cannot see a cycle, so a strong reference would keep it alive forever
         self._weak_on_grad = _weak_method(self, "_on_grad")
         self._weak_wait = _weak_method(self, "wait_bucket")
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._weak_on_grad)
-                       for s in self.slots]
+        self._hooks = [_grad_hook(s.param, self._weak_on_grad) for s in self.slots]
         self._module_hooks: list = []
         self.forward_waits = False
         self.names: dict[str, Slot] = {}
         self.closed = False
         self.last_grad_norm: float | None = None
+        self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
                       "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0,
                       "throttle_s": 0.0}
@@ -156,7 +156,7 @@ class Engine(BackwardHooks):
         _guard.unguard(old)
         s.param = p
         p._ramstream_slot, s.engine_wait = s, self._weak_wait
-        self._hooks[i] = p.register_post_accumulate_grad_hook(self._weak_on_grad)
+        self._hooks[i] = _grad_hook(p, self._weak_on_grad)
         if self.guard_params:
             _guard.guard(p)
         for g in self.param_groups:
@@ -313,8 +313,8 @@ class Engine(BackwardHooks):
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
-        self.names = {n: p._ramstream_slot for n, p in model.named_parameters()
-                      if hasattr(p, "_ramstream_slot")}
+        self.names = {n: p._ramstream_slot for n, p in model.named_parameters(
+                      remove_duplicate=False) if hasattr(p, "_ramstream_slot")}
         for m in model.modules():
             own = [p for p in m.parameters(recurse=False) if hasattr(p, "_ramstream_slot")]
             idx = sorted({p._ramstream_slot.bucket.index for p in own})
@@ -344,9 +344,22 @@ class Engine(BackwardHooks):
                 self.dp.broadcast_after_update(b)
             self.synchronize()
 
-    def resync_masters(self) -> None:
+    def note_loading(self, state_dict: dict, prefix: str) -> None:
+        """model.load_state_dict() is about to run: keep the fp32 tensors it loads into
+        low-precision parameters, so that they become the masters exactly (not their rounding)."""
+        self._loading = {}
+        for name, s in self.names.items():
+            v = state_dict.get(prefix + name)
+            if torch.is_tensor(v) and v.dtype == torch.float32 and s.bucket.dtype != torch.float32 \
+                    and v.numel() == s.numel:
+                self._loading[s] = v
+
+    def resync_masters(self, model: torch.nn.Module | None = None) -> None:
         self.synchronize()
-        layout.resync_masters(self)
+        if model is not None:
+            layout.adopt_loaded(self, model)
+        loaded, self._loading = self._loading, {}
+        layout.resync_masters(self, loaded)
 
     def close(self) -> None:
         """Waits for everything, removes hooks and guards; parameters keep their current data."""
@@ -363,6 +376,18 @@ class Engine(BackwardHooks):
         if self.dp is not None:
             self.dp.close()
         self.closed = True
+
+
+def _grad_hook(p: torch.nn.Parameter, fn):
+    """p's post-accumulate-grad hook, also on a frozen parameter (only Python's check refuses it):
+    a parameter unfrozen after wrap() then trains like the others."""
+    if p.requires_grad:
+        return p.register_post_accumulate_grad_hook(fn)
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(fn)
+    finally:
+        p.requires_grad_(False)
 
 
 def _weak_method(obj, name: str):

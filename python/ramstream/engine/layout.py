@@ -103,16 +103,53 @@ def adopt_replaced(engine, model: torch.nn.Module) -> None:
             engine.replace_param(s, p)
 
 
-def resync_masters(engine) -> None:
-    """After weights were loaded into the model: masters take the loaded values wherever the
-    working copy no longer equals master.to(working dtype)."""
+def adopt_loaded(engine, model: torch.nn.Module) -> None:
+    """After model.load_state_dict(..., assign=True): the loaded tensors became new Parameter
+    objects; their values move into the bucket (and the fp32 master) and the new objects take
+    the slots, so they train (in the bucket's dtype, on the engine's device)."""
+    current = dict(model.named_parameters(remove_duplicate=False))
+    replaced: dict = {}
+    for name, p in current.items():
+        s = engine.names.get(name)
+        if s is not None and p is not s.param:
+            replaced[s] = p
+    for s in replaced:
+        names = sorted(n for n, x in engine.names.items() if x is s and n in current)
+        if len({id(current[n]) for n in names}) > 1:
+            raise RuntimeError(f"ramstream: load_state_dict(assign=True) untied {', '.join(names)} "
+                               "(one parameter when wrapped); load without assign=True")
+        if current[names[0]].numel() != s.numel:
+            raise RuntimeError(f"ramstream: loaded parameter {names[0]} has "
+                               f"{current[names[0]].numel()} elements, the wrapped one {s.numel}")
+    for s, p in replaced.items():
+        value = p.detach().reshape(-1)
+        engine.replace_param(s, p)
+        b, sl = s.bucket, slice(s.offset, s.offset + s.numel)
+        b.device_flat[sl].copy_(value)
+        if b.master is not None:
+            b.master[sl].copy_(value)
+        p.data = b.device_flat[sl].view(p.shape)
+    engine.dev.synchronize()
+
+
+def resync_masters(engine, loaded: dict | None = None) -> None:
+    """After weights were loaded into the model: masters take the fp32 values loaded into a
+    low-precision slot (`loaded`: slot -> tensor, where the weight now equals their rounding),
+    elsewhere the loaded values wherever the working copy no longer equals master.to(working
+    dtype)."""
+    loaded = loaded or {}
     for b in engine.buckets:
         if b.master is None:
             continue            # the weights are the master
         changed = 0
         for s in b.slots:
             sl = slice(s.offset, s.offset + s.numel)
-            if not torch.equal(b.device_flat[sl], b.master[sl].to(b.device_flat.device, b.dtype)):
+            v = loaded.get(s)
+            if v is not None and torch.equal(b.device_flat[sl],
+                                             v.reshape(-1).to(b.device_flat.device, b.dtype)):
+                b.master[sl].copy_(v.reshape(-1))
+                changed += 1
+            elif not torch.equal(b.device_flat[sl], b.master[sl].to(b.device_flat.device, b.dtype)):
                 b.master[sl].copy_(b.device_flat[sl])
                 changed += 1
         if changed:

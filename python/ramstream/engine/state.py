@@ -78,6 +78,10 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
                          f"the optimizer {len(param_groups)}")
     for i, (sg, g) in enumerate(zip(saved_groups, param_groups)):
+        if sg.get("amsgrad") or sg.get("maximize") or (
+                sg.get("decoupled_weight_decay", True) is False and sg.get("weight_decay", 0)):
+            raise ValueError(f"load_state_dict: param group {i} is saved with amsgrad, maximize or "
+                             "Adam's L2 weight decay, which ramstream's AdamW does not do")
         if len(sg["params"]) != len(g["params"]):
             raise ValueError(f"load_state_dict: param group {i} has {len(sg['params'])} parameters "
                              f"in the state dict, {len(g['params'])} in the optimizer")
@@ -128,3 +132,4 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         for k, v in sg.items():
             if k != "params":
                 g[k] = v
+        g["decoupled_weight_decay"] = True

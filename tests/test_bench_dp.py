@@ -1,4 +1,4 @@
-"""bench/train/bench_dp.py on the CPU: two gloo ranks under torch.distributed.run against one process."""
+"""bench/train/bench_dp.py on the CPU: two gloo ranks under torch.distributed.run vs one process."""
 from __future__ import annotations
 
 import importlib.util

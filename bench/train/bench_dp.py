@@ -30,6 +30,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -242,19 +243,30 @@ def _common_args(args, batch: int) -> list[str]:
 
 
 def _launch(name: str, cmd: list[str], out_file: str, timeout: float) -> dict:
+    """Runs one worker (or torchrun) in its own session, its output in a log file. On timeout
+    it gets SIGTERM first (torchrun then stops its workers, which run in sessions of their
+    own), its whole group SIGKILL 30 s later."""
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        rc, err = p.returncode, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(
-            e.stderr, bytes) else (e.stderr or "")
+    log = out_file + ".log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            rc = f"timeout after {timeout:.0f} s"
     if rc == 0 and os.path.exists(out_file):
         with open(out_file) as f:
             r = json.load(f)
     else:
-        r = {"ok": False, "error": f"rc={rc}: {err[-3000:]}"}
-    r.update(name=name, wall_s=time.perf_counter() - t0, cmd=" ".join(cmd))
+        with open(log, errors="replace") as f:
+            r = {"ok": False, "error": f"rc={rc}: {f.read()[-3000:]}"}
+    r.update(name=name, wall_s=time.perf_counter() - t0, cmd=" ".join(cmd), log=log)
     print(json.dumps(r), flush=True)
     return r
 

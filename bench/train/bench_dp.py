@@ -366,6 +366,8 @@ def main() -> int:
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     json.loads(args.options)
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 1:
+        ap.error("--steps, --batch and --seq must be >= 1, --warmup >= 0")
     if args.nproc is not None:
         if args.nproc < 1:
             ap.error("--nproc must be >= 1")

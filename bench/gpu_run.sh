@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, dp), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
@@ -54,6 +54,10 @@ for stage in $STAGES; do
         --batches "${ACT_BATCHES:-4,8,16}" --cap-gib 24 --timeout 240 --out "$OUT/act.json" \
         ${ACT_ARGS:-} > "$OUT/act.log" 2>&1
       summary "act rc=$?"; tail -12 "$OUT/act.log" ;;
+    dp)    # issue 5 (a machine with 2+ GPUs): scaling, 1/N host state, parity, identical replicas
+      timeout 580 python3 bench/train/bench_dp.py --nproc "${NPROC:-2}" --model "${MODEL:-1.8b}" \
+        --batch 8 --seq 512 --steps 10 --check --out "$OUT/dp.json" > "$OUT/dp.log" 2>&1
+      summary "dp rc=$?"; tail -8 "$OUT/dp.log" ;;
   esac
 done
 echo "==== summary"; cat "$OUT/summary.txt"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -38,9 +39,8 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
         return [{"params": params, "lr": opts.lr}], None, {}
     if isinstance(optimizer, OffloadAdamW):
         sd = optimizer.state_dict()
-        groups = [dict(g) for g in optimizer.param_groups]
         optimizer.close()
-        return groups, sd, {}
+        return list(optimizer.param_groups), sd, {}
     if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
         name = type(optimizer).__name__
         for g in optimizer.param_groups:
@@ -51,16 +51,29 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
                 raise ValueError("wrap(): torch.optim.Adam with weight_decay != 0 adds L2 decay to "
                                  "the gradient, which ramstream's AdamW does not do; use "
                                  "torch.optim.AdamW, or Adam with weight_decay=0")
-        keep = ("lr", "betas", "eps", "weight_decay")
-        groups = [{**{k: g[k] for k in keep}, "params": list(g["params"])}
-                  for g in optimizer.param_groups]
-        for g in groups:
-            if torch.is_tensor(g["lr"]):
-                g["lr"] = float(g["lr"])
         sd = optimizer.state_dict() if optimizer.state else None
-        return groups, sd, {}
+        # the same group dicts: what an LR scheduler of the given optimizer writes, we read
+        return list(optimizer.param_groups), sd, {}
     raise ValueError(f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
                      "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None")
+
+
+def _hand_over(old: torch.optim.Optimizer, new: OffloadAdamW) -> None:
+    """The given optimizer shares its param group dicts with the new one (set up by
+    _convert_optimizer), so LR schedulers created on it before wrap() keep working; its state,
+    now in host RAM, is dropped (device memory it held is freed); torch's schedulers check
+    `_opt_called` to warn about a scheduler stepped before its optimizer: the new optimizer's
+    steps count."""
+    if not isinstance(old, OffloadAdamW):
+        old.state.clear()
+    ref = weakref.ref(old)
+
+    def mark_called() -> None:
+        o = ref()
+        if o is not None:
+            o._opt_called = True
+
+    new._step_callbacks.append(mark_called)
 
 
 def _use_data_parallel(option) -> bool:
@@ -169,6 +182,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     model._apply = types.MethodType(_apply, model)
     model._ramstream = w
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
+        _hand_over(optimizer, opt)
     log(f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
         f"buckets on {device}; moments {str(moment_dtype).replace('torch.', '')}; "
         f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}")

@@ -233,3 +233,18 @@ def test_dropped_optimizers_release_their_engine_thread():
 def test_offload_adamw_rejects_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         ramstream.OffloadAdamW(make_model(0).parameters(), **kw)
+
+
+def test_weights_that_cannot_fit_the_device_raise_memory_error_with_the_arithmetic():
+    from ramstream.wrap import check_weights_fit
+
+    gib = 2**30
+    mem = {"free": 3 * gib, "cap": 8 * gib, "total": 80 * gib, "reserved": 5 * gib}
+    dev = torch.device("cuda", 0)
+    check_weights_fit(3 * gib, mem, dev)                 # exactly fits: no error
+    with pytest.raises(MemoryError) as e:
+        check_weights_fit(7 * gib, mem, dev)
+    msg = str(e.value)
+    for part in ("7.00 GiB on cuda:0", "3.00 GiB more", "cap 8.00 of 80.00 GiB",
+                 "5.00 GiB already reserved", "bfloat16"):
+        assert part in msg

@@ -219,3 +219,18 @@ def test_activation_paging_through_wrap_is_exact_and_auto_decides(deterministic)
         assert torch.equal(a, b)
     r = ramstream.memory_report(auto)
     assert any("activation_offload=auto: paging" in e for e in r["events"]), r["events"]
+
+
+def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096))  # 128 MiB
+    dev = torch.device(DEV, torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    used = torch.cuda.memory_reserved(dev)
+    torch.cuda.set_per_process_memory_fraction((used + (64 << 20)) / total, dev)
+    try:
+        with pytest.raises(MemoryError, match="GiB on cuda"):
+            ramstream.wrap(model, device=DEV)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert getattr(model, "_ramstream", None) is None

@@ -58,6 +58,26 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
                      "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None")
 
 
+def _bytes_to_move(model: torch.nn.Module, device: torch.device) -> int:
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values() if t.device != device)
+
+
+def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
+    """MemoryError with the arithmetic when the weights wrap() would move to the device exceed
+    what the process may still allocate there (mem: hardware.gpu_memory)."""
+    if nbytes <= mem["free"]:
+        return
+    gib = 2**30
+    raise MemoryError(
+        f"wrap(): the model's weights and buffers need {nbytes / gib:.2f} GiB on {device}, but the "
+        f"process may allocate {mem['free'] / gib:.2f} GiB more there (cap {mem['cap'] / gib:.2f} "
+        f"of {mem['total'] / gib:.2f} GiB, {mem['reserved'] / gib:.2f} GiB already reserved). "
+        "Optimizer state and gradients live in host RAM, but the weights must fit on the device "
+        "(weight paging is not available yet): train in bf16 (model.bfloat16(); the fp32 masters "
+        "stay in host RAM, half the device bytes), or use a smaller model or a larger GPU")
+
+
 def _hand_over(old: torch.optim.Optimizer, new: OffloadAdamW) -> None:
     """The given optimizer shares its param group dicts with the new one (set up by
     _convert_optimizer), so LR schedulers created on it before wrap() keep working; its state,
@@ -132,6 +152,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                              "pass device=")
         device = devices.pop()
     if any(d != device for d in {p.device for p in model.parameters()}):
+        if device.type == "cuda":
+            from .hardware import gpu_memory
+
+            check_weights_fit(_bytes_to_move(model, device), gpu_memory(device), device)
         log(f"moving the model to {device}")
         model.to(device)
     use_dp = _use_data_parallel(opts.distributed)

@@ -84,6 +84,9 @@ def test_backward_through_part_of_the_model(accumulation):
 
 
 def test_parameter_unfrozen_after_wrap_trains_like_torch():
+    """A parameter frozen at wrap() has no host state: unfreezing it takes unwrap() and wrap()
+    again (the optimizer's state carries over); freezing one after wrap() just stops its
+    updates."""
     ref = make_model(0, n_blocks=2)
     model = clone(ref)
     for m in (ref, model):
@@ -96,19 +99,44 @@ def test_parameter_unfrozen_after_wrap_trains_like_torch():
     def run(m, o):
         for i, (x, y) in enumerate(data):
             if i == 3:
-                m.blocks[1].fc1.requires_grad_(True)
+                if isinstance(o, ramstream.OffloadAdamW):
+                    m = ramstream.unwrap(m)
+                    m.blocks[1].fc1.requires_grad_(True)
+                    m, o = ramstream.wrap(m, o, bucket_bytes=1 << 13)
+                else:
+                    m.blocks[1].fc1.requires_grad_(True)
             if i == 6:
                 m.blocks[0].fc2.weight.requires_grad_(False)
             m(x, y).backward()
             o.step()
             o.zero_grad()
+        return o
 
-    _both(ref, ropt, model, opt, run)
+    run(ref, ropt)
+    opt = run(model, opt)
     opt.synchronize()
     assert max_diff(ref, model) < TOL
     names = [n for n, _ in model.named_parameters()]
     steps = {names[k]: float(v["step"]) for k, v in opt.state_dict()["state"].items()}
     assert steps["blocks.1.fc1.weight"] == 5.0 and steps["blocks.0.fc2.weight"] == 6.0
+
+
+def test_parameter_unfrozen_without_rewrap_raises_and_holds_no_state():
+    ref = make_model(0, n_blocks=2)
+    model = clone(ref)
+    model.blocks[1].fc1.requires_grad_(False)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                eager_updates=False)
+    frozen = model.blocks[1].fc1.weight.numel() + model.blocks[1].fc1.bias.numel()
+    r = ramstream.memory_report(model)
+    assert r["params"]["numel"] == sum(p.numel() for p in ref.parameters()) - frozen
+    model.blocks[1].fc1.requires_grad_(True)
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.fc1\.(weight|bias) got a gradient, but "
+                                           "it had requires_grad=False when wrap"):
+        model(x, y).backward()
+    opt.zero_grad()                              # the failed pass is discarded
+    assert max_diff(ref, model) == 0.0
 
 
 def test_closed_optimizer_refuses_to_step():

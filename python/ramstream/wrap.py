@@ -168,7 +168,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         log(f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()} "
             f"({dist.get_backend()}); rank 0's weights broadcast")
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
-    numel = sum(p.numel() for g in groups for p in g["params"])
+    # frozen parameters (a LoRA model's base) get no host state: see Engine._make_slots
+    numel = sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)
+    if not any(p.requires_grad for g in groups for p in g["params"]):
+        raise ValueError("wrap(): none of the optimizer's parameters requires grad; set "
+                         "requires_grad on the parameters to train before wrap()")
     moment_dtype = _pick_moment_dtype(opts, numel, log)
     g0 = groups[0]
     opt = OffloadAdamW(groups, lr=g0.get("lr", opts.lr), betas=g0.get("betas", (0.9, 0.999)),
@@ -209,7 +213,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
     log(f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
-        f"buckets on {device}; moments {str(moment_dtype).replace('torch.', '')}; "
+        f"buckets on {device} ({len(engine.frozen)} frozen ones left as they are); moments "
+        f"{str(moment_dtype).replace('torch.', '')}; "
         f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}")
     return model, opt
 

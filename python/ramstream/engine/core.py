@@ -47,7 +47,7 @@ class Engine(BackwardHooks):
         self.dev = make_device(device)
         if mapped_fraction > 0 and self.dev.type != "cuda":
             raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
-        self.slots = self._make_slots(param_groups, order)
+        self.slots, self.frozen = self._make_slots(param_groups, order)
         for s in self.slots:
             self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
@@ -87,9 +87,12 @@ class Engine(BackwardHooks):
         self._weak_on_grad = _weak_method(self, "_on_grad")
         self._weak_wait = _weak_method(self, "wait_bucket")
         self._hooks = [_grad_hook(s.param, self._weak_on_grad) for s in self.slots]
+        self._frozen_hooks = [_grad_hook(p, _weak_method(self, "_on_frozen_grad"))
+                              for p in self.frozen]
         self._module_hooks: list = []
         self.forward_waits = False
         self.names: dict[str, Slot] = {}
+        self.frozen_names: dict[int, str] = {}
         self.closed = False
         self.last_grad_norm: float | None = None
         self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
@@ -104,8 +107,12 @@ class Engine(BackwardHooks):
 
     # ---- construction ---------------------------------------------------------------------
     @staticmethod
-    def _make_slots(param_groups, order) -> list[Slot]:
+    def _make_slots(param_groups, order) -> tuple[list[Slot], list[torch.nn.Parameter]]:
+        """(slots, frozen): a slot for every non-empty parameter that requires grad; those
+        that do not (a LoRA model's frozen base, say) get no slot and no host state, keep their
+        place in the state dict's numbering, and make a backward that reaches them raise."""
         slots: list[Slot] = []
+        frozen: list[torch.nn.Parameter] = []
         seen: set[int] = set()
         index = 0
         for g, group in enumerate(param_groups):
@@ -114,14 +121,15 @@ class Engine(BackwardHooks):
                     raise ValueError("ramstream: a parameter appears twice in the optimizer's "
                                      "param_groups")
                 seen.add(id(p))
-                if p.numel() > 0:
-                    slots.append(Slot(param=p, index=index, group=g, numel=p.numel(),
-                                      expected=p.requires_grad))
+                if not p.requires_grad:
+                    frozen.append(p)
+                elif p.numel() > 0:
+                    slots.append(Slot(param=p, index=index, group=g, numel=p.numel()))
                 index += 1
         if order:
             rank = {id(p): i for i, p in enumerate(order)}
             slots.sort(key=lambda s: rank.get(id(s.param), len(rank) + s.index))
-        return slots
+        return slots, frozen
 
     def _make_buckets(self, bucket_bytes: int) -> list[Bucket]:
         out: list[Bucket] = []
@@ -148,6 +156,16 @@ class Engine(BackwardHooks):
         if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"ramstream: parameters must be float32, bfloat16 or float16, got "
                             f"{p.dtype} (shape {tuple(p.shape)})")
+
+    def _on_frozen_grad(self, p: torch.nn.Parameter) -> None:
+        """A gradient reached a parameter that was frozen when the engine was built."""
+        name = self.frozen_names.get(id(p), f"of shape {tuple(p.shape)}")
+        raise RuntimeError(
+            f"ramstream: parameter {name} got a gradient, but it had requires_grad=False when "
+            "wrap() ran, so ramstream keeps no optimizer state for it (frozen parameters take no "
+            "host RAM) and it would never be updated. Set requires_grad before wrap(), or call "
+            "ramstream.unwrap(model), unfreeze it and wrap(model, optimizer) again (the "
+            "optimizer's state carries over)")
 
     def replace_param(self, s: Slot, p: torch.nn.Parameter) -> None:
         old = s.param
@@ -315,6 +333,8 @@ class Engine(BackwardHooks):
         """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
         self.names = {n: p._ramstream_slot for n, p in model.named_parameters(
                       remove_duplicate=False) if hasattr(p, "_ramstream_slot")}
+        frozen = {id(p) for p in self.frozen}
+        self.frozen_names = {id(p): n for n, p in model.named_parameters() if id(p) in frozen}
         for m in model.modules():
             own = [p for p in m.parameters(recurse=False) if hasattr(p, "_ramstream_slot")]
             idx = sorted({p._ramstream_slot.bucket.index for p in own})
@@ -366,7 +386,7 @@ class Engine(BackwardHooks):
         if self.closed:
             return
         self.synchronize()
-        for h in self._hooks + self._module_hooks:
+        for h in self._hooks + self._frozen_hooks + self._module_hooks:
             h.remove()
         for s in self.slots:
             _guard.unguard(s.param)
@@ -379,8 +399,8 @@ class Engine(BackwardHooks):
 
 
 def _grad_hook(p: torch.nn.Parameter, fn):
-    """p's post-accumulate-grad hook, also on a frozen parameter (only Python's check refuses it):
-    a parameter unfrozen after wrap() then trains like the others."""
+    """p's post-accumulate-grad hook, also on a frozen parameter (only Python's check refuses it),
+    so that a gradient reaching a parameter unfrozen after wrap() is noticed."""
     if p.requires_grad:
         return p.register_post_accumulate_grad_hook(fn)
     p.requires_grad_(True)

@@ -160,3 +160,52 @@ def test_eager_updates_option_is_validated():
         ramstream.wrap(make_model(0), device="cpu", eager_updates="yes")
     with pytest.raises(ValueError, match="eager_updates"):
         ramstream.OffloadAdamW(make_model(0).parameters(), eager_updates=1)
+
+
+def _checkpointed_forward(model, use_reentrant: bool):
+    """model(x, y) with every block under torch.utils.checkpoint."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(idx, targets):
+        x = model.emb(idx)
+        for b in model.blocks:
+            x = checkpoint(b, x, use_reentrant=use_reentrant)
+        logits = model.head(model.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    return forward
+
+
+@pytest.mark.parametrize("head_trains", [True, False])
+def test_reentrant_checkpoint_raises_naming_the_fix_and_non_reentrant_trains(head_trains):
+    """A reentrant checkpoint runs each block's backward as a nested backward pass; the engine
+    says so (whether or not a gradient reached it before the first nested pass), the failed pass
+    leaves nothing behind, and use_reentrant=False then trains exactly like torch."""
+    model = make_model(0, n_blocks=2, tied=False)
+    ref = make_model(0, n_blocks=2, tied=False)
+    for m in (ref, model):
+        m.head.weight.requires_grad_(head_trains)
+        m.ln_f.requires_grad_(head_trains)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                eager_updates=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    data = batches(4)
+    x, y = data[0]
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        _checkpointed_forward(model, True)(x, y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        opt.zero_grad()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3,
+                             foreach=False)
+    for m, o in ((ref, ropt), (model, opt)):
+        fwd = _checkpointed_forward(m, False)
+        for x, y in data:
+            fwd(x, y).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ref.parameters(), model.parameters())) < 1e-5

@@ -11,6 +11,7 @@ and the micro-batches before it gathered, so the next step starts clean.
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -19,6 +20,33 @@ import torch
 from .buckets import Bucket, Slot
 from .gpu_updates import dev_norm_add, launch_mapped
 from .host_jobs import Piece, land
+
+
+_NESTED = (
+    "ramstream: a backward pass started inside another one's backward reached the wrapped "
+    "parameters: reentrant activation checkpointing (torch.utils.checkpoint with "
+    "use_reentrant=True) does this, and ramstream cannot tell where the outer pass ends. Use "
+    "use_reentrant=False: torch.utils.checkpoint(fn, *args, use_reentrant=False), or with "
+    "Hugging Face model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}) (transformers' default when given no kwargs; kwargs without "
+    "'use_reentrant', as peft's prepare_model_for_kbit_training passes by default, get torch's "
+    "default, use_reentrant=True)")
+
+
+def _in_nested_backward() -> bool:
+    """True when this gradient hook runs in a backward pass started from inside a Python autograd
+    Function's backward (CheckpointFunction of a reentrant checkpoint): such a frame is on this
+    thread's stack only then, since a leaf's gradient is accumulated by the engine itself."""
+    fn = getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # pragma: no cover - torch internals changed: not detected
+        return False
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 class BackwardHooks:
@@ -51,6 +79,8 @@ class BackwardHooks:
         s: Slot = p._ramstream_slot
         self.check_param(p)
         task = torch._C._current_graph_task_id()
+        if (not self._in_backward or task != self._task) and _in_nested_backward():
+            raise RuntimeError(_NESTED)
         if self._in_backward and task != self._task:
             self._abandon_backward()              # the last pass raised before its end
         if not self._in_backward:

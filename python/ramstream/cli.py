@@ -94,7 +94,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if getattr(args, "params", 1) < 1 or getattr(args, "repeat", 1) < 1 or getattr(args, "steps", 1) < 1:
         ap.error("--params, --repeat and --steps must be >= 1")
+    if getattr(args, "device", None) is not None and not _is_device(args.device):
+        ap.error(f"--device {args.device!r}: accepted: cpu, cuda, cuda:N")
     return args.fn(args)
+
+
+def _is_device(name: str) -> bool:
+    try:
+        return torch.device(name).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

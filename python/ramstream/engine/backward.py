@@ -99,11 +99,15 @@ class BackwardHooks:
         else:
             self._on_grad_host(s, b, p)
 
-    def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
+    def _landing_reusable(self, b: Bucket) -> None:
+        """Before the first copy into b's landing buffer in this backward pass."""
         if not b.pending_landing_checked:
             self.worker.wait(b.landing_seq)          # the engine has finished reading the landing
             self.dev.wait_landing_reusable(b.h2d_event)
             b.pending_landing_checked = True
+
+    def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
+        self._landing_reusable(b)
         g = p.grad
         if self.dp is not None:
             if b.staging is None:
@@ -138,6 +142,7 @@ class BackwardHooks:
         slots = [s for s in b.slots if s.param.requires_grad]
         if not self.dp.owns(b):
             return None
+        self._landing_reusable(b)    # no gradient of b may have arrived on this rank
         self.dev.flush_to_host(b.landing, staging)
         return slots
 

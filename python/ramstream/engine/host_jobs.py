@@ -5,6 +5,7 @@ GIL released. Arguments are snapshots taken on the training thread when the job 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -81,9 +82,15 @@ def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: floa
                     _ptr(b.exp_avg, start), _ptr(b.exp_avg_sq, start), mcode,
                     _ptr(out, start), ocode, p.numel, b.state_offset + start,
                     h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, p.step, grad_scale, seed)
-    ranges: list[list[int]] = []     # merged for the copy back; small gaps are padding
+    # merged for the copy back across small gaps of padding only: a slot not in this job keeps
+    # in `out` whatever was there (never written, its gradient, weights older than the device's)
+    taken = {p.offset for p in pieces}
+    others = sorted(s.offset for s in b.slots if s.offset not in taken)
+    ranges: list[list[int]] = []
     for p in ordered:
-        if ranges and p.offset - (ranges[-1][0] + ranges[-1][1]) <= 4096:
+        end = ranges[-1][0] + ranges[-1][1] if ranges else 0
+        if ranges and p.offset - end <= 4096 and \
+                bisect.bisect_left(others, end) == bisect.bisect_left(others, p.offset):
             ranges[-1][1] = p.offset + p.numel - ranges[-1][0]
         else:
             ranges.append([p.offset, p.numel])

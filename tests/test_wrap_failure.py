@@ -209,3 +209,55 @@ def test_reentrant_checkpoint_raises_naming_the_fix_and_non_reentrant_trains(hea
     opt.synchronize()
     assert max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(ref.parameters(), model.parameters())) < 1e-5
+
+
+@pytest.mark.parametrize("options", [dict(max_grad_norm=0.5), dict(eager_updates=False),
+                                     dict(accumulation_steps=2)], ids=["clip", "deferred",
+                                                                      "accumulate"])
+def test_zero_grad_between_backward_and_step_skips_the_batch_like_torch(options):
+    """The skip-this-batch pattern (a non-finite loss, say): backward, then zero_grad() and no
+    step() drops that batch's gradients, in torch and here alike."""
+    k = options.get("accumulation_steps", 1)
+    data = batches(5 * k, b=4)
+    skip = 2 * k                  # the third window's first micro-batch
+
+    def loop(model, opt):
+        for i in range(0, len(data), k):
+            for j in range(i, i + k):
+                model(*data[j]).backward()
+                if j == skip:
+                    opt.zero_grad()
+                    break
+            else:
+                opt.step()
+                opt.zero_grad()
+
+    model, opt = _wrapped(**options)
+    ref = make_model(0, n_blocks=3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05, foreach=False)
+    loop(model, opt)
+    clip = options.get("max_grad_norm")
+    if clip is not None:          # torch's loop clips before its step
+        ropt.step = _clipping(ropt, ref, clip)
+    loop(ref, ropt)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a.detach() - b.detach()).abs().max() < 1e-5
+
+
+def _clipping(opt, model, clip):
+    step = opt.step
+
+    def clipped_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return step()
+
+    return clipped_step
+
+
+def test_zero_grad_after_eager_updates_warns_and_keeps_them():
+    model, opt = _wrapped()
+    x, y = batches(1, b=4)[0]
+    model(x, y).backward()
+    with pytest.warns(RuntimeWarning, match="zero_grad.*already taken their update"):
+        opt.zero_grad()
+    assert {float(v["step"]) for v in opt.state_dict()["state"].values()} == {1.0}

@@ -200,8 +200,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             fn()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._resident is None:
+        if self._resident is None and not self._closed:
             self._engine.recover_if_abandoned()   # after a failed backward: start clean
+            self._engine.discard_if_gathered()    # between backward and step: drop, as torch
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:

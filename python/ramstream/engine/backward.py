@@ -222,20 +222,34 @@ class BackwardHooks:
     def _abandon_backward(self) -> None:
         """The last backward pass raised before its end. Everything gathered since the last
         optimizer step is discarded: host sums of earlier micro-batches cannot be told apart from
-        the failed pass's share, so the whole accumulation window goes (as zero_grad() would).
-        Updates that wait for step() (clipping, accumulation, eager_updates=False) have not run,
-        so weights and optimizer state are as they were before the pass. Updates that already
-        ran during the pass (eager: a bucket's gradients complete, no clipping) cannot be
-        undone: those parameters keep their step, and a RuntimeWarning says how many."""
+        the failed pass's share, so the whole accumulation window goes (as zero_grad() would)."""
         if self.dp is not None:
             raise RuntimeError(
                 "ramstream: a backward pass raised on this rank under data parallel; the other "
                 "ranks wait in its collectives, so the process group cannot continue (as with "
                 "DistributedDataParallel): restart from a checkpoint")
-        self.worker.drain()                       # its queued landings and norms have run
-        self.dev.synchronize()                    # and its copies and GPU norms
+        self._discard_gathered("a backward pass raised before its end")
+
+    def discard_if_gathered(self) -> None:
+        """zero_grad() between backward and step(): the gradients gathered since the last step
+        are dropped, as torch drops them (the skip-this-batch pattern)."""
+        if not self._in_backward and (self._micro > 0 or any(s.arrivals for s in self.slots)):
+            self._discard_gathered("zero_grad() after backward, before step()")
+
+    def _discard_gathered(self, why: str) -> None:
+        """Drops every gradient gathered since the last step. Updates that wait for step()
+        (clipping, accumulation, eager_updates=False) have not run, so weights and optimizer
+        state are as they were. Updates that already ran during backward (eager: a bucket's
+        gradients complete, no clipping) cannot be undone: those parameters keep their step, and
+        a RuntimeWarning says how many."""
+        self.worker.drain()                       # queued landings and norms have run
+        self.dev.synchronize()                    # and the copies and GPU norms
         stepped = [s for s in self.slots if s.updated]
         dropped = sum(1 for s in self.slots if s.arrivals > 0 and not s.updated)
+        if self.dp is not None:       # owners updated these: every rank takes the new weights
+            for bi in sorted({s.bucket.index for s in stepped}):
+                self._mark_pending(self.buckets[bi])
+                self.dp.broadcast_after_update(self.buckets[bi])
         for b in self.buckets:
             b.micro_list, b.staging, b.sq_norm = [], None, 0.0
             b.pending_landing_checked = False
@@ -246,13 +260,13 @@ class BackwardHooks:
         if self._dev_norm is not None:
             self._dev_norm.zero_()
         self._micro, self._in_backward, self._task = 0, False, -1
-        msg = (f"a backward pass raised before its end: the gradients of {dropped} parameters "
-               "gathered since the last step were discarded")
+        msg = f"{why}: the gradients of {dropped} parameters gathered since the last step were " \
+              "discarded"
         if stepped:
-            msg += (f"; {len(stepped)} parameters had already taken their update during the "
-                    "pass and keep it (pass eager_updates=False, or use max_grad_norm, for "
-                    "steps that a failed backward leaves untouched)")
-            warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=3)
+            msg += (f"; {len(stepped)} parameters had already taken their update during "
+                    "backward and keep it (pass eager_updates=False, or use max_grad_norm, for "
+                    "steps that can still be dropped)")
+            warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=4)
         self.log(msg)
 
     def _end_backward(self) -> None:

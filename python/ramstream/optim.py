@@ -184,6 +184,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._resident is not None:
             self._resident.step()
+            self._engine.stats["steps"] += 1
             self._after_step()
             return loss
         e = self._engine
@@ -200,9 +201,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             fn()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._resident is None and not self._closed:
-            self._engine.recover_if_abandoned()   # after a failed backward: start clean
-            self._engine.discard_if_gathered()    # between backward and step: drop, as torch
+        if not self._closed:
+            target = self._resident or self._engine
+            target.recover_if_abandoned()        # after a failed backward: start clean
+            target.discard_if_gathered()         # between backward and step: drop, as torch
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
@@ -220,7 +222,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Waits until every queued update has reached the model's weights."""
         if self._resident is None:
             self._engine.synchronize()
-        elif self._engine.device.type == "cuda":
+            return
+        self._resident.recover_if_abandoned()
+        if self._engine.device.type == "cuda":
             torch.cuda.synchronize(self._engine.device)
 
     def master_weights(self) -> list[torch.Tensor]:
@@ -278,6 +282,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if verdict:
             self._resident = Resident(self._engine, self.param_groups)
             self._engine.close()
+            for b in self._engine.buckets:      # the state lives on the device now
+                b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None
 
     def _before_apply(self) -> None:
         (self._resident or self._engine).before_apply()
@@ -290,11 +296,13 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _model_loaded(self, model=None) -> None:
         if self._resident is not None:
-            self._resident.resync_masters()
+            self._resident.resync_masters(model)
         else:
             self._engine.resync_masters(model)
 
     def close(self) -> None:
         self._closed = True
+        if self._resident is not None:
+            self._resident.close()
         if self._engine is not None:
             self._engine.close()

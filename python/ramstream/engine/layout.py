@@ -103,10 +103,10 @@ def adopt_replaced(engine, model: torch.nn.Module) -> None:
             engine.replace_param(s, p)
 
 
-def adopt_loaded(engine, model: torch.nn.Module) -> None:
-    """After model.load_state_dict(..., assign=True): the loaded tensors became new Parameter
-    objects; their values move into the bucket (and the fp32 master) and the new objects take
-    the slots, so they train (in the bucket's dtype, on the engine's device)."""
+def replaced_params(engine, model: torch.nn.Module) -> dict:
+    """{slot: the Parameter now in the model} for the slots whose parameter object
+    model.load_state_dict(..., assign=True) replaced; RuntimeError when it untied a parameter
+    or changed its size."""
     current = dict(model.named_parameters(remove_duplicate=False))
     replaced: dict = {}
     for name, p in current.items():
@@ -121,6 +121,14 @@ def adopt_loaded(engine, model: torch.nn.Module) -> None:
         if current[names[0]].numel() != s.numel:
             raise RuntimeError(f"ramstream: loaded parameter {names[0]} has "
                                f"{current[names[0]].numel()} elements, the wrapped one {s.numel}")
+    return replaced
+
+
+def adopt_loaded(engine, model: torch.nn.Module) -> None:
+    """After model.load_state_dict(..., assign=True): the loaded tensors became new Parameter
+    objects; their values move into the bucket (and the fp32 master) and the new objects take
+    the slots, so they train (in the bucket's dtype, on the engine's device)."""
+    replaced = replaced_params(engine, model)
     for s, p in replaced.items():
         value = p.detach().reshape(-1)
         engine.replace_param(s, p)

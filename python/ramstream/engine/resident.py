@@ -6,12 +6,21 @@ an fp32 master copy on the device) and the moments' dtype (bf16 moments are upda
 ramstream's CUDA kernel, which keeps their stochastic rounding; fp32 ones by torch's fused
 kernel). Hyper-parameters are read from the OffloadAdamW's param_groups at every step, so LR
 schedulers keep working.
+
+Gradients are taken from the parameters as autograd accumulates them, as the offloaded engine
+does: summed over micro-batches in fp32 (a low-precision model's included), clipped by their
+norm accumulated in double, and dropped with their accumulation window when a backward pass
+raises (README "When a backward pass raises").
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .layout import master_flat
+from .backward import _NESTED, _in_nested_backward
+from .core import _grad_hook, _weak_method, clip_coefficient
+from .layout import master_flat, replaced_params
 
 
 def device_memory(device: torch.device) -> dict | None:
@@ -41,6 +50,7 @@ class Resident:
 
     def __init__(self, engine, param_groups: list[dict]) -> None:
         engine.synchronize()
+        self.engine = engine        # closed after the switch; its names and frozen list stay
         self.param_groups = param_groups
         self.device = engine.device
         self.slots = list(engine.slots)
@@ -65,29 +75,102 @@ class Resident:
             }
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.grads: dict[int, torch.Tensor] = {}    # summed since the last step (fp32)
+        self._in_backward, self._task = False, -1
+        self._on_grad_weak = _weak_method(self, "_on_grad")
+        self._hooks = {s.index: self._hook(s) for s in self.slots}
+        self._frozen_hooks = [_grad_hook(p, _weak_method(engine, "_on_frozen_grad"))
+                              for p in engine.frozen]
 
+    # ---- backward -----------------------------------------------------------------------------
+    def _hook(self, s):
+        on_grad = self._on_grad_weak    # hooks live in C++: they must not hold self
+        return _grad_hook(s.param, lambda p, i=s.index: on_grad(p, i))
+
+    def _on_grad(self, p: torch.nn.Parameter, i: int) -> None:
+        """p's gradient of this pass joins the sum since the last step (as fp32) and leaves .grad,
+        so that a pass that raises can be dropped whole."""
+        task = torch._C._current_graph_task_id()
+        if (not self._in_backward or task != self._task) and _in_nested_backward():
+            raise RuntimeError(_NESTED)
+        if self._in_backward and task != self._task:
+            self._abandon_backward()            # the last pass raised before its end
+        if not self._in_backward:
+            self._in_backward, self._task = True, task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        g, p.grad = p.grad, None
+        if g is None:
+            return
+        acc = self.grads.get(i)
+        if acc is None:
+            self.grads[i] = g if g.dtype == torch.float32 else g.float()
+        else:
+            acc.add_(g)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+
+    def recover_if_abandoned(self) -> None:
+        """Outside a backward pass, a pass still marked as running raised before its end."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()
+
+    def discard_if_gathered(self) -> None:
+        """zero_grad() between backward and step(): the gradients summed since the last step are
+        dropped, as torch drops them."""
+        if not self._in_backward and self.grads:
+            dropped = len(self.grads)
+            self.grads = {}
+            self.engine.log(f"zero_grad() after backward, before step(): the gradients of "
+                            f"{dropped} parameters gathered since the last step were discarded")
+
+    def _abandon_backward(self) -> None:
+        """Updates run only in step(): dropping the gradients gathered since the last step leaves
+        weights and optimizer state as they were before the failed pass."""
+        dropped = len(self.grads)
+        self.grads = {}
+        self._in_backward, self._task = False, -1
+        self.engine.log(f"a backward pass raised before its end: the gradients of {dropped} "
+                        "parameters gathered since the last step were discarded")
+
+    # ---- update -------------------------------------------------------------------------------
     def step(self) -> None:
+        self.recover_if_abandoned()
+        if self._in_backward:
+            raise RuntimeError("ramstream: optimizer.step() called during backward")
         for s in self.slots:
             if s.param.device != self.device:
                 raise RuntimeError(
                     f"ramstream: parameter of shape {tuple(s.param.shape)} is on {s.param.device} "
                     f"but the optimizer runs on {self.device}; move the model back with "
                     f"model.to('{self.device}')")
-        grads = {s.index: s.param.grad for s in self.slots if s.param.grad is not None}
+        grads, self.grads = self.grads, {}
         if not grads:
             return
+        scale = 1.0
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([s.param for s in self.slots if s.index in grads],
-                                           self.max_grad_norm)
+            scale = clip_coefficient(self.max_grad_norm, math.sqrt(self._sq_norm(grads.values())))
         for gi, group in enumerate(self.param_groups):
             idx = [s.index for s in self.slots if s.group == gi and s.index in grads]
             if idx:
-                self._update_group(group, idx, grads)
-        for s in self.slots:
-            s.param.grad = None
+                self._update_group(group, idx, grads, scale)
+
+    def _sq_norm(self, grads) -> float:
+        """Sum of the squared gradients, accumulated in double as the offloaded engine does."""
+        from .._native import lib
+
+        C = lib()
+        if self.device.type != "cuda":
+            return sum(C.sq_norm(g.detach().contiguous()) for g in grads)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for g in grads:
+            C.cuda_sq_norm(g.detach().contiguous(), total, accumulate=True, stream=stream,
+                           device=self.device.index)
+        return float(total.item())
 
     @torch.no_grad()
-    def _update_group(self, group: dict, idx: list[int], grads: dict) -> None:
+    def _update_group(self, group: dict, idx: list[int], grads: dict, scale: float) -> None:
         b1, b2 = group["betas"]
         lr = group["lr"]
         lr = float(lr.item() if torch.is_tensor(lr) else lr)
@@ -96,7 +179,7 @@ class Resident:
             x["step"] += 1
         if st[0]["exp_avg"].dtype == torch.float32:
             params = [self.masters[i] for i in idx]
-            gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
+            gs = [grads[i] if scale == 1.0 else grads[i].mul_(scale) for i in idx]
             torch._fused_adamw_(params, gs, [x["exp_avg"] for x in st],
                                 [x["exp_avg_sq"] for x in st], [], [x["step"] for x in st],
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
@@ -110,7 +193,8 @@ class Resident:
                 g, m = grads[i].contiguous(), self.masters[i]
                 args = (m.data_ptr(), g.data_ptr(), dtype_code(g.dtype), x["exp_avg"].data_ptr(),
                         x["exp_avg_sq"].data_ptr(), 1, 0, 0, m.numel(), x["offset"], lr, b1, b2,
-                        group["eps"], group["weight_decay"], int(x["step"].item()), 1.0, self.seed)
+                        group["eps"], group["weight_decay"], int(x["step"].item()), scale,
+                        self.seed)
                 if self.device.type == "cuda":
                     C.cuda_adamw_ptr(*args, torch.cuda.current_stream(self.device).cuda_stream,
                                      self.device.index)
@@ -140,11 +224,47 @@ class Resident:
             if s.param.dtype == torch.float32:
                 self.masters[s.index] = s.param
 
-    def resync_masters(self) -> None:
-        """After weights were loaded into the model: separate masters take the loaded values
-        when the working copy no longer equals master.to(working dtype)."""
-        for s in self.slots:
-            m = self.masters[s.index]
-            if m is not s.param and not torch.equal(s.param.detach(), m.to(s.param.dtype)):
-                with torch.no_grad():
-                    m.copy_(s.param)
+    def resync_masters(self, model: torch.nn.Module | None = None) -> None:
+        """After weights were loaded into the model: parameters load_state_dict(assign=True)
+        replaced hand over their slots (the loaded values move into the wrapped tensors); a
+        separate master takes the fp32 value loaded into its low-precision parameter exactly, and
+        elsewhere the loaded weight when the working copy no longer equals master.to(its dtype)
+        (as the offloaded engine's layout.resync_masters)."""
+        loaded, self.engine._loading = self.engine._loading, {}
+        replaced = replaced_params(self.engine, model) if model is not None else {}
+        with torch.no_grad():
+            for s, p in replaced.items():
+                self._adopt(s, p)
+            for s in self.slots:
+                m = self.masters[s.index]
+                if m is s.param:
+                    continue            # the fp32 weights are their own master
+                v, w = loaded.get(s), s.param.detach()
+                if v is not None and torch.equal(w, v.reshape(m.shape).to(w.device, w.dtype)):
+                    m.copy_(v.reshape(m.shape))
+                elif not torch.equal(w, m.to(w.dtype)):
+                    m.copy_(w)
+
+    def _adopt(self, s, p: torch.nn.Parameter) -> None:
+        """p replaced s.param in the model: its value moves into the wrapped tensor (the working
+        dtype and device stay) and p takes the slot, its hook and its place in param_groups."""
+        old = s.param
+        value = p.detach().reshape(old.shape)
+        m = self.masters[s.index]
+        if m is not old:
+            m.copy_(value)              # exact when the loaded value is fp32
+        old.copy_(value)
+        p.data = old.data
+        self._hooks[s.index].remove()
+        s.param = p
+        self._hooks[s.index] = self._hook(s)
+        if m is old:
+            self.masters[s.index] = p
+        for g in self.param_groups:
+            g["params"] = [p if q is old else q for q in g["params"]]
+
+    def close(self) -> None:
+        """Removes the gradient hooks: the parameters are plain ones again (unwrap())."""
+        for h in list(self._hooks.values()) + self._frozen_hooks:
+            h.remove()
+        self._hooks, self._frozen_hooks, self.grads = {}, [], {}

@@ -80,6 +80,7 @@ class Engine(BackwardHooks):
         self._in_backward = False
         self._task = -1
         self._micro = 0
+        self._dp_next = -1                 # data parallel: the next bucket to reduce
         self._dev_norm = None
         self._bw_hypers = None
         # hooks hold the engine weakly: a tensor's hooks are reachable from C++, where Python's

@@ -318,7 +318,27 @@ def sc_one_bucket(rank, world):
     return out
 
 
+REFROZEN = ("blocks.0.ln.bias", "blocks.1.fc2.bias")
+
+
+def sc_refreeze(rank, world):
+    """Parameters frozen after wrap() (no updates), then unfrozen: they train again, and their
+    buckets wait for them (their gradients arrive after the rest of the bucket's)."""
+    model, opt = _fresh(rank * 5)
+    data = batches(4, b=8)
+    for name in REFROZEN:
+        model.get_parameter(name).requires_grad_(False)
+    _train(model, opt, data[:2], rank, world)
+    for name in REFROZEN:
+        model.get_parameter(name).requires_grad_(True)
+    _train(model, opt, data[2:], rank, world)
+    out = {"params": params(model)}
+    opt.close()
+    return out
+
+
 SCENARIOS = {"accum": sc_accum, "branch": sc_branch, "resume": sc_resume,
              "resume_bf16_moments": sc_resume_bf16_moments, "torch_state": sc_torch_state,
-             "lowp": sc_lowp, "convert": sc_convert, "unwrap": sc_unwrap, "three": sc_three,
+             "lowp": sc_lowp, "convert": sc_convert, "unwrap": sc_unwrap, "refreeze": sc_refreeze,
+             "three": sc_three,
              "one_bucket": sc_one_bucket}

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import ramstream
-from _dist_edge_helpers import (ACCUM_MICRO, ACCUM_STEP_AFTER, BRANCH_RUNS, LR, WD, Branchy,
-                                accum_model, branch_data, branch_extra, groups_of, params,
-                                run_ranks, sched_lambda, shard)
+from _dist_edge_helpers import (ACCUM_MICRO, ACCUM_STEP_AFTER, BRANCH_RUNS, LR, REFROZEN, WD,
+                                Branchy, accum_model, branch_data, branch_extra, groups_of,
+                                params, run_ranks, sched_lambda, shard)
 from _models import batches, make_model
 
 TWO = ["accum", "branch", "resume", "resume_bf16_moments", "torch_state", "lowp", "convert",
-       "unwrap"]
+       "unwrap", "refreeze"]
 THREE = ["three", "one_bucket"]
 
 
@@ -215,6 +215,20 @@ def test_unwrap_and_wrap_again(two):
     ref, _, _ = _torch_full_batch(2, 8)
     _close(r0["mid"], ref.parameters())
     ref, _, _ = _torch_full_batch(4, 8)
+    _close(r0["params"], ref.parameters())
+
+
+def test_parameters_frozen_after_wrap_then_unfrozen(two):
+    r0, r1 = _get(two, "refreeze")
+    ref = make_model(0, n_blocks=2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for i, (x, y) in enumerate(batches(4, b=8)):
+        for name in REFROZEN:
+            ref.get_parameter(name).requires_grad_(i >= 2)
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    _identical(r0["params"], r1["params"])
     _close(r0["params"], ref.parameters())
 
 

@@ -126,11 +126,13 @@ class BackwardHooks:
         p.grad = None
         s.arrivals += 1
         b.micro_list.append(s)
-        if all(x.micro_arrived for x in b.slots if x.expected):
-            if self.dp is not None:
+        if self.dp is not None:
+            # every trainable slot is reduced in each pass, also one unfrozen after a step
+            # without it (s.expected would not wait for it): the bucket is complete when all are
+            if all(x.micro_arrived or not x.param.requires_grad for x in b.slots):
                 self._dp_ready(b)
-            else:
-                self._flush_bucket(b)
+        elif all(x.micro_arrived for x in b.slots if x.expected):
+            self._flush_bucket(b)
 
     def _dp_ready(self, b: Bucket) -> None:
         """Data parallel: b's gradients are complete on this rank. Every rank must issue the

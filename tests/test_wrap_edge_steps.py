@@ -1,5 +1,6 @@
 """Unusual step sequences: zero_grad(set_to_none=False), step() without backward, two steps in
-a row, backward through part of the model, unfreezing after wrap(), a closed optimizer,
+a row, backward through part of the model, a step() before the last declared micro-batch
+with clipping, unfreezing after wrap(), a closed optimizer,
 memory_report() consistency."""
 from __future__ import annotations
 
@@ -81,6 +82,31 @@ def test_backward_through_part_of_the_model(accumulation):
     rsd = ropt.state_dict()["state"]
     assert {k: float(v["step"]) for k, v in opt.state_dict()["state"].items()} == \
         {k: float(v["step"]) for k, v in rsd.items()}
+
+
+@pytest.mark.parametrize("eager_updates", [True, False])
+def test_step_before_the_last_declared_micro_batch_clips_by_what_was_summed(eager_updates):
+    """accumulation_steps=3 and a window one or two micro-batches short (an epoch's end): the
+    global norm is that of the gradients summed so far, as clip_grad_norm_ sees them."""
+    ref, ropt, model, opt = _pair(bucket_bytes=1 << 13, accumulation_steps=3, max_grad_norm=0.3,
+                                  eager_updates=eager_updates)
+    data = batches(6)
+    norms = {}
+
+    def run(m, o):
+        for i, (x, y) in enumerate(data):
+            m(x, y).backward()
+            if i in (2, 4, 5):                   # windows of 3, 2 and 1 micro-batches
+                n = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3) if o is ropt else None
+                o.step()
+                o.zero_grad()
+                norms.setdefault(i, []).append(float(n) if n is not None
+                                               else o._engine.last_grad_norm)
+
+    _both(ref, ropt, model, opt, run)
+    opt.synchronize()
+    assert all(a == pytest.approx(b, rel=1e-5) for a, b in norms.values())
+    assert max_diff(ref, model) < TOL
 
 
 def test_parameter_unfrozen_after_wrap_trains_like_torch():

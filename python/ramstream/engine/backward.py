@@ -62,6 +62,7 @@ class BackwardHooks:
                 "optimizer.step() after each backward.")
         self.worker.raise_if_failed()
         self._bw_hypers = None
+        self._dp_next = len(self.buckets) - 1
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -125,8 +126,25 @@ class BackwardHooks:
         p.grad = None
         s.arrivals += 1
         b.micro_list.append(s)
-        if all(x.micro_arrived for x in b.slots if x.expected):
+        if self.dp is not None:
+            # every trainable slot is reduced in each pass, also one unfrozen after a step
+            # without it (s.expected would not wait for it): the bucket is complete when all are
+            if all(x.micro_arrived or not x.param.requires_grad for x in b.slots):
+                self._dp_ready(b)
+        elif all(x.micro_arrived for x in b.slots if x.expected):
             self._flush_bucket(b)
+
+    def _dp_ready(self, b: Bucket) -> None:
+        """Data parallel: b's gradients are complete on this rank. Every rank must issue the
+        reduces in the same order, but which bucket completes when depends on this rank's graph
+        (a branch taken on one rank only), so buckets are reduced in descending index order
+        (backward order of a model whose parameters are registered in forward order): b waits
+        for the buckets after it; _end_backward reduces whatever is left, in the same order."""
+        b.dp_ready = True
+        while self._dp_next >= 0 and self.buckets[self._dp_next].dp_ready:
+            self.buckets[self._dp_next].dp_ready = False
+            self._flush_bucket(self.buckets[self._dp_next])
+            self._dp_next -= 1
 
     def _flush_dp(self, b: Bucket) -> list[Slot] | None:
         """Data parallel: sum the bucket's gradients onto its owner. Every trainable slot of the
@@ -270,9 +288,16 @@ class BackwardHooks:
         self.log(msg)
 
     def _end_backward(self) -> None:
+        if self.dp is not None:   # the buckets not reduced yet, in _dp_ready's order
+            for i in range(self._dp_next, -1, -1):
+                b = self.buckets[i]
+                b.dp_ready = False
+                if b.micro_list or any(s.param.requires_grad and not s.micro_arrived
+                                       for s in b.slots):
+                    self._flush_bucket(b)
+            self._dp_next = -1
         for b in self.buckets:
-            if b.micro_list or (self.dp is not None and any(
-                    s.param.requires_grad and not s.micro_arrived for s in b.slots)):
+            if self.dp is None and b.micro_list:
                 self._flush_bucket(b)
             b.pending_landing_checked = False
             for s in b.slots:

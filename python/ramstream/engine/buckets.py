@@ -56,6 +56,7 @@ class Bucket:
     micro_list: list = field(default_factory=list)  # arrived, not yet queued
     pending_landing_checked: bool = False
     staging: torch.Tensor | None = None       # device flat gradient staging (multi-slot buckets)
+    dp_ready: bool = False                    # data parallel: complete, waiting for its turn
     sq_norm: float = 0.0
     pending: bool = False             # an update of this bucket's weights is in flight
     last_seq: int = 0                 # last engine job queued for this bucket

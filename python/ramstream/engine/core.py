@@ -24,8 +24,8 @@ from . import layout
 from .buckets import Bucket, Slot, build_buckets
 from .devices import make_device
 from .backward import BackwardHooks
-from .gpu_updates import launch_mapped
-from .host_jobs import Hyper, Piece, update
+from .gpu_updates import dev_norm_add, launch_mapped
+from .host_jobs import Hyper, Piece, add_sq_norm, update
 from .worker import Worker
 
 
@@ -80,6 +80,7 @@ class Engine(BackwardHooks):
         self._in_backward = False
         self._task = -1
         self._micro = 0
+        self._dp_next = -1                 # data parallel: the next bucket to reduce
         self._dev_norm = None
         self._bw_hypers = None
         # hooks hold the engine weakly: a tensor's hooks are reachable from C++, where Python's
@@ -247,6 +248,8 @@ class Engine(BackwardHooks):
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
             hypers = self._hypers()       # validated before anything is changed
+            if self.max_grad_norm is not None and self._micro < self.accumulation_steps:
+                self._norms_now(todo)
             world = self.dp.world if self.dp is not None else 1
             grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
                           else 1.0) / world
@@ -284,6 +287,22 @@ class Engine(BackwardHooks):
             s.updated = False
         self._micro = 0
         self.stats["steps"] += 1
+
+    def _norms_now(self, todo: list[Slot]) -> None:
+        """step() after fewer backward passes than accumulation_steps (the end of an epoch,
+        say): the squared norms, otherwise taken in the last micro-batch, of what was summed."""
+        by_bucket: dict[int, list[Piece]] = {}
+        for s in todo:
+            if s.bucket.placement == "mapped":
+                dev_norm_add(self, s.param.grad)    # its gradients wait in .grad
+            elif self.dp is None or self.dp.owns(s.bucket):
+                by_bucket.setdefault(s.bucket.index, []).append(
+                    Piece(s.offset, s.numel, s.group, s.step, False))
+        for bi, pieces in by_bucket.items():
+            b = self.buckets[bi]
+            seq = self.worker.submit(lambda b=b, pieces=pieces: add_sq_norm(b, pieces, b.acc),
+                                     priority=b.index, deps=(b.last_seq,))
+            b.last_seq = b.landing_seq = seq
 
     def _clip_coefficient(self) -> float:
         """Waits for every gradient's squared norm (host buckets: computed as they landed;

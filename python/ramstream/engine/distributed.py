@@ -5,7 +5,9 @@ leave it; gloo for the CPU engine); only the owner keeps that bucket's host stat
 moments: 1/N of the single-process memory) and runs its update; the new weights are then
 broadcast from the owner to every rank. Two process groups keep the two streams of
 collectives ordered independently: reduces are issued by the training thread during backward,
-broadcasts by a comm thread in bucket order once the owner's update is done. Every rank issues
+in descending bucket order whatever order the buckets complete in on this rank (its graph may
+differ from the others'), broadcasts by a comm thread in bucket order once the owner's update
+is done. Every rank issues
 the same collectives in the same order, so replicas stay bit-identical.
 """
 from __future__ import annotations

@@ -61,9 +61,13 @@ def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool) -> N
                 lib().accumulate_ptr(_ptr(b.acc, p.offset), _ptr(src, p.offset),
                                      dtype_code(src.dtype), p.numel)
     if want_norm:
-        g = b.acc if accumulate else src
-        code = dtype_code(g.dtype)
-        b.sq_norm += sum(lib().sq_norm_ptr(_ptr(g, p.offset), code, p.numel) for p in pieces)
+        add_sq_norm(b, pieces, b.acc if accumulate else src)
+
+
+def add_sq_norm(b: Bucket, pieces: list[Piece], g: torch.Tensor) -> None:
+    """Adds the squared norm of the pieces' gradients in `g` to b.sq_norm (clipping)."""
+    code = dtype_code(g.dtype)
+    b.sq_norm += sum(lib().sq_norm_ptr(_ptr(g, p.offset), code, p.numel) for p in pieces)
 
 
 def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: float,

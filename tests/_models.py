@@ -39,6 +39,23 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises while `Boom.armed` is set (a failure injected part-way
+    through backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("injected failure in backward")
+        return g
+
+
 def make_model(seed: int = 0, dtype=torch.float32, **kw) -> TinyGPT:
     torch.manual_seed(seed)
     return TinyGPT(**kw).to(dtype)

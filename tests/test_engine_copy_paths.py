@@ -20,6 +20,7 @@ import ramstream
 import ramstream.engine.core as core
 from ramstream.engine.devices import CpuDevice
 from ramstream.engine.host_jobs import Piece, update
+from _models import Boom as _Boom
 
 
 class CopyingDevice(CpuDevice):
@@ -38,22 +39,6 @@ def dev(request, monkeypatch):
         monkeypatch.setattr(core, "make_device", lambda device: CopyingDevice(device))
         return "cpu"
     return "cuda"
-
-
-class _Boom(torch.autograd.Function):
-    """Identity whose backward raises while `armed` is set."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("injected failure in backward")
-        return g
 
 
 class Scale(nn.Module):

@@ -9,23 +9,7 @@ import pytest
 import torch
 
 import ramstream
-from _models import batches, make_model
-
-
-class _Boom(torch.autograd.Function):
-    """Identity whose backward raises while `armed` is set."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("injected failure in backward")
-        return g
+from _models import Boom as _Boom, batches, make_model
 
 
 def _wrapped(device="cpu", **options):

@@ -11,7 +11,7 @@ import torch
 
 import ramstream
 import ramstream.engine.resident as resident_mod
-from _models import batches, make_model, train_torch
+from _models import Boom as _Boom, batches, make_model, train_torch
 
 LR = 3e-3
 
@@ -228,20 +228,6 @@ def test_unwrap_after_switch_leaves_a_plain_model():
     topt.load_state_dict(sd)
     train_torch(model, _fused(topt), data[3:])
     assert _same(ref.parameters(), model.parameters())
-
-
-class _Boom(torch.autograd.Function):
-    armed = False       # an identity whose backward raises while armed
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("injected failure in backward")
-        return g
 
 
 @pytest.mark.parametrize("then", ["step", "backward", "zero_grad"])

@@ -49,6 +49,21 @@ def _in_nested_backward() -> bool:
     return False
 
 
+def track_pass(owner) -> None:
+    """What every gradient hook does first (owner: the engine, or the resident optimizer): at the
+    first gradient of a pass, refuse a nested (reentrant) backward, drop the last pass if it
+    raised before its end, and start the new one (owner._begin_backward)."""
+    task = torch._C._current_graph_task_id()
+    if owner._in_backward and task == owner._task:
+        return
+    if _in_nested_backward():
+        raise RuntimeError(_NESTED)
+    if owner._in_backward:
+        owner._abandon_backward()                 # the last pass raised before its end
+    owner._begin_backward()
+    owner._task = task
+
+
 class BackwardHooks:
     # ---- backward ---------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -79,14 +94,7 @@ class BackwardHooks:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s: Slot = p._ramstream_slot
         self.check_param(p)
-        task = torch._C._current_graph_task_id()
-        if (not self._in_backward or task != self._task) and _in_nested_backward():
-            raise RuntimeError(_NESTED)
-        if self._in_backward and task != self._task:
-            self._abandon_backward()              # the last pass raised before its end
-        if not self._in_backward:
-            self._begin_backward()
-            self._task = task
+        track_pass(self)
         b = s.bucket
         if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
             raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .backward import _NESTED, _in_nested_backward
+from .backward import track_pass
 from .core import _grad_hook, _weak_method, clip_coefficient
 from .layout import master_flat, replaced_params
 
@@ -90,14 +90,7 @@ class Resident:
     def _on_grad(self, p: torch.nn.Parameter, i: int) -> None:
         """p's gradient of this pass joins the sum since the last step (as fp32) and leaves .grad,
         so that a pass that raises can be dropped whole."""
-        task = torch._C._current_graph_task_id()
-        if (not self._in_backward or task != self._task) and _in_nested_backward():
-            raise RuntimeError(_NESTED)
-        if self._in_backward and task != self._task:
-            self._abandon_backward()            # the last pass raised before its end
-        if not self._in_backward:
-            self._in_backward, self._task = True, task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        track_pass(self)
         g, p.grad = p.grad, None
         if g is None:
             return
@@ -106,6 +99,10 @@ class Resident:
             self.grads[i] = g if g.dtype == torch.float32 else g.float()
         else:
             acc.add_(g)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._in_backward = False

@@ -2,7 +2,7 @@
 
     ramstream info
     ramstream bench [--params N] [--repeat R]
-    ramstream demo  [--device cpu|cuda] [--steps N]
+    ramstream demo  [--device cpu|cuda|cuda:N] [--steps N]
 """
 from __future__ import annotations
 
@@ -81,15 +81,18 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="print the hardware ramstream sees")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the same as JSON")
     p.set_defaults(fn=_cmd_info)
     p = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
-    p.add_argument("--params", type=int, default=16_000_000)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--params", type=int, default=16_000_000,
+                   help="fp32 parameters updated per step (default: 16000000)")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="timed steps of each; the fastest counts (default: 5)")
     p.set_defaults(fn=_cmd_bench)
     p = sub.add_parser("demo", help="train a small GPT wrapped by ramstream next to plain torch")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--steps", type=int, default=20, help="training steps of each run (default: 20)")
     p.set_defaults(fn=_cmd_demo)
     args = ap.parse_args(argv)
     if getattr(args, "params", 1) < 1 or getattr(args, "repeat", 1) < 1 or getattr(args, "steps", 1) < 1:

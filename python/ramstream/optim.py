@@ -53,14 +53,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         mode: "cpu" (host threads update, state in host RAM), "gpu" (the CUDA kernel updates
             state kept in pinned host memory over PCIe; the host CPU does nothing) or "auto"
-            (a share of each, from measured host and PCIe rates; "cpu" on a CPU device).
+            (a share of each, from measured host and PCIe rates). On a CPU device "auto" updates
+            on the host and "gpu" raises ValueError; with `distributed` every mode updates on
+            the host.
         max_grad_norm: clip by the global norm like torch.nn.utils.clip_grad_norm_ (None: off).
         accumulation_steps: backward passes summed on the host per step().
         moment_dtype: "float32" or "bfloat16" (stochastic rounding).
         threads: host threads for the update (None: RAMSTREAM_NUM_THREADS or all cores).
         device: the compute device (default: the parameters' device).
-        offload: True (always offload) or "auto" (after two steps, move the update to the
-            device when its state fits there with `vram_headroom` to spare).
+        offload: True (always offload) or "auto" (after two steps, move the update to a CUDA
+            device when its state fits there with `vram_headroom` to spare; never on a CPU
+            device or with `distributed`).
         vram_headroom: share of usable device memory the "auto" switch leaves free.
         guard_params: reads of a weight whose update is in flight wait for it.
         bucket_bytes: gradients and weights cross PCIe in buckets of about this size.
@@ -254,7 +257,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         return out
 
     def stats(self) -> dict:
-        """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, gpu_updates."""
+        """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, throttle_s
+        (backward waiting on max_inflight_bytes), gpu_updates."""
         return dict(self._engine.stats)
 
     @property

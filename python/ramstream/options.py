@@ -23,7 +23,7 @@ def parse_moment_dtype(value: Any, *, allow_auto: bool = True, where: str = "wra
         return "bfloat16"
     if isinstance(value, str) and value in _MOMENT_DTYPES and (allow_auto or value != "auto"):
         return _MOMENT_DTYPES[value]
-    accepted = "'float32', 'bfloat16', 'bf16', torch.float32, torch.bfloat16"
+    accepted = "'float32', 'fp32', 'bfloat16', 'bf16', torch.float32, torch.bfloat16"
     if allow_auto:
         accepted = "'auto', " + accepted
     raise ValueError(f"{where} moment_dtype={value!r} is not accepted; accepted: {accepted}")
@@ -63,7 +63,8 @@ def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
 
 @dataclass
 class WrapOptions:
-    """Every wrap() option with its default. See README "Options" for what each does."""
+    """Every wrap() option with its default. See the README table under "ramstream.wrap" for what
+    each does."""
 
     optimizer_mode: str = "cpu"
     offload: Any = "auto"

@@ -136,7 +136,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     Returns (model, optimizer): the same model object (hooks installed, parameters now views
     of flat buffers) and a ramstream.OffloadAdamW holding the converted optimizer's groups and
-    state. See README "Options" for every option.
+    state. Every option is in the README table under "ramstream.wrap"; an unknown name or a
+    value not accepted raises ValueError listing what is accepted.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(): model must be a torch.nn.Module, got {type(model).__name__}")

@@ -61,7 +61,7 @@ def run_demo(device: str | None = None, steps: int = 20) -> int:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         if name == "ramstream":
-            model, opt = ramstream.wrap(model, opt)
+            model, opt = ramstream.wrap(model, opt, offload=True)   # keep offloading: the demo
         losses, t0 = [], time.perf_counter()
         for x, y in data:
             loss = model(x, y)

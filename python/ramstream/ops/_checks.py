@@ -12,6 +12,8 @@ __all__ = [
     "check_int",
     "check_tensor",
     "check_adamw_hyper",
+    "check_no_overlap",
+    "bump_version",
     "FLOAT_DTYPES",
     "MOMENT_DTYPES",
 ]
@@ -96,3 +98,42 @@ def check_adamw_hyper(op: str, *, step, lr, beta1, beta2, eps, weight_decay, gra
         "seed": check_int(op, "seed", seed, ge=0, lt=2**64),
         "offset": check_int(op, "offset", offset, ge=0, lt=2**63),
     }
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes a tensor's elements can touch (any strides, storage offset)."""
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
+    first = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride < 0)
+    return start + first * t.element_size(), start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(op: str, tensors, *, same_ok=()) -> None:
+    """ValueError "op: exp_avg_sq shares memory with exp_avg" when two of the named ``tensors``
+    ((name, tensor or None) pairs) on one device have a byte in common: a kernel that writes one
+    while reading the other would compute garbage. ``same_ok`` lists name pairs allowed to be
+    exactly the same memory (same address, dtype and numel), e.g. ("out", "grad")."""
+    live = [(n, t) for n, t in tensors if t is not None and t.numel() > 0]
+    for i, (an, a) in enumerate(live):
+        a0, a1 = _byte_span(a)
+        for bn, b in live[i + 1:]:
+            if a.device != b.device:
+                continue
+            b0, b1 = _byte_span(b)
+            if a0 < b1 and b0 < a1:
+                exact = (a0, a1, a.dtype) == (b0, b1, b.dtype)
+                if exact and ((an, bn) in same_ok or (bn, an) in same_ok):
+                    continue
+                allowed = "".join(f"; {x} may be exactly {y}" for x, y in same_ok)
+                raise ValueError(
+                    f"{op}: {bn} shares memory with {an} (in-place arguments must not overlap"
+                    f"{allowed}); pass separate tensors"
+                )
+
+
+def bump_version(*tensors) -> None:
+    """Marks tensors written through DLPack as modified in place, as torch's own in-place ops do:
+    autograd then refuses a backward that saved their old values instead of using the new ones."""
+    for t in tensors:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)

@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from .._native import lib
+from ._checks import bump_version, check_no_overlap
 
 __all__ = ["adamw_", "sq_norm", "accumulate_"]
 
@@ -19,6 +20,7 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _U64 = 1 << 64
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _names(dtypes) -> str:
@@ -102,7 +104,7 @@ def adamw_(
         out: None, or a contiguous float32/bfloat16/float16 tensor that receives the new param
             (round to nearest even), written in the same pass. On the CPU it may be ``grad``
             itself when the dtypes match (the new weights overwrite the gradient, as the engine
-            does); any other overlap with the other tensors is not allowed.
+            does); any other overlap between the tensors raises ValueError.
         seed: 0 <= seed < 2**64, the stochastic-rounding seed.
 
     With float32 state on the CPU the result is bit-identical to
@@ -113,13 +115,14 @@ def adamw_(
     op = "adamw_"
     for name, x in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _tensor(op, name, x)
-    step = _int(op, "step", step, 1, None, ">= 1")
+    step = _int(op, "step", step, 1, 1 << 63, "in [1, 2**63)")
     lr = _float(op, "lr", lr, lambda v: v >= 0, ">= 0")
     beta1 = _float(op, "beta1", beta1, lambda v: 0 <= v < 1, "in [0, 1)")
     beta2 = _float(op, "beta2", beta2, lambda v: 0 <= v < 1, "in [0, 1)")
     eps = _float(op, "eps", eps, lambda v: v > 0, "> 0")
     weight_decay = _float(op, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
-    grad_scale = _float(op, "grad_scale", grad_scale, lambda v: True, "")
+    grad_scale = _float(op, "grad_scale", grad_scale, lambda v: abs(v) <= _FLOAT32_MAX,
+                        "within float32's range")
     seed = _int(op, "seed", seed, 0, _U64, "in [0, 2**64)")
     _dtype(op, "param", param, (torch.float32,))
     _dtype(op, "grad", grad, _GRAD_DTYPES)
@@ -134,14 +137,20 @@ def adamw_(
         _tensor(op, "out", out)
         _dtype(op, "out", out, _OUT_DTYPES)
         _numel(op, "out", out, n, "param")
+    check_no_overlap(
+        op, (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+             ("out", out)), same_ok=(("grad", "out"),),
+    )
 
     if param.device.type == "cuda":
         from . import cuda as _cuda  # noqa: PLC0415
 
-        return _cuda.adamw_(
+        _cuda.adamw_(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, grad_scale=grad_scale, out=out, seed=seed,
         )
+        bump_version(param, exp_avg, exp_avg_sq, out)
+        return None
 
     written = [("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out is not None:
@@ -156,6 +165,7 @@ def adamw_(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
         grad_scale=grad_scale, seed=seed, offset=0,
     )
+    bump_version(param, exp_avg, exp_avg_sq, out)
     return None
 
 
@@ -190,6 +200,7 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
     _dtype(op, "src", src, _GRAD_DTYPES)
     _numel(op, "src", src, dst.numel(), "dst")
     _contiguous(op, "dst", dst)
+    check_no_overlap(op, (("dst", dst), ("src", src)), same_ok=(("dst", "src"),))
     if dst.device.type == "cuda":
         if src.device != dst.device:
             raise ValueError(f"{op}: src must be on dst's device ({dst.device}), got {src.device}")
@@ -199,4 +210,5 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
     _host(op, "dst", dst)
     _host(op, "src", src)
     lib().accumulate_(dst.detach(), src.detach().contiguous())
+    bump_version(dst)
     return None

@@ -1,7 +1,10 @@
 """Pinned host memory: arena-backed tensors, the page-lock budget, statistics and registration."""
 from __future__ import annotations
 
+import math
+import operator
 import threading
+import numbers
 import warnings
 from collections.abc import Sequence
 
@@ -94,20 +97,36 @@ def _after_allocation(ptr: int) -> None:
 
 
 def _shape_of(shape) -> tuple[int, ...]:
-    if isinstance(shape, bool):
-        raise ValueError(f"pinned_empty: shape must be an int or a sequence of ints, got {shape!r}")
-    if isinstance(shape, int) or (isinstance(shape, torch.Tensor) and shape.ndim == 0):
-        dims = (int(shape),)
-    elif isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
-        dims = tuple(shape)
+    """An int or a sequence of non-negative ints (numpy ints and 1-element int tensors too, via
+    ``__index__``; bool, float and str rejected) -> a tuple; ValueError naming shape otherwise."""
+    bad = ValueError(f"pinned_empty: shape must be an int or a sequence of non-negative ints, "
+                     f"got {shape!r}")
+    if isinstance(shape, (bool, float, str, bytes)):
+        raise bad
+    if isinstance(shape, Sequence):
+        items = tuple(shape)
     else:
-        raise ValueError(f"pinned_empty: shape must be an int or a sequence of ints, got {shape!r}")
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ValueError(
-                f"pinned_empty: shape must hold non-negative ints, got {shape!r}"
-            )
-    return dims
+        items = (shape,)
+    dims = []
+    for d in items:
+        if isinstance(d, (bool, float)):
+            raise bad
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise bad from None
+        if d < 0:
+            raise bad
+        dims.append(d)
+    return tuple(dims)
+
+
+def _too_large(dims: tuple[int, ...], dtype: torch.dtype, itemsize: int, why: str) -> MemoryError:
+    n = math.prod(dims)
+    return MemoryError(
+        f"pinned_empty: shape {dims} of {str(dtype).replace('torch.', '')} needs {n} elements x "
+        f"{itemsize} bytes = {n * itemsize} bytes: {why}"
+    )
 
 
 def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -132,9 +151,15 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None
     if dl is None:
         raise TypeError(f"pinned_empty: dtype must be one of {_ACCEPTED}, got {dtype!r}")
+    itemsize = dl[1] // 8
+    if math.prod(dims) * itemsize >= 1 << 63:
+        raise _too_large(dims, dtype, itemsize, "more than any host has")
     if not _State.device_set:
         _before_pinning()
-    t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1])
+    try:
+        t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1])
+    except MemoryError as e:
+        raise _too_large(dims, dtype, itemsize, str(e)) from None
     # torch reports data_ptr() == 0 for empty tensors: nothing to check there.
     if not _State.fallback_warned and _gpu() and t.numel() > 0:
         _after_allocation(t.data_ptr())
@@ -173,11 +198,12 @@ def set_pin_budget(bytes_or_fraction) -> int:
     v = bytes_or_fraction
     if isinstance(v, bool):
         raise TypeError("set_pin_budget: expected int bytes, float fraction or str, got bool")
-    if isinstance(v, int):
-        if v < 0:
-            raise ValueError(f"set_pin_budget: bytes must be >= 0, got {v}")
-        n = v
-    elif isinstance(v, float):
+    if isinstance(v, numbers.Integral):
+        n = int(v)
+        if not 0 <= n < 1 << 63:
+            raise ValueError(f"set_pin_budget: bytes must be an int in [0, 2**63), got {n}")
+    elif isinstance(v, numbers.Real):
+        v = float(v)
         if not (0.0 <= v <= 1.0):
             raise ValueError(
                 f"set_pin_budget: a float is a fraction of physical RAM in [0, 1], got {v} "
@@ -188,7 +214,10 @@ def set_pin_budget(bytes_or_fraction) -> int:
             raise ValueError("set_pin_budget: physical RAM is unknown; pass bytes as an int")
         n = int(ram * v)
     elif isinstance(v, str):
-        n = int(lib().parse_pin_budget(v))
+        try:
+            n = int(lib().parse_pin_budget(v))
+        except ValueError as e:
+            raise ValueError(f"set_pin_budget: bytes_or_fraction: {e}") from None
     else:
         raise TypeError(
             f"set_pin_budget: expected int bytes, float fraction or str, got {type(v).__name__}"
@@ -212,13 +241,13 @@ def reset_peak_memory_stats() -> None:
 
 def _check_host_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor for t, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name}: tensor must be on the CPU, got device {t.device}")
+        raise ValueError(f"{name}: t must be on the CPU, got device {t.device}")
     if not t.is_contiguous():
-        raise ValueError(f"{name}: tensor must be contiguous (call .contiguous() first)")
+        raise ValueError(f"{name}: t must be contiguous (call .contiguous() first)")
     if t.numel() == 0:
-        raise ValueError(f"{name}: tensor has no elements")
+        raise ValueError(f"{name}: t has no elements")
 
 
 def register_host_memory(t: torch.Tensor) -> None:
@@ -236,4 +265,7 @@ def register_host_memory(t: torch.Tensor) -> None:
 def unregister_host_memory(t: torch.Tensor) -> None:
     """Undoes ``register_host_memory(t)`` (the same tensor, or one starting at the same address)."""
     _check_host_tensor("unregister_host_memory", t)
-    lib().unregister_host_memory(t.detach())
+    try:
+        lib().unregister_host_memory(t.detach())
+    except ValueError as e:  # not registered, or unregistered already
+        raise ValueError(f"unregister_host_memory: t: {e}") from None

@@ -19,15 +19,22 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT_NAMES = "float32/bfloat16/float16"
 
 
+_MAX_BLOCK = 2**31 - 1  # the kernels take an int
+
+
 def _check_block_size(op: str, block_size) -> int:
-    if (
-        isinstance(block_size, bool)
-        or not isinstance(block_size, int)
-        or block_size < 2
-        or block_size % 2
-    ):
-        raise ValueError(f"{op}: block_size must be an even int >= 2, got {block_size!r}")
-    return block_size
+    """An int (numpy ints too; bool, float and str rejected), even, in [2, 2**31)."""
+    v = None
+    if not isinstance(block_size, (bool, float)):
+        try:
+            v = operator.index(block_size)
+        except TypeError:
+            pass
+    if v is None or v < 2 or v % 2 or v > _MAX_BLOCK:
+        raise ValueError(
+            f"{op}: block_size must be an even int in [2, 2**31), got {block_size!r}"
+        )
+    return v
 
 
 def _check_tensor(op: str, name: str, t, dtypes: tuple[torch.dtype, ...], dtype_names: str) -> None:

@@ -28,6 +28,14 @@ def test_force_isa_environment():
     lines = out.stdout.splitlines()
     assert lines[0] == C.best_isa()
     assert "RAMSTREAM_FORCE_ISA" in lines[1] and "avx9000" in lines[1]
+    # the package says so the first time it loads the core, and `ramstream info` too
+    code = "from ramstream._native import lib; lib()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert "RuntimeWarning" in out.stderr and "avx9000" in out.stderr and "ignored" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "ramstream.cli", "info"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert "avx9000" in out.stdout
 
 
 # ---- bad input -----------------------------------------------------------------------------------

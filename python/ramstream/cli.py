@@ -23,6 +23,8 @@ def _cmd_info(args) -> int:
         return 0
     ram = d["ram"]
     print(f"ramstream {__import__('ramstream').__version__}  torch {d['torch']}")
+    if d.get("isa_env_error"):
+        print(f"warning: {d['isa_env_error']} (ignored)")
     print(f"host: ISA {d['isa']} (best {d['best_isa']}), {d['threads']} threads, "
           f"RAM {ram['total'] / 2**30:.1f} GiB total / {ram['available'] / 2**30:.1f} GiB available")
     cuda = f"CUDA runtime {d['cuda_runtime']}" if d["built_with_cuda"] else "no CUDA in this build"

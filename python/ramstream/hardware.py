@@ -43,6 +43,7 @@ def describe() -> dict:
     out = {
         "isa": C.active_isa(),
         "best_isa": C.best_isa(),
+        "isa_env_error": C.isa_env_error(),
         "threads": C.num_threads(),
         "ram": host_memory(),
         "built_with_cuda": bool(C.built_with_cuda()),

@@ -1,5 +1,6 @@
 """Activation offload: saved tensors of chosen blocks go to host RAM in forward and come back ahead
-of the backward pass (saved_tensors_hooks); find_blocks() finds a model's repeated layer stack.
+of the backward pass (saved_tensors_hooks); find_blocks() (blocks.py) finds a model's repeated
+layer stack.
 
 Mechanism only: which blocks page is decided by the caller (planner.py, wrap()). Works with a CUDA
 device (pinned arena buffers, a D2H and an H2D copy stream ordered by events) and with the CPU as
@@ -23,49 +24,12 @@ import torch.nn as nn
 
 from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved,
                                  byte_view, check_version, version_probe)
+from .blocks import find_blocks
 
 __all__ = ["find_blocks", "ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
 _ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)
-
-
-# ---- finding the layer stack ---------------------------------------------------------------------
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's repeated layer stack, in order.
-
-    The stack is the nn.ModuleList or nn.Sequential holding >= 2 modules, all of one class and
-    together holding parameters, with the most parameters (ties: more children, then the outermost),
-    e.g. ``model.layers`` of a Llama-like model or ``transformer.h`` of GPT-2. A module listed twice
-    (shared weights) is returned once. Raises ValueError when the model has no such container.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"find_blocks: model must be a torch.nn.Module, got {type(model).__name__}")
-    best = None
-    seen: list[str] = []
-    for order, (name, m) in enumerate(model.named_modules()):
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(dict.fromkeys(m))  # unique, in order
-        classes = sorted({type(c).__name__ for c in children})
-        seen.append(f"{name or '<root>'} ({type(m).__name__} of {len(children)}: "
-                     f"{', '.join(classes) or 'empty'})")
-        if len(children) < 2 or len(classes) != 1 or len({type(c) for c in children}) != 1:
-            continue
-        numel = sum(p.numel() for p in m.parameters())
-        if numel == 0:
-            continue
-        key = (numel, len(children), -order)
-        if best is None or key > best[0]:
-            best = (key, children)
-    if best is None:
-        found = "; ".join(seen[:6]) if seen else "none"
-        raise ValueError(
-            f"find_blocks: no repeated layer stack found in {type(model).__name__}: expected an "
-            "nn.ModuleList or nn.Sequential holding >= 2 modules of one class with parameters "
-            f"(such as model.layers or transformer.h); containers seen: {found}. Pass the blocks "
-            "explicitly (blocks=[...]).")
-    return best[1]
 
 
 def _top_hooks_are_checkpoint() -> bool:

@@ -259,7 +259,7 @@ class BackwardHooks:
     def discard_if_gathered(self) -> None:
         """zero_grad() between backward and step(): the gradients gathered since the last step
         are dropped, as torch drops them (the skip-this-batch pattern)."""
-        if not self._in_backward and (self._micro > 0 or any(s.arrivals for s in self.slots)):
+        if not self._in_backward and self._micro > 0:   # every finished pass counts in _micro
             self._discard_gathered("zero_grad() after backward, before step()")
 
     def _discard_gathered(self, why: str) -> None:

@@ -7,7 +7,6 @@ closes it again.
 """
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import time
@@ -18,18 +17,16 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _dist_helpers import _free_port
+from _dist_helpers import init_gloo, new_store
 from _models import batches, make_model
 
 LR, WD = 3e-3, 0.05
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+def _entry(rank: int, world: int, store: str, out_dir: str, names: list[str]) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, store)
     out = {}
     try:
         for name in names:
@@ -46,7 +43,7 @@ def run_ranks(tmp_path, world: int, names: list[str], timeout_s: float = 120) ->
     """Runs the named scenarios, in order, on `world` gloo ranks; returns each rank's results.
     Ranks stuck in mismatched collectives are killed after timeout_s (the engine's process
     groups wait 30 minutes)."""
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), str(tmp_path), names),
+    ctx = mp.start_processes(_entry, args=(world, new_store(tmp_path), str(tmp_path), names),
                              nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):

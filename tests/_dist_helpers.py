@@ -3,7 +3,7 @@ by the CPU test and the test of two processes sharing one GPU."""
 from __future__ import annotations
 
 import os
-import socket
+import uuid
 
 import torch
 import torch.multiprocessing as mp
@@ -13,10 +13,19 @@ from _models import batches, make_model, train_torch
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def new_store(tmp_path) -> str:
+    """A fresh file for torch.distributed's FileStore: no TCP port to pick, so no race with other
+    processes for one."""
+    return "file://" + os.path.join(str(tmp_path), f"store-{uuid.uuid4().hex}")
+
+
+def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _wrap_options(device: str) -> dict:
@@ -24,15 +33,14 @@ def _wrap_options(device: str) -> dict:
     return dict(bucket_bytes=1 << 14, **extra)
 
 
-def _rank_main(rank: int, port: int, out_dir: str, device: str, options: dict, steps: int) -> None:
+def _rank_main(rank: int, store: str, out_dir: str, device: str, options: dict, steps: int) -> None:
     import torch.distributed as dist
 
     import ramstream
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store)
     try:
         model = make_model(0 if rank == 0 else 7, n_blocks=3).to(device)  # rank 1 starts elsewhere
         model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
@@ -58,7 +66,7 @@ def _rank_main(rank: int, port: int, out_dir: str, device: str, options: dict, s
 
 def run_two_ranks(tmp_path, device: str, options: dict, steps: int = 8) -> list[dict]:
     """Each rank trains on its half of every batch; returns what each rank saved."""
-    mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path), device, options, steps),
+    mp.start_processes(_rank_main, args=(new_store(tmp_path), str(tmp_path), device, options, steps),
                        nprocs=WORLD, start_method="spawn")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, dp), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, sanitize, dp), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
@@ -54,6 +54,23 @@ for stage in $STAGES; do
         --batches "${ACT_BATCHES:-4,8,16}" --cap-gib 24 --timeout 240 --out "$OUT/act.json" \
         ${ACT_ARGS:-} > "$OUT/act.log" 2>&1
       summary "act rc=$?"; tail -12 "$OUT/act.log" ;;
+    diag)  # issue 8: what an OOM step leaves in VRAM; the resident switch's rounding per step
+      timeout 200 python3 bench/train/diag_act_oom.py --model "${MODEL:-1.8b}" --seq 1024 --batch 8 \
+        --cap-gib 24 > "$OUT/diag_oom.log" 2>&1
+      summary "diag_oom rc=$?"; tail -20 "$OUT/diag_oom.log"
+      (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
+        test_resident_f64.py "test_wrap_resident_cpu.py::test_resident_goes_on_as_the_offloaded_run_on_the_gpu" \
+        > "$OUT/diag_resident.log" 2>&1)
+      summary "diag_resident: $(tail -1 "$OUT/diag_resident.log")"
+      grep -E "ulps per step|^(FAILED|ERROR)|Assert" "$OUT/diag_resident.log" | head -12 ;;
+    sanitize)  # compute-sanitizer memcheck and racecheck over the CUDA kernel tests, once
+      cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      for tool in memcheck racecheck; do
+        (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 240 "$cs" --tool "$tool" --error-exitcode 99 \
+          --target-processes all python3 -m pytest -q -m cuda -p no:cacheprovider \
+          ${SAN_TESTS:-test_cuda_kernels.py test_cuda_adamw.py} > "$OUT/sanitize_$tool.log" 2>&1)
+        summary "compute-sanitizer $tool rc=$?: $(grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ')"
+      done ;;
     dp)    # issue 5 (a machine with 2+ GPUs): scaling, 1/N host state, parity, identical replicas
       timeout 580 python3 bench/train/bench_dp.py --nproc "${NPROC:-2}" --model "${MODEL:-1.8b}" \
         --batch 8 --seq 512 --steps 10 --check --out "$OUT/dp.json" > "$OUT/dp.log" 2>&1

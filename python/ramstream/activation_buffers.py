@@ -317,7 +317,7 @@ class Kept:
     __slots__ = ("t", "version", "index")
 
     def __init__(self, t: torch.Tensor, index: int) -> None:
-        self.t = t
+        self.t = t.detach()    # not t: its grad_fn may be the node holding this (a cycle)
         self.version = t._version
         self.index = index
 

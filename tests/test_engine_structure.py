@@ -6,13 +6,12 @@ from __future__ import annotations
 import inspect
 
 import pytest
-import torch
-
 import ramstream
-import ramstream.engine.core as core
+import torch
+from _models import batches, clone, make_model, max_diff, train_torch
+from ramstream.engine import core
 from ramstream.engine.distributed import DataParallel
 from ramstream.engine.parallel import SingleProcess
-from _models import batches, clone, make_model, max_diff, train_torch
 
 
 def _interface(cls) -> dict:
@@ -66,7 +65,7 @@ class _Deferred(SingleProcess):
         return False
 
 
-@pytest.mark.parametrize("kw", [{}, dict(max_grad_norm=0.5), dict(accumulation_steps=2)])
+@pytest.mark.parametrize("kw", [{}, {"max_grad_norm": 0.5}, {"accumulation_steps": 2}])
 def test_the_engine_follows_its_strategy(monkeypatch, kw):
     made = []
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import ramstream
 import ramstream.engine.core as core
+import ramstream.engine.updater as updater
 from ramstream.engine.devices import CpuDevice
 from ramstream.engine.host_jobs import Piece, update
 from _models import Boom as _Boom
@@ -221,7 +222,7 @@ def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(singl
     the bucket's previous update job, which reads the landing buffer as its gradient (and, on
     CUDA, for the H2D copy out of it)."""
     started = threading.Event()
-    real = core.update
+    real = updater.update
 
     def slow_update(b, pieces, *args):
         if b.index == 1:
@@ -229,7 +230,7 @@ def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(singl
             time.sleep(0.3)     # the next backward runs meanwhile
         return real(b, pieces, *args)
 
-    monkeypatch.setattr(core, "update", slow_update)
+    monkeypatch.setattr(updater, "update", slow_update)
 
     class Two(nn.Module):
         def __init__(self) -> None:

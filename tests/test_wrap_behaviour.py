@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.core as core   # imported before any patching (it binds host_jobs.update)
+import ramstream.engine.updater as updater   # imported before any patching (it binds host_jobs.update)
 from ramstream.engine import host_jobs
 from _models import batches, clone, make_model, max_diff, train_torch
 
@@ -22,7 +22,7 @@ def slow_updates(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(host_jobs, "update", slow)
-    monkeypatch.setattr(core, "update", slow)
+    monkeypatch.setattr(updater, "update", slow)
 
 
 def _one_step(model, opt, data):

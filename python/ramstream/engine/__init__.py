@@ -1,1 +1,1 @@
-"""The offload engine: buckets, copy streams, the engine thread, the read guard, state dicts."""
+"""The offload engine: gradient intake, updater, weight return and parallel strategy (see core.py)."""

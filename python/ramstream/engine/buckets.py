@@ -29,7 +29,7 @@ class Slot:
     direct: bool = True          # its gradient is copied to the host on its own (large slot) pass
     expected: bool = True        # a gradient is expected in every backward pass
     updated: bool = False        # its update for the current step is queued
-    engine_wait: object = None   # Engine.wait_bucket, for the read guard
+    engine_wait: object = None   # Engine.wait_bucket (held weakly), for the read guard
 
     @property
     def shape(self) -> torch.Size:
@@ -56,7 +56,7 @@ class Bucket:
     micro_list: list = field(default_factory=list)  # arrived, not yet queued
     pending_landing_checked: bool = False
     staging: torch.Tensor | None = None       # device flat gradient staging (multi-slot buckets)
-    dp_ready: bool = False                    # data parallel: complete, waiting for its turn
+    staging_lo: int = 0                       # the bucket offset staging[0] stands for
     sq_norm: float = 0.0
     pending: bool = False             # an update of this bucket's weights is in flight
     last_seq: int = 0                 # last engine job queued for this bucket

@@ -1,20 +1,18 @@
-"""The offload engine: gradient hooks, the per-step state machine, forward waits.
+"""The offload engine: a thin composition of parts that own their state.
 
-Training thread                                   engine thread (Worker)
-  backward: post-accumulate-grad hook per param     wait D2H event -> accumulate / norm
-    host bucket: copy grad to its landing buffer     -> AdamW (as soon as a bucket is complete,
-    mapped bucket: launch the CUDA update            unless clipping needs the global norm)
-    -> drop the device grad                          -> H2D of the new weights, in forward order
-  step(): queue what is left (clipping: the global norm first, then the updates)
-  forward: pre-hooks wait only for the buckets the module reads
-backward.py holds the gradient hooks; layout.py the placements; host_jobs.py the host work;
-devices.py the copies; distributed.py data parallel; resident.py the offload="auto" switch.
+One gradient's way, file by file (docs/architecture.md tells it in full):
+  intake.py    the gradient hook: throttle, copy (or gather) into the bucket's pinned landing
+               buffer; a complete bucket is flushed and handed to
+  updater.py   which queues the engine-thread job (host_jobs.py: land, accumulate, norm, AdamW)
+               or the GPU update of a mapped bucket (gpu_updates.py), and hands the new weights
+  weights.py   back to the device (H2D), where the next forward's pre-hooks wait for them.
+parallel.py / distributed.py: the strategy (single process, data parallel) every part calls;
+layout.py places the buckets' tensors; devices.py copies; worker.py is the engine thread.
+Engine builds the parts, runs step(), and keeps them right when the model changes.
 """
 from __future__ import annotations
 
-import collections
 import math
-import time
 import weakref
 
 import torch
@@ -22,14 +20,16 @@ import torch
 from . import guard as _guard
 from . import layout
 from .buckets import Bucket, Slot, build_buckets
-from .devices import make_device
-from .backward import BackwardHooks
-from .gpu_updates import dev_norm_add, launch_mapped
-from .host_jobs import Hyper, Piece, add_sq_norm, update
+from .devices import check_param, make_device
+from .host_jobs import Hyper
+from .intake import GradientIntake, InFlight, _weak_method
+from .parallel import make_strategy
+from .updater import Updater
+from .weights import WeightReturn
 from .worker import Worker
 
 
-class Engine(BackwardHooks):
+class Engine:
     def __init__(self, param_groups: list[dict], *, device: torch.device, moment_dtype: torch.dtype,
                  max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
                  guard_params: bool, order: list | None = None, seed: int = 0, log=None,
@@ -51,60 +51,60 @@ class Engine(BackwardHooks):
         for s in self.slots:
             self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
-        self.dp = None
-        if distributed:
-            from .distributed import DataParallel
-
-            if mapped_fraction > 0:
-                raise ValueError("ramstream: data parallel runs the update on the host "
-                                 "(optimizer_mode='cpu'); 'gpu' is not supported with it yet")
-            self.dp = DataParallel(self)
-            for s in self.slots:
-                s.expected = s.param.requires_grad
+        self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
+        weakref.finalize(self, self.worker.stop)   # a dropped optimizer does not leak its thread
+        self.parallel = make_strategy(distributed, buckets=self.buckets, dev=self.dev,
+                                      wait_job=self.worker.wait, mapped_fraction=mapped_fraction)
         total = sum(b.numel for b in self.buckets)
         mapped = 0
         for b in self.buckets:      # the first buckets in forward order go to the GPU kernel
             use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
-            layout.allocate(self, b, "mapped" if use_gpu else "host",
-                            owned=self.dp is None or self.dp.owns(b))
+            layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
-        self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
-        weakref.finalize(self, self.worker.stop)   # a dropped optimizer does not leak its thread
         if max_inflight_bytes is None and self.dev.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             max_inflight_bytes = min(1 << 30, total // 10)
         self.max_inflight_bytes = max_inflight_bytes
-        self._inflight: collections.deque = collections.deque()   # (event, bytes) in order
-        self._inflight_bytes = 0
-        self._in_backward = False
-        self._task = -1
-        self._micro = 0
-        self._dp_next = -1                 # data parallel: the next bucket to reduce
-        self._dev_norm = None
-        self._bw_hypers = None
-        # hooks hold the engine weakly: a tensor's hooks are reachable from C++, where Python's
-        # garbage collector cannot see a cycle, so a strong reference would keep it alive forever
-        self._weak_on_grad = _weak_method(self, "_on_grad")
-        self._weak_wait = _weak_method(self, "wait_bucket")
-        self._hooks = [_grad_hook(s.param, self._weak_on_grad) for s in self.slots]
-        self._frozen_hooks = [_grad_hook(p, _weak_method(self, "_on_frozen_grad"))
-                              for p in self.frozen]
-        self._module_hooks: list = []
-        self.forward_waits = False
-        self.names: dict[str, Slot] = {}
-        self.frozen_names: dict[int, str] = {}
-        self.closed = False
-        self.last_grad_norm: float | None = None
-        self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
                       "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0,
                       "throttle_s": 0.0}
+        # the parts, in the order a gradient meets them (each one's state is its own); none
+        # holds the engine: hooks reach it weakly, so a dropped optimizer is freed
+        inflight = InFlight(max_inflight_bytes, self.stats)
+        self.weights = WeightReturn(buckets=self.buckets, dev=self.dev, parallel=self.parallel,
+                                    wait_job=self.worker.wait, stats=self.stats)
+        self.updater = Updater(
+            buckets=self.buckets, dev=self.dev, device=device, parallel=self.parallel,
+            weights=self.weights, inflight=inflight, worker=self.worker,
+            hypers=_weak_method(self, "_hypers"), stats=self.stats, seed=seed,
+            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+            eager_updates=eager_updates)
+        self.intake = GradientIntake(
+            slots=self.slots, frozen=self.frozen, buckets=self.buckets, dev=self.dev,
+            device=device, parallel=self.parallel, updater=self.updater, weights=self.weights,
+            inflight=inflight, stats=self.stats, accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm, log=self.log)
+        self._weak_wait = _weak_method(self, "wait_bucket")
+        self.forward_waits = False
+        self.names: dict[str, Slot] = {}
+        self.closed = False
+        self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
         for s in self.slots:
             s.param._ramstream_slot = s
             s.engine_wait = self._weak_wait
             if guard_params:
                 _guard.guard(s.param)
+
+    @property
+    def dp(self):
+        """The data-parallel strategy (distributed.py), None in a single process."""
+        return self.parallel if self.parallel.distributed else None
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last clipped step (max_grad_norm)."""
+        return self.updater.last_grad_norm
 
     # ---- construction ---------------------------------------------------------------------
     @staticmethod
@@ -149,39 +149,20 @@ class Engine(BackwardHooks):
         return out
 
     def check_param(self, p: torch.nn.Parameter) -> None:
-        if p.device != self.device:
-            raise RuntimeError(
-                f"ramstream: parameter of shape {tuple(p.shape)} is on {p.device} but the engine "
-                f"runs on {self.device}; move the model back with model.to('{self.device}') (or "
-                "unwrap() and wrap() again for another device)")
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"ramstream: parameters must be float32, bfloat16 or float16, got "
-                            f"{p.dtype} (shape {tuple(p.shape)})")
-
-    def _on_frozen_grad(self, p: torch.nn.Parameter) -> None:
-        """A gradient reached a parameter that was frozen when the engine was built."""
-        name = self.frozen_names.get(id(p), f"of shape {tuple(p.shape)}")
-        raise RuntimeError(
-            f"ramstream: parameter {name} got a gradient, but it had requires_grad=False when "
-            "wrap() ran, so ramstream keeps no optimizer state for it (frozen parameters take no "
-            "host RAM) and it would never be updated. Set requires_grad before wrap(), or call "
-            "ramstream.unwrap(model), unfreeze it and wrap(model, optimizer) again (the "
-            "optimizer's state carries over)")
+        check_param(p, self.device)
 
     def replace_param(self, s: Slot, p: torch.nn.Parameter) -> None:
         old = s.param
-        i = self.slots.index(s)
-        self._hooks[i].remove()
+        self.intake.rehook(s, p)
         _guard.unguard(old)
         s.param = p
         p._ramstream_slot, s.engine_wait = s, self._weak_wait
-        self._hooks[i] = _grad_hook(p, self._weak_on_grad)
         if self.guard_params:
             _guard.guard(p)
         for g in self.param_groups:
             g["params"] = [p if q is old else q for q in g["params"]]
 
-    # ---- updates ------------------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------------
     def _hypers(self) -> list[Hyper]:
         out = []
         for i, g in enumerate(self.param_groups):
@@ -199,153 +180,41 @@ class Engine(BackwardHooks):
             out.append(Hyper(lr, float(b1), float(b2), float(eps), float(wd)))
         return out
 
-    def _mark_pending(self, b: Bucket) -> None:
-        if not b.pending:
-            b.pending = True
-            _guard._pending[0] += 1
-
-    def _update_and_send(self, b: Bucket, pieces, hypers, grad_scale: float, accumulate: bool):
-        """Engine thread: AdamW on a host bucket's pieces, then the new weights to the device."""
-        t0 = time.perf_counter()
-        out = b.device_flat if self.dev.type == "cpu" else b.landing
-        ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
-        self.stats["host_update_s"] += time.perf_counter() - t0
-        if self.dev.type != "cpu":
-            for start, n in ranges:
-                self.dev.weights_to_device(b.device_flat[start:start + n], b.landing[start:start + n])
-                self.stats["bytes_h2d"] += n * b.landing.element_size()
-        b.h2d_event = self.dev.record_h2d()
-
-    def _throttle(self, nbytes: int) -> None:
-        """Backward waits while gradients still crossing to the host (or waiting for their GPU
-        update) would hold more than max_inflight_bytes of device memory."""
-        if self.max_inflight_bytes is None:
-            return
-        while self._inflight and self._inflight_bytes + nbytes > self.max_inflight_bytes:
-            ev, n = self._inflight.popleft()
-            t0 = time.perf_counter()
-            ev.synchronize()
-            self.stats["throttle_s"] += time.perf_counter() - t0
-            self._inflight_bytes -= n
-
-    def _track(self, event, nbytes: int) -> None:
-        if self.max_inflight_bytes is None or event is None:
-            return
-        self._inflight.append((event, nbytes))
-        self._inflight_bytes += nbytes
-        while self._inflight and self._inflight[0][0].query():
-            self._inflight_bytes -= self._inflight.popleft()[1]
-
     def step(self) -> None:
         """Queues every update not yet queued; returns without waiting for host updates."""
         self.recover_if_abandoned()
-        if self._in_backward:
+        if self.intake.in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
-        self.worker.raise_if_failed()
+        self.updater.raise_if_failed()
         for s in self.slots:
             self.check_param(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
-            hypers = self._hypers()       # validated before anything is changed
-            if self.max_grad_norm is not None and self._micro < self.accumulation_steps:
-                self._norms_now(todo)
-            world = self.dp.world if self.dp is not None else 1
-            grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
-                          else 1.0) / world
-            accumulate = self.accumulation_steps > 1
-            by_bucket: dict[int, list[Slot]] = {}
-            for s in todo:
-                by_bucket.setdefault(s.bucket.index, []).append(s)
-            for bi in sorted(by_bucket):
-                b, slots = self.buckets[bi], by_bucket[bi]
-                for s in slots:
-                    s.step += 1
-                if self.dp is not None and not self.dp.owns(b):
-                    continue
-                if b.placement == "mapped":
-                    launch_mapped(self, b, slots, hyper_of=lambda g: hypers[g],
-                                  grad_scale=grad_scale)
-                    continue
-                pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
-                self._mark_pending(b)
-                seq = self.worker.submit(
-                    lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale,
-                                                                     accumulate),
-                    priority=b.index, deps=(b.last_seq,))
-                b.last_seq = b.update_seq = b.landing_seq = seq
-        if self.dp is not None:
-            for bi in stepped:            # the same buckets, in the same order, on every rank
-                self._mark_pending(self.buckets[bi])
-                self.dp.broadcast_after_update(self.buckets[bi])
-        for s in self.slots:
-            if s.arrivals == 0 and s.expected and self._micro > 0:
-                s.expected = False      # it got no gradient this step: don't wait for it
-            elif s.arrivals > 0:
-                s.expected = True
-            s.arrivals = 0
-            s.updated = False
-        self._micro = 0
+            self.updater.step(todo, self.intake.micro)
+        self.weights.broadcast([self.buckets[bi] for bi in stepped])
+        self.intake.end_step()
         self.stats["steps"] += 1
 
-    def _norms_now(self, todo: list[Slot]) -> None:
-        """step() after fewer backward passes than accumulation_steps (the end of an epoch,
-        say): the squared norms, otherwise taken in the last micro-batch, of what was summed."""
-        by_bucket: dict[int, list[Piece]] = {}
-        for s in todo:
-            if s.bucket.placement == "mapped":
-                dev_norm_add(self, s.param.grad)    # its gradients wait in .grad
-            elif self.dp is None or self.dp.owns(s.bucket):
-                by_bucket.setdefault(s.bucket.index, []).append(
-                    Piece(s.offset, s.numel, s.group, s.step, False))
-        for bi, pieces in by_bucket.items():
-            b = self.buckets[bi]
-            seq = self.worker.submit(lambda b=b, pieces=pieces: add_sq_norm(b, pieces, b.acc),
-                                     priority=b.index, deps=(b.last_seq,))
-            b.last_seq = b.landing_seq = seq
+    def recover_if_abandoned(self) -> None:
+        """Outside a backward pass, a pass still marked as running raised before its end."""
+        self.intake.recover_if_abandoned()
 
-    def _clip_coefficient(self) -> float:
-        """Waits for every gradient's squared norm (host buckets: computed as they landed;
-        mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
-        total = 0.0
-        for b in self.buckets:
-            if b.placement == "host" and (self.dp is None or self.dp.owns(b)):
-                self.worker.wait(b.landing_seq)
-                total += b.sq_norm
-                b.sq_norm = 0.0
-        if self._dev_norm is not None:
-            self.dev.upd.synchronize()
-            total += float(self._dev_norm.item())
-            self._dev_norm.zero_()
-        if self.dp is not None:           # the norm of the averaged gradient
-            total = self.dp.all_reduce_scalar(total) / self.dp.world ** 2
-        self.last_grad_norm = math.sqrt(total)
-        return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
+    def discard_if_gathered(self) -> None:
+        """zero_grad() between backward and step(): drops what was gathered since the step."""
+        self.intake.discard_if_gathered()
 
     # ---- waits --------------------------------------------------------------------------------
     def wait_bucket(self, b: Bucket) -> None:
         """Blocks until b's new weights are usable by work queued after this call."""
-        if not b.pending:
-            return
-        t0 = time.perf_counter()
-        if self.dp is not None:
-            self.dp.wait(b)
-        elif b.placement == "host":
-            self.worker.wait(b.update_seq)
-            self.dev.device_wait(b.h2d_event)
-        else:
-            self.dev.device_wait(b.h2d_event)
-        b.pending = False
-        _guard._pending[0] -= 1
-        self.stats["wait_s"] += time.perf_counter() - t0
-        self.stats["waits"] += 1
+        self.weights.wait(b)
 
     def synchronize(self) -> None:
         """Waits for every queued job and copy; afterwards the model's weights are current."""
         self.recover_if_abandoned()
-        self.worker.drain()
+        self.updater.drain()
         for b in self.buckets:
-            self.wait_bucket(b)
+            self.weights.wait(b)
         self.dev.synchronize()
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
@@ -353,20 +222,9 @@ class Engine(BackwardHooks):
         self.names = {n: p._ramstream_slot for n, p in model.named_parameters(
                       remove_duplicate=False) if hasattr(p, "_ramstream_slot")}
         frozen = {id(p) for p in self.frozen}
-        self.frozen_names = {id(p): n for n, p in model.named_parameters() if id(p) in frozen}
-        for m in model.modules():
-            own = [p for p in m.parameters(recurse=False) if hasattr(p, "_ramstream_slot")]
-            idx = sorted({p._ramstream_slot.bucket.index for p in own})
-            if not idx:
-                continue
-            bl = [self.buckets[i] for i in idx]
-
-            def pre_hook(module, args, bl=bl):
-                for b in bl:
-                    if b.pending:
-                        self.wait_bucket(b)
-
-            self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
+        self.intake.frozen_names = {id(p): n for n, p in model.named_parameters()
+                                    if id(p) in frozen}
+        self.weights.attach_forward_waits(model, self.wait_bucket)
         self.forward_waits = True
 
     # ---- model changes --------------------------------------------------------------------------
@@ -377,10 +235,8 @@ class Engine(BackwardHooks):
     def rebind(self, model: torch.nn.Module | None = None) -> None:
         self.synchronize()
         layout.rebind(self, model)
-        if self.dp is not None:   # only owners hold masters: the others take their weights
-            for b in self.buckets:
-                self._mark_pending(b)
-                self.dp.broadcast_after_update(b)
+        # data parallel: only owners hold masters, the others take their weights
+        if self.weights.broadcast(self.buckets):
             self.synchronize()
 
     def note_loading(self, state_dict: dict, prefix: str) -> None:
@@ -405,45 +261,12 @@ class Engine(BackwardHooks):
         if self.closed:
             return
         self.synchronize()
-        for h in self._hooks + self._frozen_hooks + self._module_hooks:
-            h.remove()
+        self.intake.close()
+        self.weights.close()
         for s in self.slots:
             _guard.unguard(s.param)
             if hasattr(s.param, "_ramstream_slot"):
                 del s.param._ramstream_slot
-        self.worker.close()
-        if self.dp is not None:
-            self.dp.close()
+        self.updater.close()
+        self.parallel.close()
         self.closed = True
-
-
-def _grad_hook(p: torch.nn.Parameter, fn):
-    """p's post-accumulate-grad hook, also on a frozen parameter (only Python's check refuses it),
-    so that a gradient reaching a parameter unfrozen after wrap() is noticed."""
-    if p.requires_grad:
-        return p.register_post_accumulate_grad_hook(fn)
-    p.requires_grad_(True)
-    try:
-        return p.register_post_accumulate_grad_hook(fn)
-    finally:
-        p.requires_grad_(False)
-
-
-def _weak_method(obj, name: str):
-    """A function calling obj.name(...) while obj lives (a no-op afterwards)."""
-    ref = weakref.ref(obj)
-
-    def call(*args):
-        o = ref()
-        if o is not None:
-            return getattr(o, name)(*args)
-        return None
-
-    return call
-
-
-def clip_coefficient(max_norm: float, total_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor, in float32 as torch computes it."""
-    t = torch.tensor(total_norm, dtype=torch.float32)
-    coef = torch.tensor(max_norm, dtype=torch.float32) / (t + 1e-6)
-    return float(torch.clamp(coef, max=1.0))

@@ -150,6 +150,19 @@ class CudaDevice:
         self.upd.synchronize()
 
 
+def check_param(p: torch.nn.Parameter, device: torch.device) -> None:
+    """RuntimeError when p left the engine's device, TypeError for a dtype the engine cannot
+    update."""
+    if p.device != device:
+        raise RuntimeError(
+            f"ramstream: parameter of shape {tuple(p.shape)} is on {p.device} but the engine "
+            f"runs on {device}; move the model back with model.to('{device}') (or "
+            "unwrap() and wrap() again for another device)")
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"ramstream: parameters must be float32, bfloat16 or float16, got "
+                        f"{p.dtype} (shape {tuple(p.shape)})")
+
+
 def make_device(device: torch.device):
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -31,46 +31,116 @@ def balanced_owners(sizes: list[int], world: int) -> list[int]:
 
 
 class DataParallel:
-    def __init__(self, engine) -> None:
+    """The data-parallel strategy: SingleProcess's interface (parallel.py) over a process group."""
+
+    distributed = True
+
+    def __init__(self, buckets, dev, wait_job) -> None:
+        """buckets: the engine's, in forward order; dev: its device (devices.py); wait_job: blocks
+        until an engine-thread job ran (the owner's update, before its broadcast)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ramstream: distributed=True needs torch.distributed initialised "
                                "(dist.init_process_group) first")
-        self.engine = engine
+        self.dev = dev
+        self.device = dev.device
+        self.buckets = buckets
+        self._wait_job = wait_job
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         backend = dist.get_backend()
         self.grad_group = dist.new_group(backend=backend)
         self.weight_group = dist.new_group(backend=backend)
-        self.owner = balanced_owners([b.numel for b in engine.buckets], self.world)
+        self.owner = balanced_owners([b.numel for b in buckets], self.world)
+        self._next = -1                   # the next bucket to reduce (descending order)
+        self._ready: set[int] = set()     # complete buckets waiting for their turn
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ramstream-comm", daemon=True)
-        self._stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread.start()
 
     def owns(self, b) -> bool:
         return self.owner[b.index] == self.rank
 
     # ---- gradients (training thread, during backward) ---------------------------------------
-    def reduce(self, b, flat: torch.Tensor) -> None:
-        """Sums `flat` (the bucket's gradients, on the compute device) onto the owner."""
-        dist.reduce(flat, dst=self.owner[b.index], op=dist.ReduceOp.SUM, group=self.grad_group)
+    def lands_alone(self, s) -> bool:
+        """Never: a bucket's gradients are summed across ranks on the device first."""
+        return False
+
+    def new_staging(self, b) -> tuple[torch.Tensor, int]:
+        """The whole bucket, zeros: a slot that gets no gradient on this rank adds zero."""
+        return self.dev.zeros(b.numel, b.dtype), 0
+
+    def complete(self, b) -> bool:
+        """Every trainable slot is reduced in each pass, also one unfrozen after a step without
+        it: the bucket is complete when all of them arrived."""
+        return all(x.micro_arrived or not x.param.requires_grad for x in b.slots)
+
+    def begin_backward(self, buckets) -> None:
+        self._next = len(buckets) - 1
+
+    def on_bucket_complete(self, b, flush) -> None:
+        """Every rank must issue the reduces in the same order, but which bucket completes when
+        depends on this rank's graph (a branch taken on one rank only), so buckets are reduced in
+        descending index order (backward order of a model whose parameters are registered in
+        forward order): b waits for the buckets after it; end_backward reduces whatever is
+        left, in the same order."""
+        self._ready.add(b.index)
+        while self._next >= 0 and self._next in self._ready:
+            self._ready.discard(self._next)
+            flush(self.buckets[self._next])
+            self._next -= 1
+
+    def end_backward(self, buckets, flush) -> None:
+        """The buckets not reduced yet, in on_bucket_complete's order."""
+        for i in range(self._next, -1, -1):
+            b = buckets[i]
+            self._ready.discard(i)
+            if b.micro_list or any(s.param.requires_grad and not s.micro_arrived
+                                   for s in b.slots):
+                flush(b)
+        self._next = -1
+
+    def reduce(self, b, arrived: list) -> list:
+        """Sums b's staging buffer (its gradients, on the compute device) onto the owner. Every
+        trainable slot of the bucket counts as arrived on every rank (a missing gradient is
+        zero), so all ranks agree on steps; returns those slots."""
+        if b.staging is None:
+            b.staging, b.staging_lo = self.new_staging(b)
+        for s in b.slots:
+            if s.param.requires_grad and not s.micro_arrived:
+                s.micro_arrived = True
+                s.arrivals += 1
+        dist.reduce(b.staging, dst=self.owner[b.index], op=dist.ReduceOp.SUM,
+                    group=self.grad_group)
+        return [s for s in b.slots if s.param.requires_grad]
+
+    def on_abandoned_pass(self) -> None:
+        raise RuntimeError(
+            "ramstream: a backward pass raised on this rank under data parallel; the other "
+            "ranks wait in its collectives, so the process group cannot continue (as with "
+            "DistributedDataParallel): restart from a checkpoint")
+
+    def all_reduce_norm(self, sq_norm: float) -> float:
+        """The squared norm of the averaged gradient, from this rank's owned share."""
+        return self.all_reduce_scalar(sq_norm) / self.world ** 2
 
     def all_reduce_scalar(self, x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64,
-                         device=self.engine.device if dist.get_backend() == "nccl" else "cpu")
+                         device=self.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t, group=self.grad_group)
         return float(t.item())
 
     # ---- weights (comm thread, after the owner's update) ---------------------------------
-    def broadcast_after_update(self, b) -> None:
+    def broadcast(self, b) -> bool:
         """Queues the broadcast of b's new weights; b.bcast_done is set once it has landed."""
         b.bcast_done.clear()
         self._q.put(b)
+        return True
 
     def _run(self) -> None:
         if self._stream is not None:
-            torch.cuda.set_device(self.engine.device)
+            torch.cuda.set_device(self.device)
         while True:
             b = self._q.get()
             if b is None:
@@ -84,9 +154,8 @@ class DataParallel:
                 b.bcast_done.set()
 
     def _broadcast(self, b) -> None:
-        e = self.engine
         if self.owns(b):
-            e.worker.wait(b.update_seq)
+            self._wait_job(b.update_seq)
         if self._stream is None:
             dist.broadcast(b.device_flat, src=self.owner[b.index], group=self.weight_group)
             return
@@ -98,18 +167,20 @@ class DataParallel:
             ev.record(self._stream)
         b.bcast_event = ev
 
-    def wait(self, b) -> None:
+    def wait(self, b) -> bool:
+        """The owner's weights of b have landed here (covers the owner's update)."""
         b.bcast_done.wait()
         if self._error is not None:
             raise RuntimeError(f"ramstream: weight broadcast failed: {self._error!r}") from self._error
         if self._stream is not None and b.bcast_event is not None:
-            torch.cuda.current_stream(self.engine.device).wait_event(b.bcast_event)
+            torch.cuda.current_stream(self.device).wait_event(b.bcast_event)
+        return True
 
     def state_from_owner(self, b, tensors: list[torch.Tensor | None], like: list[torch.Tensor]):
         """Every rank gets the owner's copy of a bucket's state tensors (for state_dict)."""
         out = []
         for t, ref in zip(tensors, like):
-            dev = self.engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
             buf = (t.to(dev) if t is not None else torch.empty_like(ref, device=dev))
             dist.broadcast(buf, src=self.owner[b.index], group=self.weight_group)
             out.append(buf.cpu())

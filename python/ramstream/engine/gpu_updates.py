@@ -7,41 +7,63 @@ from .._native import lib
 from .host_jobs import dtype_code
 
 
-def launch_mapped(engine, b, slots, hyper_of, grad_scale: float) -> None:
-    """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
-    produced their gradients); their gradients are released once it has run."""
-    C = lib()
-    engine._throttle(sum(s.param.grad.nbytes for s in slots))
-    stream = engine.dev.begin_update()
-    mcode = dtype_code(b.exp_avg.dtype)
-    for s in slots:
-        g = s.param.grad
-        h = hyper_of(s.group)
-        off = s.offset
-        if b.master is None:       # fp32 weights are their own master
-            param, out, ocode = s.param.data_ptr(), 0, 0
-        else:
-            param = b.master.data_ptr() + 4 * off
-            out, ocode = s.param.data_ptr(), dtype_code(b.dtype)
-        esz = b.exp_avg.element_size()
-        C.cuda_adamw_ptr(param, g.data_ptr(), dtype_code(g.dtype),
-                         b.exp_avg.data_ptr() + esz * off, b.exp_avg_sq.data_ptr() + esz * off,
-                         mcode, out, ocode, s.numel, b.state_offset + off, h.lr, h.beta1,
-                         h.beta2, h.eps, h.weight_decay, s.step, grad_scale, engine.seed,
-                         stream, engine.device.index)
-        g.record_stream(engine.dev.upd)
-        s.param.grad = None
-    engine.stats["gpu_updates"] += len(slots)
-    b.h2d_event = engine.dev.end_update()
-    engine._track(b.h2d_event, sum(s.numel for s in slots) * b.dtype.itemsize)
-    engine._mark_pending(b)
+class MappedUpdates:
+    """The updater's GPU half (training thread): queues the CUDA AdamW of mapped slots, and the
+    squared norms of their gradients for clipping, on the device's update stream. The update
+    writes the new weights in place; the weight return learns of it through the event."""
 
+    def __init__(self, *, dev, device: torch.device, seed: int, inflight, weights, stats) -> None:
+        self.dev, self.device, self.seed = dev, device, seed
+        self.inflight, self.weights, self.stats = inflight, weights, stats
+        self._norm = None               # float64 device scalar: sum of squared mapped gradients
 
-def dev_norm_add(engine, g: torch.Tensor) -> None:
-    """Adds the squared norm of a mapped slot's gradient to a device scalar (clipping)."""
-    if engine._dev_norm is None:
-        engine._dev_norm = torch.zeros(1, dtype=torch.float64, device=engine.device)
-    stream = engine.dev.begin_update()
-    lib().cuda_sq_norm(g.detach(), engine._dev_norm, accumulate=True, stream=stream,
-                       device=engine.device.index)
-    engine.dev.end_update()
+    def launch(self, b, slots, hyper_of, grad_scale: float) -> None:
+        """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
+        produced their gradients); their gradients are released once it has run."""
+        C = lib()
+        self.inflight.throttle(sum(s.param.grad.nbytes for s in slots))
+        stream = self.dev.begin_update()
+        mcode = dtype_code(b.exp_avg.dtype)
+        for s in slots:
+            g = s.param.grad
+            h = hyper_of(s.group)
+            off = s.offset
+            if b.master is None:       # fp32 weights are their own master
+                param, out, ocode = s.param.data_ptr(), 0, 0
+            else:
+                param = b.master.data_ptr() + 4 * off
+                out, ocode = s.param.data_ptr(), dtype_code(b.dtype)
+            esz = b.exp_avg.element_size()
+            C.cuda_adamw_ptr(param, g.data_ptr(), dtype_code(g.dtype),
+                             b.exp_avg.data_ptr() + esz * off, b.exp_avg_sq.data_ptr() + esz * off,
+                             mcode, out, ocode, s.numel, b.state_offset + off, h.lr, h.beta1,
+                             h.beta2, h.eps, h.weight_decay, s.step, grad_scale, self.seed,
+                             stream, self.device.index)
+            g.record_stream(self.dev.upd)
+            s.param.grad = None
+        self.stats["gpu_updates"] += len(slots)
+        event = self.dev.end_update()
+        self.inflight.track(event, sum(s.numel for s in slots) * b.dtype.itemsize)
+        self.weights.updated_in_place(b, event)
+
+    def norm_add(self, g: torch.Tensor) -> None:
+        """Adds the squared norm of a mapped slot's gradient to a device scalar (clipping)."""
+        if self._norm is None:
+            self._norm = torch.zeros(1, dtype=torch.float64, device=self.device)
+        stream = self.dev.begin_update()
+        lib().cuda_sq_norm(g.detach(), self._norm, accumulate=True, stream=stream,
+                           device=self.device.index)
+        self.dev.end_update()
+
+    def take_sq_norm(self) -> float:
+        """Waits for the queued norms; returns their sum and starts the next one from zero."""
+        if self._norm is None:
+            return 0.0
+        self.dev.upd.synchronize()
+        total = float(self._norm.item())
+        self._norm.zero_()
+        return total
+
+    def discard(self) -> None:
+        if self._norm is not None:
+            self._norm.zero_()

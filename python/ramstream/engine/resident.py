@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from .backward import track_pass
-from .core import _grad_hook, _weak_method, clip_coefficient
+from .intake import _grad_hook, _weak_method, track_pass
 from .layout import master_flat, replaced_params
+from .updater import clip_coefficient
 
 
 def device_memory(device: torch.device) -> dict | None:
@@ -79,7 +79,7 @@ class Resident:
         self._in_backward, self._task = False, -1
         self._on_grad_weak = _weak_method(self, "_on_grad")
         self._hooks = {s.index: self._hook(s) for s in self.slots}
-        self._frozen_hooks = [_grad_hook(p, _weak_method(engine, "_on_frozen_grad"))
+        self._frozen_hooks = [_grad_hook(p, _weak_method(engine.intake, "on_frozen_grad"))
                               for p in engine.frozen]
 
     # ---- backward -----------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""The updater: turns landed gradients into new weights and hands those to the weight return.
+
+It owns the engine thread (worker.py) and queues its host jobs (host_jobs.py: land, accumulate,
+norm, AdamW); a mapped bucket's update runs on the GPU instead (gpu_updates.py). Eagerly, a
+bucket is updated as soon as its gradients landed in the last micro-batch's backward; otherwise
+(clipping, which needs the global norm first; eager_updates=False) step() queues the updates,
+in bucket order, i.e. the order the next forward reads the weights. Each host update ends with
+the weight return's send() on the engine thread.
+
+Training thread, except the job bodies (_land_job, _update_and_send: engine thread).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .gpu_updates import MappedUpdates
+from .host_jobs import Piece, add_sq_norm, land, update
+
+
+class Updater:
+    def __init__(self, *, buckets, dev, device, parallel, weights, inflight, worker, hypers,
+                 stats: dict, seed: int, accumulation_steps: int, max_grad_norm: float | None,
+                 eager_updates: bool) -> None:
+        """hypers(): the param groups' hyper-parameters, validated (a list of Hyper)."""
+        self.buckets, self.dev, self.parallel, self.weights = buckets, dev, parallel, weights
+        self.worker = worker
+        self.hypers = hypers
+        self.stats, self.seed = stats, seed
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.eager_updates = eager_updates
+        self.mapped = MappedUpdates(dev=dev, device=device, seed=seed, inflight=inflight,
+                                    weights=weights, stats=stats)
+        self.last_grad_norm: float | None = None
+        self._pass_hypers = None
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def wait_job(self, seq: int) -> None:
+        self.worker.wait(seq)
+
+    def drain(self) -> None:
+        self.worker.drain()
+
+    def raise_if_failed(self) -> None:
+        self.worker.raise_if_failed()
+
+    # ---- during backward ------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self.worker.raise_if_failed()
+        self._pass_hypers = None
+
+    def pass_hypers(self):
+        """param_groups' hyper-parameters, read (and validated) once per backward pass."""
+        if self._pass_hypers is None:
+            self._pass_hypers = self.hypers()
+        return self._pass_hypers
+
+    def mapped_gradient(self, b, s) -> None:
+        """The last micro-batch's gradient of mapped slot s is in s.param.grad."""
+        if self.max_grad_norm is not None:
+            self.mapped.norm_add(s.param.grad)   # the update waits for the global norm
+            return
+        if not self.eager_updates:
+            return                               # step() launches it
+        hyper = self.pass_hypers()[s.group]
+        s.step += 1
+        s.updated = True
+        self.mapped.launch(b, [s], hyper_of=lambda g: hyper, grad_scale=1.0)
+
+    def landed(self, b, slots, ev, final: bool) -> None:
+        """The gradients of `slots` are on their way into b's landing buffer (done at device
+        event `ev`): queues the job that folds them in (accumulation, norm) and, eagerly in the
+        last micro-batch without clipping, updates the bucket."""
+        accumulate = self.accumulation_steps > 1
+        pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
+        eager = final and self.max_grad_norm is None and self.eager_updates
+        want_norm = final and self.max_grad_norm is not None
+        hypers = self.pass_hypers() if eager else None
+        scale = 1.0 / self.parallel.world
+        if eager:
+            for s in slots:
+                s.step += 1
+                s.updated = True
+            self.weights.mark_pending(b)
+
+        def job() -> None:
+            self.dev.host_wait(ev)
+            t0 = time.perf_counter()
+            land(b, pieces, accumulate, want_norm)
+            self.stats["host_land_s"] += time.perf_counter() - t0
+            if eager:
+                self._update_and_send(b, pieces, hypers, scale, accumulate)
+
+        seq = self.worker.submit(job, priority=b.index, deps=(b.last_seq,))
+        b.last_seq = b.landing_seq = seq
+        if eager:
+            b.update_seq = seq
+
+    def _update_and_send(self, b, pieces, hypers, grad_scale: float, accumulate: bool) -> None:
+        """Engine thread: AdamW on a host bucket's pieces, then the new weights to the device."""
+        t0 = time.perf_counter()
+        out = b.device_flat if self.dev.type == "cpu" else b.landing
+        ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
+        self.stats["host_update_s"] += time.perf_counter() - t0
+        self.weights.send(b, ranges)
+
+    # ---- step() -----------------------------------------------------------------------------------
+    def step(self, todo, micro: int) -> None:
+        """Queues the updates of the slots in `todo` (they got gradients, their update is not
+        queued yet) after `micro` backward passes."""
+        hypers = self.hypers()       # validated before anything is changed
+        if self.max_grad_norm is not None and micro < self.accumulation_steps:
+            self._norms_now(todo)
+        grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
+                      else 1.0) / self.parallel.world
+        accumulate = self.accumulation_steps > 1
+        by_bucket: dict[int, list] = {}
+        for s in todo:
+            by_bucket.setdefault(s.bucket.index, []).append(s)
+        for bi in sorted(by_bucket):
+            b, slots = self.buckets[bi], by_bucket[bi]
+            for s in slots:
+                s.step += 1
+            if not self.parallel.owns(b):
+                continue
+            if b.placement == "mapped":
+                self.mapped.launch(b, slots, hyper_of=lambda g: hypers[g], grad_scale=grad_scale)
+                continue
+            pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
+            self.weights.mark_pending(b)
+            seq = self.worker.submit(
+                lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale,
+                                                                 accumulate),
+                priority=b.index, deps=(b.last_seq,))
+            b.last_seq = b.update_seq = b.landing_seq = seq
+
+    def _norms_now(self, todo) -> None:
+        """step() after fewer backward passes than accumulation_steps (the end of an epoch,
+        say): the squared norms, otherwise taken in the last micro-batch, of what was summed."""
+        by_bucket: dict[int, list[Piece]] = {}
+        for s in todo:
+            if s.bucket.placement == "mapped":
+                self.mapped.norm_add(s.param.grad)    # its gradients wait in .grad
+            elif self.parallel.owns(s.bucket):
+                by_bucket.setdefault(s.bucket.index, []).append(
+                    Piece(s.offset, s.numel, s.group, s.step, False))
+        for bi, pieces in by_bucket.items():
+            b = self.buckets[bi]
+            seq = self.worker.submit(lambda b=b, pieces=pieces: add_sq_norm(b, pieces, b.acc),
+                                     priority=b.index, deps=(b.last_seq,))
+            b.last_seq = b.landing_seq = seq
+
+    def _clip_coefficient(self) -> float:
+        """Waits for every gradient's squared norm (host buckets: computed as they landed;
+        mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
+        total = 0.0
+        for b in self.buckets:
+            if b.placement == "host" and self.parallel.owns(b):
+                self.worker.wait(b.landing_seq)
+                total += b.sq_norm
+                b.sq_norm = 0.0
+        total += self.mapped.take_sq_norm()
+        total = self.parallel.all_reduce_norm(total)   # data parallel: of the averaged gradient
+        self.last_grad_norm = math.sqrt(total)
+        return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
+
+    def discard(self) -> None:
+        """The gradients gathered since the last step were dropped: so are their GPU norms."""
+        self.mapped.discard()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor, in float32 as torch computes it."""
+    t = torch.tensor(total_norm, dtype=torch.float32)
+    coef = torch.tensor(max_norm, dtype=torch.float32) / (t + 1e-6)
+    return float(torch.clamp(coef, max=1.0))

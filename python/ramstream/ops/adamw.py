@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from .._native import lib
+from . import _raw
 from ._checks import bump_version, check_no_overlap
 
 __all__ = ["adamw_", "sq_norm", "accumulate_"]
@@ -183,7 +184,7 @@ def sq_norm(tensor: torch.Tensor) -> float:
 
         return _cuda.sq_norm(tensor)
     _host(op, "tensor", tensor)
-    return float(lib().sq_norm(tensor.detach().contiguous()))
+    return float(_raw.sq_norm(x=tensor.contiguous()))
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -21,28 +21,35 @@ __all__ = ["accumulate_ptr", "adamw_ptr", "cuda_adamw_ptr", "cuda_sq_norm", "dty
 _codes: dict = {}
 
 
+def _load_codes() -> dict:
+    c = lib()
+    _codes.update({torch.float32: c.DTYPE_FLOAT32, torch.bfloat16: c.DTYPE_BFLOAT16,
+                   torch.float16: c.DTYPE_FLOAT16})
+    return _codes
+
+
 def dtype_code(dtype: torch.dtype, name: str = "dtype") -> int:
     """The ``_C.DTYPE_*`` code of a float32/bfloat16/float16 dtype."""
-    if not _codes:
-        c = lib()
-        _codes.update({torch.float32: c.DTYPE_FLOAT32, torch.bfloat16: c.DTYPE_BFLOAT16,
-                       torch.float16: c.DTYPE_FLOAT16})
     try:
-        return _codes[dtype]
+        return (_codes or _load_codes())[dtype]
     except (KeyError, TypeError):
         raise TypeError(f"ramstream: {name} must be torch.float32/bfloat16/float16, got "
                         f"{dtype!r}") from None
 
 
-def _adamw_args(param, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out, out_dtype, n,
-                offset, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed) -> tuple:
+def _adamw_codes(grad_dtype, moment_dtype, out, out_dtype) -> tuple[int, int, int]:
+    """The codes of the three dtypes (out's 0 when there is no out), in one lookup each: these
+    wrappers run once per parameter and step."""
+    try:
+        codes = _codes or _load_codes()
+        return codes[grad_dtype], codes[moment_dtype], codes[out_dtype] if out else 0
+    except (KeyError, TypeError):
+        pass
     if out and out_dtype is None:
         raise TypeError("ramstream: out_dtype must be torch.float32/bfloat16/float16 when out is "
                         "given, got None")
-    ocode = dtype_code(out_dtype, "out_dtype") if out else 0
-    return (param, grad, dtype_code(grad_dtype, "grad_dtype"), exp_avg, exp_avg_sq,
-            dtype_code(moment_dtype, "moment_dtype"), out, ocode, n, offset, lr, beta1, beta2,
-            eps, weight_decay, step, grad_scale, seed)
+    return (dtype_code(grad_dtype, "grad_dtype"), dtype_code(moment_dtype, "moment_dtype"),
+            dtype_code(out_dtype, "out_dtype") if out else 0)
 
 
 def adamw_ptr(*, param: int, grad: int, grad_dtype: torch.dtype, exp_avg: int, exp_avg_sq: int,
@@ -55,9 +62,9 @@ def adamw_ptr(*, param: int, grad: int, grad_dtype: torch.dtype, exp_avg: int, e
     (it may be ``grad`` itself when the dtypes match). ``offset`` is the index of element 0 in the
     whole state (stochastic rounding of bf16 moments). Numerics of ``ramstream.ops.adamw.adamw_``.
     Runs on the host thread pool, GIL released."""
-    lib().adamw_ptr(*_adamw_args(param, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out,
-                                 out_dtype, n, offset, lr, beta1, beta2, eps, weight_decay, step,
-                                 grad_scale, seed))
+    g, m, o = _adamw_codes(grad_dtype, moment_dtype, out, out_dtype)
+    lib().adamw_ptr(param, grad, g, exp_avg, exp_avg_sq, m, out, o, n, offset, lr, beta1, beta2,
+                    eps, weight_decay, step, grad_scale, seed)
 
 
 def cuda_adamw_ptr(*, param: int, grad: int, grad_dtype: torch.dtype, exp_avg: int,
@@ -67,9 +74,9 @@ def cuda_adamw_ptr(*, param: int, grad: int, grad_dtype: torch.dtype, exp_avg: i
                    out: int = 0, out_dtype: torch.dtype | None = None) -> None:
     """CUDA AdamW on device-accessible addresses (VRAM, or mapped pinned host memory), the same
     arguments as ``adamw_ptr`` plus ``stream`` and ``device`` (its index); queued on ``stream``."""
-    lib().cuda_adamw_ptr(*_adamw_args(param, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype,
-                                      out, out_dtype, n, offset, lr, beta1, beta2, eps,
-                                      weight_decay, step, grad_scale, seed), stream, device)
+    g, m, o = _adamw_codes(grad_dtype, moment_dtype, out, out_dtype)
+    lib().cuda_adamw_ptr(param, grad, g, exp_avg, exp_avg_sq, m, out, o, n, offset, lr, beta1,
+                         beta2, eps, weight_decay, step, grad_scale, seed, stream, device)
 
 
 def sq_norm_ptr(*, ptr: int, dtype: torch.dtype, n: int) -> float:

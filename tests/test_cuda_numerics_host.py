@@ -16,6 +16,7 @@ import torch
 import _spec_reference as ref
 
 HEADER_DIR = Path(__file__).resolve().parents[1] / "cuda" / "src"
+CORE_INCLUDE = Path(__file__).resolve().parents[1] / "cpp" / "include"  # ramstream/rounding.h
 
 SHIM = r"""
 #include "numerics.cuh"
@@ -59,7 +60,7 @@ def shim(tmp_path_factory):
     # -ffp-contract=off: the host build of the header must not fuse (the device build uses _rn
     # intrinsics, which nvcc never fuses).
     subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC",
-                    f"-I{HEADER_DIR}", str(d / "shim.cpp"), "-o", str(so)], check=True)
+                    f"-I{HEADER_DIR}", f"-I{CORE_INCLUDE}", str(d / "shim.cpp"), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     P, LL = ctypes.c_void_p, ctypes.c_longlong
     lib.rs_adamw.argtypes = [P, P, P, P, LL, ctypes.c_double, ctypes.c_double, ctypes.c_double,

@@ -3,14 +3,15 @@
 #include "ramstream/adamw.h"
 
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
 
 #include "cpu/adamw_kernels.h"
+#include "ramstream/adamw_rules.h"
 #include "ramstream/cpu_features.h"
+#include "ramstream/rounding.h"
 
 #if defined(RAMSTREAM_HAVE_X86_ISAS) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -29,12 +30,6 @@ constexpr std::int64_t kGranule = 16;         // chunk boundaries: multiples of 
 constexpr std::int64_t kMinChunk = 32 * 1024;  // below this a call runs inline
 constexpr std::int64_t kStreamMinElems = 1 << 18;  // out gets non-temporal stores from here on
 constexpr int kTasksPerThread = 4;  // several tasks per thread: the pool balances late threads
-
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  return buf;
-}
 
 using AdamWRangeFn = void (*)(const cpu::AdamWKernelArgs&, std::int64_t, std::int64_t);
 
@@ -73,44 +68,14 @@ bool overlaps(const void* a, std::int64_t an, const void* b, std::int64_t bn) {
   return x < y + static_cast<std::uintptr_t>(bn) && y < x + static_cast<std::uintptr_t>(an);
 }
 
-std::uint32_t sr_key(std::uint64_t seed, std::int64_t step, int moment) {
-  return static_cast<std::uint32_t>(seed) * 0xC2B2AE3Du +
-         static_cast<std::uint32_t>(seed >> 32) * 0x27D4EB2Fu +
-         static_cast<std::uint32_t>(step) * 0x165667B1u +
-         static_cast<std::uint32_t>(moment) * 0xD3A2646Cu;
-}
-
 }  // namespace
 
 std::uint32_t sr_bits(std::uint64_t seed, std::int64_t step, std::int64_t index, int moment) {
-  const std::uint64_t idx = static_cast<std::uint64_t>(index);
-  std::uint32_t k = static_cast<std::uint32_t>(idx) * 0x9E3779B1u +
-                    static_cast<std::uint32_t>(idx >> 32) * 0x85EBCA77u + sr_key(seed, step, moment);
-  k ^= k >> 16;
-  k *= 0x7FEB352Du;
-  k ^= k >> 15;
-  k *= 0x846CA68Bu;
-  k ^= k >> 16;
-  return k & 0xFFFFu;
+  return rounding::bits(rounding::key_base(seed, step), static_cast<std::uint64_t>(index),
+                        static_cast<std::uint32_t>(moment));
 }
 
-Status validate_adamw_hyper(const AdamWHyper& h) {
-  if (!std::isfinite(h.lr) || h.lr < 0)
-    return Status::invalid("adamw: lr must be a finite number >= 0, got " + num(h.lr));
-  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1)
-    return Status::invalid("adamw: beta1 must be in [0, 1), got " + num(h.beta1));
-  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1)
-    return Status::invalid("adamw: beta2 must be in [0, 1), got " + num(h.beta2));
-  if (!std::isfinite(h.eps) || h.eps <= 0)
-    return Status::invalid("adamw: eps must be a finite number > 0, got " + num(h.eps));
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0)
-    return Status::invalid("adamw: weight_decay must be a finite number >= 0, got " +
-                           num(h.weight_decay));
-  if (h.step < 1) return Status::invalid("adamw: step must be >= 1, got " + std::to_string(h.step));
-  if (!std::isfinite(h.grad_scale))
-    return Status::invalid("adamw: grad_scale must be finite, got " + num(h.grad_scale));
-  return Status::ok();
-}
+Status validate_adamw_hyper(const AdamWHyper& h) { return adamw_hyper_status(h); }
 
 Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool) {
   RAMSTREAM_RETURN_IF_ERROR(validate_adamw_hyper(h));
@@ -177,8 +142,8 @@ Status adamw_step(const AdamWBuffers& b, const AdamWHyper& h, ThreadPool& pool) 
   a.neg_step_size = static_cast<float>(-step_size);
   a.grad_scale = h.grad_scale;
   a.has_scale = h.grad_scale != 1.0f;
-  a.sr_key[0] = sr_key(h.seed, h.step, 0);
-  a.sr_key[1] = sr_key(h.seed, h.step, 1);
+  a.sr_key[0] = rounding::key(h.seed, h.step, 0);
+  a.sr_key[1] = rounding::key(h.seed, h.step, 1);
 
   const AdamWRangeFn fn = pick_adamw_kernel();
   pool.parallel_for(

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "numerics.cuh"
+#include "ramstream/adamw_rules.h"
 #include "ramstream/cuda/adamw.h"
 #include "ramstream/cuda/common.h"
 
@@ -193,22 +194,6 @@ __global__ void __launch_bounds__(kThreads) adamw_scalar_kernel(AdamWArgs a) {
 // ---- host side -----------------------------------------------------------------------------
 bool aligned(const void* p, std::uintptr_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
 
-Status validate_hyper(const AdamWHyper& h) {
-  auto bad = [](const char* what, const std::string& rule, double v) {
-    return Status::invalid(std::string("adamw: ") + what + " must be " + rule + ", got " +
-                           std::to_string(v));
-  };
-  if (!std::isfinite(h.lr) || h.lr < 0) return bad("lr", "a finite float >= 0", h.lr);
-  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1) return bad("beta1", "in [0, 1)", h.beta1);
-  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1) return bad("beta2", "in [0, 1)", h.beta2);
-  if (!std::isfinite(h.eps) || h.eps <= 0) return bad("eps", "a finite float > 0", h.eps);
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0)
-    return bad("weight_decay", "a finite float >= 0", h.weight_decay);
-  if (!std::isfinite(h.grad_scale)) return bad("grad_scale", "finite", h.grad_scale);
-  if (h.step < 1) return Status::invalid("adamw: step must be >= 1, got " + std::to_string(h.step));
-  return Status::ok();
-}
-
 Status validate_buffers(const AdamWBuffers& b) {
   if (b.n < 0) return Status::invalid("adamw: n must be >= 0, got " + std::to_string(b.n));
   if (b.offset < 0)
@@ -246,7 +231,7 @@ Status launch(const AdamWArgs& a, bool vector, cudaStream_t stream) {
 
 Status adamw(const AdamWBuffers& b, const AdamWHyper& h, cudaStream_t stream) {
   RAMSTREAM_RETURN_IF_ERROR(validate_buffers(b));
-  RAMSTREAM_RETURN_IF_ERROR(validate_hyper(h));
+  RAMSTREAM_RETURN_IF_ERROR(adamw_hyper_status(h));
   if (b.n == 0) return Status::ok();
 
   AdamWArgs a;

@@ -10,11 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define RS_HD __host__ __device__ __forceinline__
-#else
-#define RS_HD inline
-#endif
+#include "ramstream/hd.h"
+#include "ramstream/rounding.h"
+
+#define RS_HD RAMSTREAM_HD_INLINE
 
 namespace ramstream::cuda::detail {
 
@@ -92,24 +91,15 @@ RS_HD std::uint16_t float_to_bf16_rne(float f) {
 }
 
 // ---- stochastic rounding of bf16 moments (rule 2) -----------------------------------------
+// The hash itself is ramstream/rounding.h (shared with the host kernels); these are its names here.
 // The (seed, step) part of the hash key, computed once per launch (sums commute mod 2^32).
 RS_HD std::uint32_t sr_key_base(std::uint64_t seed, std::int64_t step) {
-  return static_cast<std::uint32_t>(seed) * 0xC2B2AE3Du +
-         static_cast<std::uint32_t>(seed >> 32) * 0x27D4EB2Fu +
-         static_cast<std::uint32_t>(step) * 0x165667B1u;
+  return rounding::key_base(seed, step);
 }
 
 // 16 random bits for element `idx` (= index + offset) of moment 0 (exp_avg) or 1 (exp_avg_sq).
 RS_HD std::uint32_t sr_bits(std::uint32_t key_base, std::uint64_t idx, std::uint32_t moment) {
-  std::uint32_t k = static_cast<std::uint32_t>(idx) * 0x9E3779B1u +
-                    static_cast<std::uint32_t>(idx >> 32) * 0x85EBCA77u + key_base +
-                    moment * 0xD3A2646Cu;
-  k ^= k >> 16;
-  k *= 0x7FEB352Du;
-  k ^= k >> 15;
-  k *= 0x846CA68Bu;
-  k ^= k >> 16;
-  return k & 0xFFFFu;
+  return rounding::bits(key_base, idx, moment);
 }
 
 // bf16 = (bits + r) >> 16; inf and NaN are truncated (NaN kept quiet).

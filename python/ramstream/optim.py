@@ -6,11 +6,11 @@ torch.optim.AdamW(fused=True) on the CPU (fp32 master weights on the host).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from .ops import _adamw_rules as _rules
 from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_moment_dtype,
                       parse_threads)
 
@@ -19,30 +19,12 @@ _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=Fal
 SWITCH_AFTER_STEPS = 2
 
 
-def _number(v):
-    """A one-element floating tensor (torch accepts them for lr and betas) as a float."""
-    if torch.is_tensor(v) and v.numel() == 1 and v.is_floating_point():
-        return float(v)
-    return v
-
-
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    def bad(name, value, accepted):
-        return ValueError(f"OffloadAdamW: {name}={value!r} is invalid; accepted: {accepted}")
-
-    lr = _number(lr)
-    if isinstance(betas, (tuple, list)):
-        betas = tuple(_number(b) for b in betas)
-
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise bad("lr", lr, "a finite float >= 0")
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and math.isfinite(b) and 0 <= b < 1 for b in betas)):
-        raise bad("betas", betas, "a pair of floats in [0, 1)")
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise bad("eps", eps, "a finite float > 0")
-    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) or weight_decay < 0:
-        raise bad("weight_decay", weight_decay, "a finite float >= 0")
+    """The rules of ramstream.ops._adamw_rules; ValueError naming the bad one."""
+    b1, b2 = _rules.check_betas("OffloadAdamW", betas)
+    _rules.check_hypers("OffloadAdamW", lr=lr, beta1=b1, beta2=b2, eps=eps,
+                        weight_decay=weight_decay, names={"beta1": "betas[0]", "beta2": "betas[1]"},
+                        type_error=ValueError)
 
 
 class OffloadAdamW(torch.optim.Optimizer):

@@ -56,8 +56,9 @@ struct AdamWBuffers {
   std::int64_t offset = 0;             // index of element 0 in its state (random stream only)
 };
 
-// Validates the hyper-parameters (finite, lr >= 0, 0 <= beta < 1, eps > 0, wd >= 0, step >= 1,
-// grad_scale finite). kInvalidArgument with a message naming the field otherwise.
+// Validates the hyper-parameters by the rules of ramstream/adamw_rules.h (finite, lr >= 0,
+// 0 <= beta < 1, eps > 0, wd >= 0, step >= 1, grad_scale finite), shared with the CUDA kernel.
+// kInvalidArgument with a message naming the field otherwise.
 Status validate_adamw_hyper(const AdamWHyper& h);
 
 // One AdamW step over b.n elements on `pool`. Buffers must not overlap one another, except that

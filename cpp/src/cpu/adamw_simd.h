@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ramstream/rounding.h"
+
 namespace ramstream::cpu::RAMSTREAM_ISA_NS {
 namespace {
 
@@ -83,23 +85,15 @@ inline std::uint16_t f32_to_f16_rne(float f) {
   return static_cast<std::uint16_t>(sign | q);
 }
 
-// docs/NUMERICS.md rule 2, hash constants.
-constexpr std::uint32_t kSrIdxLo = 0x9E3779B1u;
-constexpr std::uint32_t kSrIdxHi = 0x85EBCA77u;
-constexpr std::uint32_t kSrMix1 = 0x7FEB352Du;
-constexpr std::uint32_t kSrMix2 = 0x846CA68Bu;
+// docs/NUMERICS.md rule 2: the hash is ramstream/rounding.h; these names are its parts, for the
+// vector forms below.
+constexpr std::uint32_t kSrIdxLo = rounding::kIdxLo;
+constexpr std::uint32_t kSrIdxHi = rounding::kIdxHi;
+constexpr std::uint32_t kSrMix1 = rounding::kMix1;
+constexpr std::uint32_t kSrMix2 = rounding::kMix2;
 
-inline std::uint32_t sr_index_term(std::uint64_t idx) {
-  return static_cast<std::uint32_t>(idx) * kSrIdxLo + static_cast<std::uint32_t>(idx >> 32) * kSrIdxHi;
-}
-inline std::uint32_t sr_finish(std::uint32_t k) {
-  k ^= k >> 16;
-  k *= kSrMix1;
-  k ^= k >> 15;
-  k *= kSrMix2;
-  k ^= k >> 16;
-  return k & 0xFFFFu;
-}
+inline std::uint32_t sr_index_term(std::uint64_t idx) { return rounding::index_term(idx); }
+inline std::uint32_t sr_finish(std::uint32_t k) { return rounding::finish(k); }
 // bf16 = (bits + r) >> 16, except inf/NaN: bits >> 16 (NaN kept quiet).
 inline std::uint16_t f32_to_bf16_sr(float f, std::uint32_t r) {
   const std::uint32_t u = f32_bits(f);

@@ -164,21 +164,9 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
     def _hypers(self) -> list[Hyper]:
-        out = []
-        for i, g in enumerate(self.param_groups):
-            lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-            lr = float(lr.item() if torch.is_tensor(lr) else lr)
-            bad = [(n, v) for n, v, ok in (
-                ("lr", lr, math.isfinite(lr) and lr >= 0),
-                ("betas[0]", b1, math.isfinite(b1) and 0 <= b1 < 1),
-                ("betas[1]", b2, math.isfinite(b2) and 0 <= b2 < 1),
-                ("eps", eps, math.isfinite(eps) and eps > 0),
-                ("weight_decay", wd, math.isfinite(wd) and wd >= 0)) if not ok]
-            if bad:
-                n, v = bad[0]
-                raise ValueError(f"ramstream: param_groups[{i}]['{n}'] = {v!r} is invalid")
-            out.append(Hyper(lr, float(b1), float(b2), float(eps), float(wd)))
-        return out
+        from ..ops._adamw_rules import check_group
+
+        return [Hyper(*check_group("ramstream", g, i)) for i, g in enumerate(self.param_groups)]
 
     def step(self) -> None:
         """Queues every update not yet queued; returns without waiting for host updates."""

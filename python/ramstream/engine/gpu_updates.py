@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._native import lib
-from .host_jobs import dtype_code
+from ..ops import _raw
 
 
 class MappedUpdates:
@@ -20,25 +19,25 @@ class MappedUpdates:
     def launch(self, b, slots, hyper_of, grad_scale: float) -> None:
         """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
         produced their gradients); their gradients are released once it has run."""
-        C = lib()
         self.inflight.throttle(sum(s.param.grad.nbytes for s in slots))
         stream = self.dev.begin_update()
-        mcode = dtype_code(b.exp_avg.dtype)
         for s in slots:
             g = s.param.grad
             h = hyper_of(s.group)
             off = s.offset
             if b.master is None:       # fp32 weights are their own master
-                param, out, ocode = s.param.data_ptr(), 0, 0
+                param, out = s.param.data_ptr(), 0
             else:
-                param = b.master.data_ptr() + 4 * off
-                out, ocode = s.param.data_ptr(), dtype_code(b.dtype)
+                param, out = b.master.data_ptr() + 4 * off, s.param.data_ptr()
             esz = b.exp_avg.element_size()
-            C.cuda_adamw_ptr(param, g.data_ptr(), dtype_code(g.dtype),
-                             b.exp_avg.data_ptr() + esz * off, b.exp_avg_sq.data_ptr() + esz * off,
-                             mcode, out, ocode, s.numel, b.state_offset + off, h.lr, h.beta1,
-                             h.beta2, h.eps, h.weight_decay, s.step, grad_scale, self.seed,
-                             stream, self.device.index)
+            _raw.cuda_adamw_ptr(param=param, grad=g.data_ptr(), grad_dtype=g.dtype,
+                                exp_avg=b.exp_avg.data_ptr() + esz * off,
+                                exp_avg_sq=b.exp_avg_sq.data_ptr() + esz * off,
+                                moment_dtype=b.exp_avg.dtype, out=out, out_dtype=b.dtype,
+                                n=s.numel, offset=b.state_offset + off, lr=h.lr, beta1=h.beta1,
+                                beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                                step=s.step, grad_scale=grad_scale, seed=self.seed,
+                                stream=stream, device=self.device.index)
             g.record_stream(self.dev.upd)
             s.param.grad = None
         self.stats["gpu_updates"] += len(slots)
@@ -51,8 +50,8 @@ class MappedUpdates:
         if self._norm is None:
             self._norm = torch.zeros(1, dtype=torch.float64, device=self.device)
         stream = self.dev.begin_update()
-        lib().cuda_sq_norm(g.detach(), self._norm, accumulate=True, stream=stream,
-                           device=self.device.index)
+        _raw.cuda_sq_norm(x=g, out=self._norm, accumulate=True, stream=stream,
+                          device=self.device.index)
         self.dev.end_update()
 
     def take_sq_norm(self) -> float:

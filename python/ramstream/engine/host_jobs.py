@@ -10,14 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._native import lib
+from ..ops import _raw
 from .buckets import Bucket
-
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODE[dtype]
 
 
 @dataclass(frozen=True)
@@ -58,16 +52,16 @@ def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool) -> N
             if p.first:
                 dst.copy_(piece)
             else:
-                lib().accumulate_ptr(_ptr(b.acc, p.offset), _ptr(src, p.offset),
-                                     dtype_code(src.dtype), p.numel)
+                _raw.accumulate_ptr(dst=_ptr(b.acc, p.offset), src=_ptr(src, p.offset),
+                                    src_dtype=src.dtype, n=p.numel)
     if want_norm:
         add_sq_norm(b, pieces, b.acc if accumulate else src)
 
 
 def add_sq_norm(b: Bucket, pieces: list[Piece], g: torch.Tensor) -> None:
     """Adds the squared norm of the pieces' gradients in `g` to b.sq_norm (clipping)."""
-    code = dtype_code(g.dtype)
-    b.sq_norm += sum(lib().sq_norm_ptr(_ptr(g, p.offset), code, p.numel) for p in pieces)
+    b.sq_norm += sum(_raw.sq_norm_ptr(ptr=_ptr(g, p.offset), dtype=g.dtype, n=p.numel)
+                     for p in pieces)
 
 
 def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: float,
@@ -75,17 +69,18 @@ def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: floa
     """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
     to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
     are written to `out` in the same pass. Returns the updated ranges, merged."""
-    C = lib()
     grad = b.acc if accumulate else b.landing
-    gcode, mcode, ocode = dtype_code(grad.dtype), dtype_code(b.exp_avg.dtype), dtype_code(out.dtype)
     ordered = sorted(pieces, key=lambda p: p.offset)
     for p in ordered:
         h = hypers[p.group]
         start = p.offset
-        C.adamw_ptr(_ptr(b.master, start), _ptr(grad, start), gcode,
-                    _ptr(b.exp_avg, start), _ptr(b.exp_avg_sq, start), mcode,
-                    _ptr(out, start), ocode, p.numel, b.state_offset + start,
-                    h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, p.step, grad_scale, seed)
+        _raw.adamw_ptr(param=_ptr(b.master, start), grad=_ptr(grad, start),
+                       grad_dtype=grad.dtype, exp_avg=_ptr(b.exp_avg, start),
+                       exp_avg_sq=_ptr(b.exp_avg_sq, start), moment_dtype=b.exp_avg.dtype,
+                       out=_ptr(out, start), out_dtype=out.dtype, n=p.numel,
+                       offset=b.state_offset + start, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                       eps=h.eps, weight_decay=h.weight_decay, step=p.step,
+                       grad_scale=grad_scale, seed=seed)
     # merged for the copy back across small gaps of padding only: a slot not in this job keeps
     # in `out` whatever was there (never written, its gradient, weights older than the device's)
     taken = {p.offset for p in pieces}

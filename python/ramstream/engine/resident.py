@@ -154,16 +154,15 @@ class Resident:
 
     def _sq_norm(self, grads) -> float:
         """Sum of the squared gradients, accumulated in double as the offloaded engine does."""
-        from .._native import lib
+        from ..ops import _raw
 
-        C = lib()
         if self.device.type != "cuda":
-            return sum(C.sq_norm(g.detach().contiguous()) for g in grads)
+            return sum(_raw.sq_norm(x=g.contiguous()) for g in grads)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         for g in grads:
-            C.cuda_sq_norm(g.detach().contiguous(), total, accumulate=True, stream=stream,
-                           device=self.device.index)
+            _raw.cuda_sq_norm(x=g.contiguous(), out=total, accumulate=True, stream=stream,
+                              device=self.device.index)
         return float(total.item())
 
     @torch.no_grad()
@@ -182,21 +181,19 @@ class Resident:
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
                                 eps=group["eps"], amsgrad=False, maximize=False)
         else:   # bf16 moments: ramstream's kernel (stochastic rounding), on the device's side
-            from .._native import lib
-            from .host_jobs import dtype_code
+            from ..ops import _raw
 
-            C = lib()
+            on_cuda = self.device.type == "cuda"
+            kernel = _raw.cuda_adamw_ptr if on_cuda else _raw.adamw_ptr
+            where = {"stream": torch.cuda.current_stream(self.device).cuda_stream,
+                     "device": self.device.index} if on_cuda else {}
             for i, x in zip(idx, st):
                 g, m = grads[i].contiguous(), self.masters[i]
-                args = (m.data_ptr(), g.data_ptr(), dtype_code(g.dtype), x["exp_avg"].data_ptr(),
-                        x["exp_avg_sq"].data_ptr(), 1, 0, 0, m.numel(), x["offset"], lr, b1, b2,
-                        group["eps"], group["weight_decay"], int(x["step"].item()), scale,
-                        self.seed)
-                if self.device.type == "cuda":
-                    C.cuda_adamw_ptr(*args, torch.cuda.current_stream(self.device).cuda_stream,
-                                     self.device.index)
-                else:
-                    C.adamw_ptr(*args)
+                kernel(param=m.data_ptr(), grad=g.data_ptr(), grad_dtype=g.dtype,
+                       exp_avg=x["exp_avg"].data_ptr(), exp_avg_sq=x["exp_avg_sq"].data_ptr(),
+                       moment_dtype=x["exp_avg"].dtype, n=m.numel(), offset=x["offset"], lr=lr,
+                       beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       step=int(x["step"].item()), grad_scale=scale, seed=self.seed, **where)
         for i in idx:
             s = self.by_index[i]
             if self.masters[i] is not s.param:

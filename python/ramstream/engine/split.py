@@ -39,17 +39,17 @@ def measure(device: torch.device) -> dict:
     key = str(device)
     if key in _MEASURED:
         return _MEASURED[key]
-    from .._native import lib
+    from ..ops import _raw
 
     n = 1 << 24
     p, g = torch.randn(n), torch.randn(n)
     m, v = torch.zeros(n), torch.zeros(n)
-    C = lib()
     best = float("inf")
     for step in range(1, 4):
         t0 = time.perf_counter()
-        C.adamw_ptr(p.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), 0, 0, 0, n, 0,
-                    1e-3, 0.9, 0.999, 1e-8, 0.0, step, 1.0, 0)
+        _raw.adamw_ptr(param=p.data_ptr(), grad=g.data_ptr(), grad_dtype=g.dtype,
+                       exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), moment_dtype=m.dtype, n=n,
+                       step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
         best = min(best, time.perf_counter() - t0)
     out = {"host_params_per_s": n / best}
     if device.type == "cuda":

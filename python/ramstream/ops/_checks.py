@@ -7,6 +7,8 @@ import operator
 
 import torch
 
+from . import _adamw_rules as _rules
+
 __all__ = [
     "check_float",
     "check_int",
@@ -20,7 +22,6 @@ __all__ = [
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _names(dtypes) -> str:
@@ -83,20 +84,18 @@ def check_tensor(op: str, name: str, t, dtypes=None, *, contiguous: bool = True)
 
 def check_adamw_hyper(op: str, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
                       seed=0, offset=0) -> dict:
-    """Validates AdamW hyper-parameters like the host kernel (finite, lr >= 0, 0 <= beta < 1,
-    eps > 0, weight_decay >= 0, grad_scale finite in float32, step >= 1, 0 <= seed < 2**64,
-    offset >= 0) and returns them
-    normalised (floats and ints) as a dict of keyword arguments."""
+    """Validates AdamW hyper-parameters by the rules of ``_adamw_rules`` (those of the kernels:
+    finite, lr >= 0, 0 <= beta < 1, eps > 0, weight_decay >= 0, step >= 1, grad_scale finite in
+    float32, 0 <= seed < 2**64, offset >= 0; TypeError for a wrong type, ValueError for a bad
+    value) and returns them normalised (floats and ints) as a dict of keyword arguments."""
+    lr, beta1, beta2, eps, weight_decay = _rules.check_hypers(
+        op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     return {
-        "lr": check_float(op, "lr", lr, ge=0),
-        "beta1": check_float(op, "beta1", beta1, ge=0, lt=1),
-        "beta2": check_float(op, "beta2", beta2, ge=0, lt=1),
-        "eps": check_float(op, "eps", eps, gt=0),
-        "weight_decay": check_float(op, "weight_decay", weight_decay, ge=0),
-        "step": check_int(op, "step", step, ge=1, lt=2**63),
-        "grad_scale": check_float(op, "grad_scale", grad_scale, ge=-_FLOAT32_MAX, le=_FLOAT32_MAX),
-        "seed": check_int(op, "seed", seed, ge=0, lt=2**64),
-        "offset": check_int(op, "offset", offset, ge=0, lt=2**63),
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "step": _rules.check_int(op, "step", step),
+        "grad_scale": _rules.check_float(op, "grad_scale", grad_scale),
+        "seed": _rules.check_int(op, "seed", seed),
+        "offset": _rules.check_int(op, "offset", offset),
     }
 
 

@@ -6,21 +6,17 @@ and raises ValueError/TypeError naming the bad one; in-place arguments are never
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from .._native import lib
-from ._checks import bump_version, check_no_overlap
+from . import _raw
+from ._checks import bump_version, check_adamw_hyper, check_no_overlap
 
 __all__ = ["adamw_", "sq_norm", "accumulate_"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_U64 = 1 << 64
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _names(dtypes) -> str:
@@ -54,24 +50,6 @@ def _contiguous(op: str, name: str, x: torch.Tensor) -> None:
             f"{op}: {name} must be contiguous (it is written in place and never copied; "
             "call .contiguous() on the storage you keep)"
         )
-
-
-def _float(op: str, name: str, x, cond, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{op}: {name} must be a float, got {type(x).__name__}")
-    v = float(x)
-    if not math.isfinite(v) or not cond(v):
-        raise ValueError(f"{op}: {name} must be a finite float{' ' + what if what else ''}, got {v!r}")
-    return v
-
-
-def _int(op: str, name: str, x, lo: int, hi: int | None, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{op}: {name} must be an int, got {type(x).__name__}")
-    v = int(x)
-    if v < lo or (hi is not None and v >= hi):
-        raise ValueError(f"{op}: {name} must be an int {what}, got {v}")
-    return v
 
 
 def adamw_(
@@ -115,15 +93,9 @@ def adamw_(
     op = "adamw_"
     for name, x in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _tensor(op, name, x)
-    step = _int(op, "step", step, 1, 1 << 63, "in [1, 2**63)")
-    lr = _float(op, "lr", lr, lambda v: v >= 0, ">= 0")
-    beta1 = _float(op, "beta1", beta1, lambda v: 0 <= v < 1, "in [0, 1)")
-    beta2 = _float(op, "beta2", beta2, lambda v: 0 <= v < 1, "in [0, 1)")
-    eps = _float(op, "eps", eps, lambda v: v > 0, "> 0")
-    weight_decay = _float(op, "weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
-    grad_scale = _float(op, "grad_scale", grad_scale, lambda v: abs(v) <= _FLOAT32_MAX,
-                        "within float32's range")
-    seed = _int(op, "seed", seed, 0, _U64, "in [0, 2**64)")
+    hp = check_adamw_hyper(op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, grad_scale=grad_scale, seed=seed)
+    del hp["offset"]            # the tensor API starts the rounding stream at element 0
     _dtype(op, "param", param, (torch.float32,))
     _dtype(op, "grad", grad, _GRAD_DTYPES)
     _dtype(op, "exp_avg", exp_avg, _MOMENT_DTYPES)
@@ -145,10 +117,7 @@ def adamw_(
     if param.device.type == "cuda":
         from . import cuda as _cuda  # noqa: PLC0415
 
-        _cuda.adamw_(
-            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, grad_scale=grad_scale, out=out, seed=seed,
-        )
+        _cuda.adamw_(param, grad, exp_avg, exp_avg_sq, out=out, **hp)
         bump_version(param, exp_avg, exp_avg_sq, out)
         return None
 
@@ -161,9 +130,7 @@ def adamw_(
     _host(op, "grad", grad)
     lib().adamw_(
         param.detach(), grad.detach().contiguous(), exp_avg.detach(), exp_avg_sq.detach(),
-        None if out is None else out.detach(),
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-        grad_scale=grad_scale, seed=seed, offset=0,
+        None if out is None else out.detach(), offset=0, **hp,
     )
     bump_version(param, exp_avg, exp_avg_sq, out)
     return None
@@ -183,7 +150,7 @@ def sq_norm(tensor: torch.Tensor) -> float:
 
         return _cuda.sq_norm(tensor)
     _host(op, "tensor", tensor)
-    return float(lib().sq_norm(tensor.detach().contiguous()))
+    return float(_raw.sq_norm(x=tensor.contiguous()))
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .._native import lib
-from . import _checks
+from . import _checks, _raw
 
 __all__ = ["adamw_", "dequantize_nf4", "dequantize_int8", "sq_norm", "cuda_ready"]
 
@@ -235,6 +235,7 @@ def sq_norm(tensor: torch.Tensor) -> float:
     _require_cuda(op, "tensor", tensor)
     x = tensor.detach().contiguous()
     out = torch.empty(1, dtype=torch.float64, device=x.device)
-    _launch(x.device, lib().cuda_sq_norm, x, out, stream=_stream(x.device), device=x.device.index)
+    _launch(x.device, _raw.cuda_sq_norm, x=x, out=out, stream=_stream(x.device),
+            device=x.device.index)
     return out.item()
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ramstream
-from ramstream.activation_buffers import Saved
 from ramstream.activations import ActivationOffloader, find_blocks
+from ramstream.activations.buffers import Saved
 
 pytestmark = pytest.mark.cuda
 

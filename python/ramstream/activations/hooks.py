@@ -1,11 +1,10 @@
-"""Activation offload: saved tensors of chosen blocks go to host RAM in forward and come back ahead
-of the backward pass (saved_tensors_hooks); find_blocks() (blocks.py) finds a model's repeated
-layer stack.
+"""Activation paging's hooks: saved tensors of chosen blocks go to host RAM in forward and come back
+ahead of the backward pass (saved_tensors_hooks); find_blocks() (blocks.py) finds the blocks.
 
 Mechanism only: which blocks page is decided by the caller (planner.py, wrap()). Works with a CUDA
 device (pinned arena buffers, a D2H and an H2D copy stream ordered by events) and with the CPU as
 the "device" (plain copies into pooled host buffers, no streams), so CI tests the same logic.
-The host buffers, the copy engines and the saved-tensor records live in activation_buffers.py.
+The host buffers, the copy engines and the saved-tensor records live in buffers.py.
 
     off = ActivationOffloader(find_blocks(model), torch.device("cuda"), prefetch_depth=1)
     off.attach(); off.set_paged({0, 1, 2})
@@ -22,11 +21,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved,
-                                 byte_view, check_version, version_probe)
-from .blocks import find_blocks
+from .buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved, byte_view,
+                      check_version, version_probe)
 
-__all__ = ["find_blocks", "ActivationOffloader"]
+__all__ = ["ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
 _ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)

@@ -1,4 +1,4 @@
-"""The host side of activation offload (ActivationOffloader in activations.py): pooled host buffers,
+"""The host side of activation offload (ActivationOffloader in hooks.py): pooled host buffers,
 the copy engines that move bytes between the device and those buffers (CUDA streams and events, or
 plain copies when the CPU is the device), and the records that tie a saved tensor to its host copy.
 """
@@ -73,7 +73,7 @@ class HostPool:
                 self.reuses += 1
                 return buf
         if self.pinned:
-            from .ops.memory import pinned_empty
+            from ..ops.memory import pinned_empty
 
             t = pinned_empty(size, torch.uint8)
         else:

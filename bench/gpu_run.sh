@@ -50,7 +50,8 @@ for stage in $STAGES; do
         --cap-gib 24 --out "$OUT/train.json" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
       summary "train rc=$?"; tail -6 "$OUT/train.log" ;;
     act)   # issue 4: largest batch and slowdown of activation paging, 1.8B at seq 1024, 24 GiB
-      timeout 500 python3 bench/train/bench_activations.py --model "${MODEL:-1.8b}" --seq 1024 \
+           # (one process per configuration: up to 12 of ~40-60 s each)
+      timeout 1500 python3 bench/train/bench_activations.py --model "${MODEL:-1.8b}" --seq 1024 \
         --batches "${ACT_BATCHES:-4,8,16}" --cap-gib 24 --timeout 240 --out "$OUT/act.json" \
         ${ACT_ARGS:-} > "$OUT/act.log" 2>&1
       summary "act rc=$?"; tail -12 "$OUT/act.log" ;;

@@ -1,14 +1,17 @@
 """Activation offload on the CPU engine, the host side: the buffer pool's reuse, growth and
-trimming, graphs dropped without backward, and the waits on copies and compute (with fake events)."""
+give-back after a large batch, graphs dropped without backward, poisoned buffers (the test-only
+NaN fill), and the waits on copies and compute (with fake events)."""
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
+import torch
 
-from ramstream.activations import find_blocks
-from _act_helpers import _offloader
-from _models import batches, make_model
+from ramstream.activations import buffers, find_blocks
+from _act_helpers import _assert_same_grads, _offloader
+from _models import batches, clone, make_model
 
 
 # ---- host buffer pool ----------------------------------------------------------------------------
@@ -59,6 +62,128 @@ def test_graph_dropped_without_backward_releases_buffers():
     assert s["live_entries"] == 0 and s["host_bytes_in_use"] == 0
     model(x, y).backward()                         # buffers are reused
     assert off.stats()["host_allocations"] == s["host_allocations"]
+
+
+def _train(model, ref, data, off):
+    """One SGD step per batch on `model` (paged) and `ref` (its unpaged clone): bit-equal
+    gradients at every step; returns host_bytes_held after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    held = []
+    for x, y in data:
+        model(x, y).backward()
+        ref(x, y).backward()
+        _assert_same_grads(model, ref)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        held.append(off.stats()["host_bytes_held"])
+    return held
+
+
+def _small_need(n_blocks=3, b=2):
+    """host_bytes_held of a fresh offloader after one step at the small batch (what it needs)."""
+    model = make_model(0, n_blocks=n_blocks, d=32)
+    off = _offloader(find_blocks(model))
+    x, y = batches(1, b=b, t=16, seed=9)[0]
+    model(x, y).backward()
+    s = off.stats()
+    return s["host_bytes_held"], s["bytes_paged_last_pass"], s["copies_d2h"]
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_pool_shrinks_after_a_large_batch_to_what_small_batches_need(window):
+    model = make_model(0, n_blocks=3, d=32)
+    ref = clone(model)
+    off = _offloader(find_blocks(model), pool_window=window)
+    big = batches(1, b=32, t=16, seed=3)
+    small = batches(window + 3, b=2, t=16, seed=4)
+    big_held = _train(model, ref, big, off)[0]
+    held = _train(model, ref, small, off)
+    need, paged, copies = _small_need()
+    s = off.stats()
+    assert need * 8 < big_held
+    # the pool holds at most the most in use over the last `window` steps: the large batch's
+    # bytes for `window` steps (its oldest buffers go first), then what one small step uses: its
+    # saved bytes rounded up to size classes (<= 12.5 % or 4 KiB per buffer)
+    assert big_held < held[0] <= big_held + need
+    assert all(need < h <= big_held for h in held[1:window]), (held, big_held)
+    assert held[window:] == [need] * 3, (held, need)
+    assert need <= paged * 1.125 + 4096 * copies
+    assert s["host_bytes_high_water"] == need and s["host_bytes_in_use"] == 0
+    assert s["host_bytes_given_back"] == s["host_bytes_peak"] - need
+    assert s["host_trims"] == 0                         # the CPU pool has no arena cache to trim
+
+
+def test_pool_give_back_is_logged_with_its_numbers():
+    logs = []
+    model = make_model(0, n_blocks=3, d=32)
+    off = _offloader(find_blocks(model), log=logs.append)
+    for x, y in batches(1, b=32, t=16) + batches(3, b=2, t=16):
+        model(x, y).backward()
+    gone = [re.fullmatch(r"activation offload: host pool gave back ([0-9.]+) MiB of ([0-9.]+) MiB "
+                         r"\(keeps ([0-9.]+) MiB: the most in use over the last 2 steps\)", m)
+            for m in logs if "gave back" in m]
+    assert len(gone) == 2 and all(gone)                 # at the 3rd and the 4th step
+    s = off.stats()
+    assert sum(float(m[1]) for m in gone) == pytest.approx(s["host_bytes_given_back"] / 2**20,
+                                                           abs=0.1)
+    assert float(gone[-1][3]) == pytest.approx(s["host_bytes_high_water"] / 2**20, abs=0.05)
+
+
+def test_a_graph_kept_alive_does_not_stop_the_give_back():
+    """A graph that never runs backward (one held by an exception's traceback) keeps its own
+    buffers in use; the free ones still go back once later steps do not need them."""
+    model = make_model(0, n_blocks=3, d=32)
+    off = _offloader(find_blocks(model))
+    xb, yb = batches(1, b=32, t=16, seed=3)[0]
+    model(xb, yb).backward()
+    big_held = off.stats()["host_bytes_held"]
+    xm, ym = batches(1, b=8, t=16, seed=5)[0]
+    kept = model(xm, ym)                                  # no backward: its entries stay alive
+    kept_bytes = off.stats()["host_bytes_in_use"]
+    assert kept_bytes > 0
+    need = _small_need()[0]
+    for x, y in batches(4, b=2, t=16, seed=4):
+        model(x, y).backward()
+    s = off.stats()
+    assert s["live_entries"] > 0 and s["host_bytes_in_use"] == kept_bytes
+    assert s["host_bytes_held"] == kept_bytes + need < big_held
+    del kept
+    gc.collect()
+    for x, y in batches(3, b=2, t=16, seed=4):
+        model(x, y).backward()
+    assert off.stats()["host_bytes_held"] == need
+
+
+# ---- poisoned buffers (the test-only NaN fill of buffers.py) -------------------------------------
+@pytest.fixture
+def poison(monkeypatch):
+    monkeypatch.setattr(buffers, "_TEST_POISON", True)
+
+
+def test_poisoned_reused_buffers_varied_inputs_and_weights_stay_bit_exact(poison):
+    model = make_model(0, n_blocks=4, d=32)
+    ref = clone(model)
+    off = _offloader(find_blocks(model), prefetch_depth=2)
+    data = batches(6, b=4, t=16, seed=11)
+    _train(model, ref, data, off)
+    s = off.stats()
+    assert s["host_reuses"] > 0 and s["host_reuses"] + s["host_allocations"] == s["copies_d2h"]
+
+
+def test_poison_catches_a_host_copy_that_never_ran(poison, monkeypatch):
+    """The poison is what makes a lost copy visible: a reused buffer would hold the previous step's
+    bytes, right when the step repeats."""
+    model = make_model(0, n_blocks=3, d=32)
+    off = _offloader(find_blocks(model))
+    x, y = batches(1, b=4, t=16)[0]
+    model(x, y).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(off._copies, "to_host", lambda buf, src: None)
+    model(x, y).backward()
+    assert off.stats()["host_reuses"] > 0
+    assert any(torch.isnan(p.grad).any() for p in model.parameters())
 
 
 # ---- waits for copies and compute (fake events) --------------------------------------------------

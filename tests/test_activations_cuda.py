@@ -1,9 +1,12 @@
-"""Activation offload and the chunked loss on a GPU: bit-exact gradients with prefetch depths 1, 2,
-saved-tensor layouts under the SDPA backends, measured VRAM reduction, nothing paged under no_grad,
-pinned buffers reused, chunked loss peak memory against the dense loss."""
+"""Activation offload and the chunked loss on a GPU: bit-exact gradients with prefetch depths 1, 2
+(over varied batches and weights, with reused buffers poisoned), saved-tensor layouts under the
+SDPA backends, measured VRAM reduction, nothing paged under no_grad, pinned buffers reused and
+given back, chunked loss peak memory against the dense loss. Every stream wait is shown needed:
+with it removed (buffers._TEST_SKIP_WAIT) and the stream it orders delayed, gradients go wrong."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ramstream
-from ramstream.activation_buffers import Saved
 from ramstream.activations import ActivationOffloader, find_blocks
+from ramstream.activations import buffers
+from ramstream.activations.buffers import SKIPPABLE_WAITS, Saved
 
 pytestmark = pytest.mark.cuda
 
@@ -72,10 +76,12 @@ def _data(b=4, t=256, vocab=512, seed=1):
             torch.randint(0, vocab, (b, t), generator=g).to(_dev()))
 
 
-def _grads(model, x, y, autocast):
+def _grads(model, x, y, autocast, before_backward=None):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = model(x, y)
+    if before_backward is not None:
+        before_backward()
     loss.backward()
     torch.cuda.synchronize()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
@@ -113,6 +119,28 @@ def _layout_spy(off):
     return log
 
 
+@pytest.fixture
+def poison(monkeypatch):
+    """Every host buffer handed out and every device buffer an H2D lands in starts as NaN bytes:
+    a copy read before it ran, or never run, cannot give the right values by chance."""
+    monkeypatch.setattr(buffers, "_TEST_POISON", True)
+
+
+def _train_both(model, ref, steps, autocast, exact, before_backward=None):
+    """`steps` SGD steps of `model` (paged) and `ref` (its unpaged copy), each on a new batch:
+    equal losses and gradients at every step, so both take the same step (the weights change)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    for i in range(steps):
+        x, y = _data(seed=10 + i)
+        loss_r, gr = _grads(ref, x, y, autocast)
+        loss_m, gm = _grads(model, x, y, autocast, before_backward)
+        if exact:
+            assert torch.equal(loss_m, loss_r), i
+        _assert_grads(gm, gr, exact)
+        opt.step(), ref_opt.step()
+
+
 def _reproducible(model, x, y, autocast):
     _, a = _grads(model, x, y, autocast)
     _, b = _grads(model, x, y, autocast)
@@ -129,22 +157,19 @@ def _assert_grads(ga, gb, exact):
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_bit_exact_gradients_prefetch_depth(depth, autocast):
+def test_bit_exact_gradients_prefetch_depth(depth, autocast, poison):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = _model()
-    x, y = _data()
+    ref = copy.deepcopy(model)
     with sdpa_kernel(SDPBackend.MATH):             # deterministic attention backward
-        assert _reproducible(model, x, y, autocast)
-        loss0, ref = _grads(model, x, y, autocast)
+        assert _reproducible(model, *_data(), autocast)
         off = _offloader(model, depth)
         spy = _layout_spy(off)
-        for _ in range(3):
-            loss1, got = _grads(model, x, y, autocast)
-            assert torch.equal(loss0, loss1)
-            _assert_grads(got, ref, exact=True)
+        _train_both(model, ref, 4, autocast, exact=True)
     s = off.stats()
     assert s["copies_d2h"] > 0 and s["copies_h2d"] == s["copies_d2h"] and s["live_entries"] == 0
+    assert s["host_reuses"] > 0                    # later steps ran in reused (poisoned) buffers
     assert spy and all(a == b for a, b in spy)
     off.detach()
 
@@ -190,12 +215,14 @@ def test_checkpoint_inside_blocks_bit_exact():
 
 
 def _after_forward_and_peak(model, x, y, off=None):
+    """(bytes allocated after forward, peak over the step, seconds the step took)."""
     dev = _dev()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(x, y)
     torch.cuda.synchronize()
@@ -204,21 +231,23 @@ def _after_forward_and_peak(model, x, y, off=None):
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(dev) - base
-    return after_fwd, peak
+    return after_fwd, peak, time.perf_counter() - t0
 
 
 def test_measured_vram_reduction():
     model = _model(d=512, heads=8, layers=8)
     x, y = _data(b=8, t=512)
-    fwd0, peak0 = _after_forward_and_peak(model, x, y)
+    fwd0, peak0, _ = _after_forward_and_peak(model, x, y)
     off = _offloader(model, depth=1)
-    fwd1, peak1 = _after_forward_and_peak(model, x, y, off)
+    fwd1, peak1, wall = _after_forward_and_peak(model, x, y, off)
     st = off.stats()
     paged = st["bytes_paged_last_pass"]
     print(f"\nactivations after forward: {fwd0 / 2**20:.1f} -> {fwd1 / 2**20:.1f} MiB; "
           f"peak over the step: {peak0 / 2**20:.1f} -> {peak1 / 2**20:.1f} MiB; "
           f"paged {paged / 2**20:.1f} MiB; GPU waited {st['h2d_stall_s'] * 1e3:.2f} ms for H2D")
-    assert st["h2d_stall_s"] >= 0.0
+    # GPU time spent waiting within one step cannot exceed the step (a counter in the wrong
+    # unit or counted twice would); that it measures the wait: test_h2d_stall_is_the_gpu_wait
+    assert 0.0 <= st["h2d_stall_s"] <= wall
     assert paged > 0
     assert fwd0 - fwd1 >= 0.8 * paged
     assert peak1 <= 0.6 * peak0
@@ -315,19 +344,117 @@ def test_chunked_loss_peak_below_quarter_of_dense_4096x50000(autocast):
             assert ((a - b).norm() / b.norm()).item() <= 1e-5
 
 
-def test_copy_stream_overlap_does_not_change_results():
+def test_copy_stream_overlap_does_not_change_results(poison):
     """A slow compute stream (big matmuls queued before the block) must not let the D2H copy read
-    the activation before it is written, nor the allocator reuse it before the copy ran."""
+    the activation before it is written, nor the allocator reuse it before the copy ran; each step
+    runs a new batch on weights the step before changed, in poisoned reused buffers."""
     model = _model(layers=4)
-    x, y = _data()
     ref_model = copy.deepcopy(model)
-    _, ref = _grads(ref_model, x, y, True)
     off = _offloader(model, depth=1)
-    big = torch.randn(4096, 4096, device=_dev())
-    for _ in range(3):
+    big = [torch.randn(4096, 4096, device=_dev())]
+
+    def busy():
         for _ in range(20):
-            big = torch.tanh(big @ big) * 0.01       # keeps the GPU busy while forward is queued
+            big[0] = torch.tanh(big[0] @ big[0]) * 0.01   # keeps the GPU busy, forward queued
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2)
+    for i in range(3):
+        x, y = _data(seed=20 + i)
+        _, ref = _grads(ref_model, x, y, True)
+        busy()
         _, got = _grads(model, x, y, True)
         for a, b in zip(got, ref):
             assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3
+        opt.step(), ref_opt.step()
+    assert off.stats()["host_reuses"] > 0
+    off.detach()
+
+
+# ---- every wait is needed: remove one, delay the stream it orders, the gradients go wrong -------
+_SLEEP_CYCLES = 200_000_000       # torch.cuda._sleep: ~0.1 s at 2 GHz, far longer than a copy
+
+
+def _delay(stream):
+    """Queues a GPU spin of _SLEEP_CYCLES on `stream`; returns its (start, end) timing events."""
+    ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        ev[0].record(stream)
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        ev[1].record(stream)
+    return ev
+
+
+def _delayed_run(wait, skip, monkeypatch):
+    """Two steps on new batches of a paged model against its unpaged copy, with the stream that
+    `wait` orders delayed: the H2D stream before backward (compute_after_h2d), the D2H stream
+    before the last block's copies (h2d_after_d2h: backward fetches them at once), the compute
+    stream before the last block's kernels (d2h_after_compute). With `skip`, that one wait is
+    left out. Returns (the steps whose gradients equal the reference's, the offloader's stats,
+    the delays' timing events)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(buffers, "_TEST_POISON", True)
+    monkeypatch.setattr(buffers, "_TEST_SKIP_WAIT", wait if skip else None)
+    model = _model(layers=3)
+    ref = copy.deepcopy(model)
+    off = _offloader(model)
+    delays = []
+    before_backward = None
+    if wait == "compute_after_h2d":
+        def before_backward():
+            delays.append(_delay(off._copies.h2d))
+    else:
+        def pre(m, args):
+            stream = off._copies.d2h if wait == "h2d_after_d2h" else torch.cuda.current_stream()
+            delays.append(_delay(stream))
+        model.layers[-1].register_forward_pre_hook(pre)   # runs after the offloader's pre-hook
+    right = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for i in range(2):
+            x, y = _data(seed=30 + i)
+            _, want = _grads(ref, x, y, False)
+            _, got = _grads(model, x, y, False, before_backward)
+            right.append(all(torch.equal(a, b) for a, b in zip(got, want)))
+    torch.cuda.synchronize()
+    st = off.stats()
+    off.detach()
+    buffers._TEST_SKIP_WAIT = None
+    return right, st, delays
+
+
+@pytest.mark.parametrize("wait", SKIPPABLE_WAITS)
+def test_every_wait_is_needed(wait, monkeypatch):
+    right, _, delays = _delayed_run(wait, False, monkeypatch)
+    assert len(delays) == 2 and right == [True, True]        # with the wait: exact, delay or not
+    right, _, _ = _delayed_run(wait, True, monkeypatch)
+    assert right != [True, True], f"without the {wait} wait the gradients should be wrong"
+
+
+def test_h2d_stall_is_the_gpu_wait(monkeypatch):
+    """h2d_stall_s is the GPU time compute waited for H2D copies: about the H2D stream's delay with
+    the wait, about nothing without it."""
+    _, st, delays = _delayed_run("compute_after_h2d", False, monkeypatch)
+    slept = sum(a.elapsed_time(b) for a, b in delays) / 1e3
+    assert 0.5 * slept <= st["h2d_stall_s"] <= slept + 0.05, (st["h2d_stall_s"], slept)
+    _, st, _ = _delayed_run("compute_after_h2d", True, monkeypatch)
+    assert st["h2d_stall_s"] < 0.1 * slept, (st["h2d_stall_s"], slept)
+
+
+def test_pinned_pool_gives_memory_back_after_a_large_batch():
+    model = _model(layers=3)
+    off = _offloader(model)
+    for i in range(3):
+        _grads(model, *_data(b=2, seed=40 + i), False)
+    need = off.stats()["host_bytes_held"]
+    torch.cuda.synchronize()
+    _grads(model, *_data(b=32, seed=50), False)
+    big = off.stats()["host_bytes_held"]
+    pinned_big = ramstream.memory_stats()["bytes_pinned"]
+    assert big > 8 * need
+    for i in range(3):
+        _grads(model, *_data(b=2, seed=60 + i), False)
+    s = off.stats()
+    assert s["host_bytes_held"] == need and s["host_trims"] >= 1
+    # the large batch's pinned memory went back to the driver, not just to the arena's cache
+    assert ramstream.memory_stats()["bytes_pinned"] <= pinned_big - 0.5 * (big - need)
     off.detach()

@@ -64,3 +64,21 @@ def test_bench_activations_reports_every_mode(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 64 / r["s_per_step"])
     paged = [r for r in rows if r["mode"] == "all_paged"]
     assert all(r["paged_blocks"] == 2 for r in paged)      # both blocks of the tiny GPT
+    # every configuration ran in a fresh process: nothing carried over from the one before
+    assert len({r["pid"] for r in rows}) == len(rows) == 8
+    # same seed and data in every process: the same training run whatever the paging
+    for batch in (1, 2):
+        losses = {r["loss"] for r in rows if r["batch"] == batch and r["variant"] == "ramstream"}
+        assert len(losses) == 1, losses
+
+
+def test_bench_activations_an_oom_configuration_does_not_stop_the_next(tmp_path):
+    rows = _run("bench_activations.py", ["--batches", "1,2", "--cap-gib", "0", "--variants",
+                                         "ramstream", "--inject-oom", "unpaged@1,all_paged@2"],
+                tmp_path / "act.json")
+    got = [(r["mode"], r["batch"], r["ok"], r.get("error")) for r in rows]
+    # unpaged@1 runs out of memory, all_paged@1 still runs (no planner without the unpaged
+    # figures); at batch 2 all_paged fails too, which ends the walk up the batch list
+    assert got == [("unpaged", 1, False, "oom"), ("all_paged", 1, True, None),
+                   ("unpaged", 2, True, None), ("all_paged", 2, False, "oom")]
+    assert len({r["pid"] for r in rows}) == 4

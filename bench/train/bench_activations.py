@@ -2,22 +2,27 @@
 ramstream without activation paging and ramstream with it can train, tokens/s, peak VRAM, and the
 slowdown of paging against no paging at the batches where both fit.
 
-Each variant runs in its own process (the cap is per process) and walks the batch list upwards
-until a step runs out of memory:
-  stock       torch.optim.AdamW(fused=True), everything on the GPU
-  ramstream   wrap(); at each batch: unpaged (if it fits; block bytes measured), all blocks paged,
-              and the planner's choice (choose_paged_blocks with the measured unpaged step, copy
-              bandwidth and the overlap seen with all blocks paged; max slowdown --max-slowdown)
+Every configuration (variant, batch, paging mode) runs in a fresh process of its own and sends back
+one JSON line, so none inherits anything from the ones before: not the model or the optimizer's
+state, not an offloader's pinned pool, not the CUDA caching allocator's cache or fragmentation, not
+references an out-of-memory traceback holds, not the per-process memory fraction (the cap). A
+configuration that runs out of memory reports error "oom" and the next one still runs.
+  stock       torch.optim.AdamW(fused=True), everything on the GPU; the walk up the batch list
+              stops at the first batch that fails
+  ramstream   wrap(); at each batch: unpaged (block bytes measured), all blocks paged, and the
+              planner's choice (choose_paged_blocks with the measured unpaged step, copy bandwidth
+              and the overlap seen with all blocks paged; max slowdown --max-slowdown), computed
+              here from the first two and run in a third process; the walk stops at the first
+              batch at which even all blocks paged fails
 
     python bench/train/bench_activations.py --model 1.8b --seq 1024 --batches 1,2,4,8,12,16
     python bench/train/bench_activations.py --model tiny --device cpu --batches 1,2   # smoke run
 
-Prints one JSON line per measurement and a table; --out writes the JSON list.
+Prints one JSON line per configuration and a table; --out writes the JSON list.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -57,7 +62,24 @@ def _measure_bandwidth(dev) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_variant(args) -> list[dict]:
+# ---- one configuration, in its own process -------------------------------------------------------
+def run_config(args, cfg: dict) -> dict:
+    """Builds the model (and wrap() and an offloader for ramstream), trains warmup + steps at
+    cfg["batch"] with cfg["paged"] blocks paged ("all" or a list), returns the measurements."""
+    import torch
+
+    base = {"variant": cfg["variant"], "mode": cfg["mode"], "batch": cfg["batch"],
+            "model": args.model, "seq": args.seq, "cap_gib": args.cap_gib, "loss_fn": args.loss,
+            "pid": os.getpid()}
+    try:
+        return dict(base, **_train(args, cfg, base))
+    except torch.OutOfMemoryError as e:
+        return dict(base, ok=False, error="oom", detail=str(e).split("\n")[0][:200])
+    except MemoryError as e:                     # host RAM or the page-lock budget
+        return dict(base, ok=False, error="host oom", detail=str(e).split("\n")[0][:200])
+
+
+def _train(args, cfg: dict, base: dict) -> dict:
     import torch
 
     sys.path.insert(0, HERE)
@@ -70,23 +92,13 @@ def run_variant(args) -> list[dict]:
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
     torch.manual_seed(0)
-    cfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
-    results: list[dict] = []
-    base = {"variant": args.variant, "model": args.model, "seq": args.seq, "cap_gib": args.cap_gib,
-            "loss_fn": args.loss}
-    try:
-        model = GPT(**cfg).to(dev)
-    except torch.OutOfMemoryError as e:
-        return [dict(base, ok=False, batch=0, mode="-", error="OOM creating the model: "
-                     + str(e).split("\n")[0][:160])]
-    params = sum(p.numel() for p in model.parameters())
+    mcfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
+    model = GPT(**mcfg).to(dev)
+    base["params"] = sum(p.numel() for p in model.parameters())
     off = None
-    if args.variant == "stock":
-        try:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                    fused=dev.type == "cuda")
-        except torch.OutOfMemoryError as e:
-            return [dict(base, ok=False, batch=0, mode="-", error=str(e)[:160])]
+    if cfg["variant"] == "stock":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                fused=dev.type == "cuda")
     else:
         import ramstream
         from ramstream.activations import ActivationOffloader, find_blocks
@@ -99,6 +111,10 @@ def run_variant(args) -> list[dict]:
                                   min_offload_bytes=args.min_offload_bytes).attach()
         d2h, h2d = _measure_bandwidth(dev)
         base.update(d2h_gbps=d2h, h2d_gbps=h2d)
+        paged = cfg.get("paged") or []
+        off.set_paged(range(len(off.blocks)) if paged == "all" else paged)
+        off.set_measuring(cfg["mode"] == "unpaged")
+    inject = f"{cfg['mode']}@{cfg['batch']}" in (args.inject_oom or "").split(",")
 
     def loss_fn(x, y):
         if args.loss == "chunked":
@@ -107,93 +123,106 @@ def run_variant(args) -> list[dict]:
             return ramstream.chunked_cross_entropy(model.hidden(x), model.head.weight, y)
         return model(x, y)
 
-    def steps(batch: int, paged: list[int] | None) -> dict:
-        """warmup + timed steps at `batch`; {} on OOM (state cleaned up)."""
-        if off is not None:
-            off.set_paged(paged or [])
-        x = torch.randint(0, cfg["vocab"], (batch, args.seq), device=dev)
-        y = torch.randint(0, cfg["vocab"], (batch, args.seq), device=dev)
-        times, oom = [], None
-        stall0 = off.stats()["h2d_stall_s"] if off is not None else 0.0
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        try:
-            for i in range(args.warmup + args.steps):
-                _sync(dev)
-                t0 = time.perf_counter()
-                with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    loss = loss_fn(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loss_v = loss.item()
-                del loss
-                _sync(dev)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-        except torch.OutOfMemoryError as e:
-            oom = "OOM: " + str(e).split("\n")[0][:160]
-        if oom is not None:
-            loss = None  # noqa: F841 - drop the graph before freeing the cache
-            opt.zero_grad(set_to_none=True)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            return {"ok": False, "error": oom}
-        times.sort()
-        s = times[len(times) // 2]
-        out = {"ok": True, "s_per_step": s, "tokens_per_s": batch * args.seq / s, "loss": loss_v,
-               "peak_vram_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
-                                 if dev.type == "cuda" else None)}
-        if off is not None:
-            st = off.stats()
-            out.update(h2d_stall_s_per_step=(st["h2d_stall_s"] - stall0)
-                       / (args.warmup + args.steps),
-                       paged_blocks=len(st["paged_blocks"]),
-                       paged_gib=st["bytes_paged_last_pass"] / 2**30,
-                       host_act_gib=st["host_bytes_held"] / 2**30,
-                       block_bytes=st["block_bytes"])
-        return out
+    batch = cfg["batch"]
+    x = torch.randint(0, mcfg["vocab"], (batch, args.seq), device=dev)
+    y = torch.randint(0, mcfg["vocab"], (batch, args.seq), device=dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for i in range(args.warmup + args.steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        if inject:                               # test-only: --inject-oom MODE@BATCH
+            raise torch.OutOfMemoryError("injected by --inject-oom")
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = loss.item()
+        del loss
+        _sync(dev)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    s = times[len(times) // 2]
+    out = {"ok": True, "s_per_step": s, "tokens_per_s": batch * args.seq / s, "loss": loss_v,
+           "peak_vram_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
+                             if dev.type == "cuda" else None)}
+    if off is not None:
+        st = off.stats()
+        out.update(h2d_stall_s_per_step=st["h2d_stall_s"] / (args.warmup + args.steps),
+                   paged_blocks=len(st["paged_blocks"]),
+                   paged_gib=st["bytes_paged_last_pass"] / 2**30,
+                   host_act_gib=st["host_bytes_held"] / 2**30,
+                   block_bytes=st["block_bytes"])
+    return out
 
-    def emit(r):
-        r = dict(base, params=params, **r)
-        results.append(r)
-        print("RESULT " + json.dumps(r), flush=True)
 
-    for batch in args.batch_list:
-        if args.variant == "stock":
-            r = steps(batch, None)
-            emit(dict(r, batch=batch, mode="stock"))
-            if not r["ok"]:
+# ---- the walk, in the parent process (which never touches the device) ---------------------------
+_PASS = ("model", "seq", "cap_gib", "steps", "warmup", "device", "loss", "prefetch_depth",
+         "min_offload_bytes", "inject_oom")
+
+
+def _spawn(args, cfg: dict) -> dict:
+    """Runs one configuration in a fresh process; its result, or why there is none."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", json.dumps(cfg)]
+    for k in _PASS:
+        v = getattr(args, k)
+        if v is not None:
+            cmd += ["--" + k.replace("_", "-"), str(v)]
+    base = {"variant": cfg["variant"], "mode": cfg["mode"], "batch": cfg["batch"],
+            "model": args.model, "seq": args.seq, "ok": False}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return dict(base, error="timeout", detail=f"over {args.timeout} s: {err[-300:]}")
+    got = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if got:
+        return got[-1]
+    detail = (p.stderr or p.stdout)[-400:].replace("\n", " | ")
+    oom = "OutOfMemoryError" in p.stderr or "out of memory" in p.stderr
+    return dict(base, error="oom" if oom else f"crashed (rc {p.returncode})", detail=detail)
+
+
+def _planner(args, unpaged: dict, all_paged: dict) -> tuple[list[int], dict]:
+    from ramstream.planner import choose_paged_blocks, copy_seconds, estimate_overlap
+
+    bb = unpaged["block_bytes"]
+    d2h, h2d = unpaged["d2h_gbps"], unpaged["h2d_gbps"]
+    copy_all = sum(copy_seconds(b, d2h, h2d) for b in bb)
+    overlap = estimate_overlap(unpaged["s_per_step"], all_paged["s_per_step"], copy_all)
+    idx, info = choose_paged_blocks(bb, unpaged_step_s=unpaged["s_per_step"], d2h_gbps=d2h,
+                                    h2d_gbps=h2d, compute_overlap=overlap,
+                                    max_slowdown=args.max_slowdown)
+    return idx, dict(info, overlap=overlap)
+
+
+def walk(args, emit) -> None:
+    for variant in args.variants.split(","):
+        for batch in args.batch_list:
+            cfg = {"variant": variant, "batch": batch}
+            if variant == "stock":
+                if not emit(_spawn(args, dict(cfg, mode="stock")))["ok"]:
+                    break
+                continue
+            unpaged = emit(_spawn(args, dict(cfg, mode="unpaged", paged=[])))
+            all_paged = emit(_spawn(args, dict(cfg, mode="all_paged", paged="all")))
+            if not all_paged["ok"]:
                 break
-            continue
-        from ramstream.planner import choose_paged_blocks, copy_seconds, estimate_overlap
-
-        off.set_measuring(True)
-        unpaged = steps(batch, [])
-        off.set_measuring(False)
-        emit(dict(unpaged, batch=batch, mode="unpaged"))
-        all_paged = steps(batch, list(range(len(off.blocks))))
-        emit(dict(all_paged, batch=batch, mode="all_paged"))
-        if not all_paged["ok"]:
-            break
-        if unpaged["ok"]:
-            bb = unpaged["block_bytes"]
-            copy_all = sum(copy_seconds(b, base["d2h_gbps"], base["h2d_gbps"]) for b in bb)
-            overlap = estimate_overlap(unpaged["s_per_step"], all_paged["s_per_step"], copy_all)
-            idx, info = choose_paged_blocks(bb, unpaged_step_s=unpaged["s_per_step"],
-                                            d2h_gbps=base["d2h_gbps"], h2d_gbps=base["h2d_gbps"],
-                                            compute_overlap=overlap,
-                                            max_slowdown=args.max_slowdown)
-            planned = steps(batch, idx) if idx else dict(unpaged)
-            planned.update(batch=batch, mode="planner", overlap=overlap,
+            if not unpaged["ok"]:
+                continue
+            idx, info = _planner(args, unpaged, all_paged)
+            planned = (_spawn(args, dict(cfg, mode="planner", paged=idx)) if idx
+                       else dict(unpaged))
+            planned.update(mode="planner", overlap=info["overlap"],
                            expected_slowdown=info["expected_slowdown"], reason=info["reason"])
             if planned.get("ok"):
                 planned["slowdown"] = planned["s_per_step"] / unpaged["s_per_step"] - 1
                 planned["slowdown_all_paged"] = (all_paged["s_per_step"] / unpaged["s_per_step"]
                                                  - 1)
             emit(planned)
-    return results
 
 
 def _table(results: list[dict]) -> str:
@@ -201,8 +230,9 @@ def _table(results: list[dict]) -> str:
              f"{'peak GiB':>8s} {'paged':>5s} {'host GiB':>8s} {'slowdown':>8s}"]
     for r in results:
         if not r.get("ok"):
+            why = r.get("error", "") + (f": {r['detail']}" if r.get("detail") else "")
             lines.append(f"{r['variant']:10s} {r.get('mode', '-'):10s} {r.get('batch', 0):5d} "
-                         f"{'-':>9s}  {r.get('error', '')[:70]}")
+                         f"{'-':>9s}  {why[:70]}")
             continue
         pv = r.get("peak_vram_gib")
         sd = r.get("slowdown")
@@ -236,40 +266,34 @@ def main() -> int:
     ap.add_argument("--prefetch-depth", type=int, default=1)
     ap.add_argument("--min-offload-bytes", type=int, default=1 << 20)
     ap.add_argument("--max-slowdown", type=float, default=0.15)
-    ap.add_argument("--timeout", type=int, default=280, help="seconds per variant process")
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=280,
+                    help="seconds per configuration (each runs in a process of its own)")
+    ap.add_argument("--config", help=argparse.SUPPRESS)       # set by the parent for a child
+    ap.add_argument("--inject-oom", help=argparse.SUPPRESS)   # tests: MODE@BATCH[,...] raise OOM
     ap.add_argument("--out")
     args = ap.parse_args()
-    args.batch_list = [int(b) for b in args.batches.split(",") if b]
-    if args.variant:
-        run_variant(args)
+    if args.config:
+        print("RESULT " + json.dumps(run_config(args, json.loads(args.config))), flush=True)
         return 0
-    results: list[dict] = []
+    args.batch_list = [int(b) for b in args.batches.split(",") if b]
     for v in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", v, "--model", args.model, "--seq",
-               str(args.seq), "--batches", args.batches, "--cap-gib", str(args.cap_gib),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-               "--loss", args.loss, "--prefetch-depth", str(args.prefetch_depth),
-               "--min-offload-bytes", str(args.min_offload_bytes),
-               "--max-slowdown", str(args.max_slowdown)]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            out, err = p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = f"timed out after {args.timeout} s"
-        got = [json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT ")]
-        if not got or err.startswith("timed out"):
-            got.append({"variant": v, "ok": False, "mode": "-", "batch": 0,
-                        "error": err[-300:].replace("\n", " | ")})
-        for r in got:
-            print(json.dumps({k: r[k] for k in r if k != "block_bytes"}), flush=True)
-        results += got
+        if v not in ("stock", "ramstream"):
+            ap.error(f"--variants: unknown variant {v!r}; accepted: stock, ramstream")
+    results: list[dict] = []
+
+    def emit(r: dict) -> dict:
+        results.append(r)
+        print(json.dumps({k: r[k] for k in r if k != "block_bytes"}), flush=True)
+        return r
+
+    walk(args, emit)
     print()
     print(_table(results))
     if args.out:
-        with open(args.out, "w") as f:
+        tmp = f"{args.out}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(results, f, indent=1)
+        os.replace(tmp, args.out)
     return 0
 
 

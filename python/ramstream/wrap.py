@@ -192,7 +192,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     engine = opt._engine
     engine.attach_forward_waits(model)
     if opts.activation_offload is not False:
-        from .activation_policy import ActivationPolicy
+        from .activations import ActivationPolicy
 
         w.activations = ActivationPolicy(model, device, opts, log)
         opt._step_callbacks.append(w.activations.on_step)

@@ -1,13 +1,24 @@
-"""The host side of activation offload (ActivationOffloader in activations.py): pooled host buffers,
+"""The host side of activation paging (ActivationOffloader in hooks.py): pooled host buffers,
 the copy engines that move bytes between the device and those buffers (CUDA streams and events, or
 plain copies when the CPU is the device), and the records that tie a saved tensor to its host copy.
+
+Test-only switches (module attributes, read at every copy): ``_TEST_POISON`` fills every host
+buffer handed out and every device buffer an H2D copy lands in with 0xFF bytes (NaN in every float
+dtype) before the copy, so bytes that a missing wait lets through are never right by chance;
+``_TEST_SKIP_WAIT`` names one wait of the CUDA engine to leave out (one of ``SKIPPABLE_WAITS``),
+so the GPU tests can show that they fail without it.
 """
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 
 import torch
+
+_TEST_POISON = False
+_TEST_SKIP_WAIT: str | None = None
+SKIPPABLE_WAITS = ("d2h_after_compute", "h2d_after_d2h", "compute_after_h2d")
 
 __all__ = ["HostBuf", "HostPool", "byte_view", "CpuCopies", "CudaCopies", "Call", "Entry", "Saved",
            "Kept", "version_probe", "check_version"]
@@ -31,7 +42,7 @@ class HostBuf:
         self.t = t          # uint8 host tensor of `size` bytes
         self.size = size
         self.event = None   # the last copy reading from it (CUDA event) or None
-        self.tick = 0
+        self.tick = 0       # when it was last given back (HostPool.seq): least recently used first
 
 
 def _drop(bufs: list[HostBuf]) -> None:
@@ -46,48 +57,72 @@ def _drop(bufs: list[HostBuf]) -> None:
 class HostPool:
     """Host buffers by size class, reused across steps; pinned arena memory on CUDA.
 
-    take()/give() are thread-safe (entries die on autograd's device thread). Free buffers idle for
-    more than `keep_passes` forward passes are dropped (their memory returns to the arena cache).
+    take()/give() are thread-safe (entries die on autograd's device thread). new_pass() is the
+    give-back, called by the offloader at the start of each step: the pool records the highest
+    bytes in use since the previous call (one step's need) and drops free buffers, least recently
+    used first, until it holds at most the highest of the last ``window`` steps' needs and of the
+    bytes in use now. So ``window`` steps after a large batch, smaller batches of one shape hold
+    what one of their steps uses (their saved bytes rounded up to size classes: at most 12.5 % or
+    4 KiB more per buffer) and nothing of the large batch. A pinned pool that dropped buffers also
+    gives the arena's cached memory back to the driver (empty_cache: synchronises the device),
+    otherwise the memory would stay page-locked in the arena's cache.
     """
 
-    def __init__(self, pinned: bool, keep_passes: int = 2) -> None:
+    def __init__(self, pinned: bool, window: int = 2) -> None:
         self.pinned = pinned
-        self.keep_passes = keep_passes
+        self.window = window
         self.free: dict[int, list[HostBuf]] = {}
         self.lock = threading.Lock()
-        self.tick = 0
+        self.seq = 0
         self.closed = False
         self.bytes_held = 0
         self.bytes_in_use = 0
         self.peak_held = 0
         self.allocations = 0
         self.reuses = 0
+        self.step_peak = 0                  # the highest bytes_in_use since the last new_pass
+        self.needs: deque[int] = deque(maxlen=window)   # step_peak of the last `window` steps
+        self.bytes_dropped = 0
+        self.trims = 0
+
+    @property
+    def high_water(self) -> int:
+        """What new_pass() keeps: the highest bytes in use over the last ``window`` steps and now."""
+        return max([self.step_peak, *self.needs])
 
     def take(self, nbytes: int) -> HostBuf:
         size = _size_class(nbytes)
         with self.lock:
             lst = self.free.get(size)
             buf = lst.pop() if lst else None
+            if lst is not None and not lst:
+                del self.free[size]
             self.bytes_in_use += size
+            self.step_peak = max(self.step_peak, self.bytes_in_use)
             if buf is not None:
                 self.reuses += 1
-                return buf
-        if self.pinned:
-            from .ops.memory import pinned_empty
+        if buf is None:
+            if self.pinned:
+                from ..ops.memory import pinned_empty
 
-            t = pinned_empty(size, torch.uint8)
-        else:
-            t = torch.empty(size, dtype=torch.uint8)
-        with self.lock:
-            self.allocations += 1
-            self.bytes_held += size
-            self.peak_held = max(self.peak_held, self.bytes_held)
-        return HostBuf(t, size)
+                t = pinned_empty(size, torch.uint8)
+            else:
+                t = torch.empty(size, dtype=torch.uint8)
+            with self.lock:
+                self.allocations += 1
+                self.bytes_held += size
+                self.peak_held = max(self.peak_held, self.bytes_held)
+            buf = HostBuf(t, size)
+        if _TEST_POISON:
+            _drop([buf])                    # its last H2D has run: the fill cannot corrupt it
+            buf.t.fill_(0xFF)               # NaN in every float dtype
+        return buf
 
     def give(self, buf: HostBuf, event) -> None:
         buf.event = event
         with self.lock:
-            buf.tick = self.tick
+            self.seq += 1
+            buf.tick = self.seq
             self.bytes_in_use -= buf.size
             if not self.closed:
                 self.free.setdefault(buf.size, []).append(buf)
@@ -95,19 +130,41 @@ class HostPool:
             self.bytes_held -= buf.size
         _drop([buf])
 
-    def new_pass(self) -> None:
-        dropped = []
+    def new_pass(self) -> int:
+        """Ends a step: drops free buffers beyond the high-water mark (see the class). Returns the
+        bytes dropped."""
         with self.lock:
-            self.tick += 1
-            for size, lst in list(self.free.items()):
-                keep = [b for b in lst if self.tick - b.tick <= self.keep_passes]
-                dropped += [b for b in lst if self.tick - b.tick > self.keep_passes]
-                self.bytes_held -= size * (len(lst) - len(keep))
-                if keep:
-                    self.free[size] = keep
-                else:
-                    del self.free[size]
+            self.needs.append(self.step_peak)
+            self.step_peak = self.bytes_in_use
+            keep = self.high_water
+            excess = self.bytes_held - keep
+            dropped: list[HostBuf] = []
+            if excess > 0 and self.free:
+                lru = sorted((b for lst in self.free.values() for b in lst),
+                             key=lambda b: (b.tick, -b.size))
+                for b in lru:
+                    if excess <= 0:
+                        break
+                    dropped.append(b)
+                    excess -= b.size
+                gone = {id(b) for b in dropped}
+                for size in [s for s in self.free]:
+                    lst = [b for b in self.free[size] if id(b) not in gone]
+                    if lst:
+                        self.free[size] = lst
+                    else:
+                        del self.free[size]
+                n = sum(b.size for b in dropped)
+                self.bytes_held -= n
+                self.bytes_dropped += n
         _drop(dropped)
+        if dropped and self.pinned:
+            from ..ops.memory import empty_cache
+
+            empty_cache()
+            with self.lock:
+                self.trims += 1
+        return sum(b.size for b in dropped)
 
     def close(self) -> None:
         """Drops the free buffers; buffers still in use are dropped when given back."""
@@ -145,6 +202,8 @@ class CpuCopies:
 
     def to_device(self, buf: HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
         out = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if _TEST_POISON:
+            out.fill_(0xFF)
         out.copy_(buf.t[:n])
         return out, None
 
@@ -173,7 +232,8 @@ class CudaCopies:
     def to_host(self, buf: HostBuf, src: torch.Tensor) -> None:
         """Queues the copy after the work queued so far on the current stream; the source's memory
         is not reused by the caching allocator before the copy has run (record_stream)."""
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        if _TEST_SKIP_WAIT != "d2h_after_compute":
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         if buf.event is not None:              # the last H2D out of this buffer
             self.d2h.wait_event(buf.event)
             buf.event = None
@@ -189,9 +249,11 @@ class CudaCopies:
     def to_device(self, buf: HostBuf, n: int, after=None) -> tuple[torch.Tensor, object]:
         """Allocates n bytes from the H2D stream's pool and queues the copy there."""
         with torch.cuda.stream(self.h2d):
-            if after is not None:
+            if after is not None and _TEST_SKIP_WAIT != "h2d_after_d2h":
                 self.h2d.wait_event(after)
             out = torch.empty(n, dtype=torch.uint8, device=self.device)
+            if _TEST_POISON:
+                out.fill_(0xFF)
             out.copy_(buf.t[:n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.h2d)
@@ -203,12 +265,15 @@ class CudaCopies:
         bracketed by timing events: the GPU time it stalled (stall_seconds)."""
         cur = torch.cuda.current_stream(self.device)
         sid = cur.stream_id
+        wait = _TEST_SKIP_WAIT != "compute_after_h2d"
         if entry.used_on == sid:
-            cur.wait_event(entry.h2d_event)
+            if wait:
+                cur.wait_event(entry.h2d_event)
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(cur)
-        cur.wait_event(entry.h2d_event)
+        if wait:
+            cur.wait_event(entry.h2d_event)
         end.record(cur)
         with self._lock:
             self._timed.append((start, end))

@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from .activations import ActivationOffloader, find_blocks
-from .planner import choose_paged_blocks, copy_seconds, estimate_overlap, fraction_to_blocks
+from ..planner import choose_paged_blocks, copy_seconds, estimate_overlap, fraction_to_blocks
+from .blocks import find_blocks
+from .hooks import ActivationOffloader
 
 
 class ActivationPolicy:
@@ -64,7 +65,7 @@ class ActivationPolicy:
             st = self.off.stats()
             self.plan.update(t_all_paged_s=dt, peak_all_paged=peak,
                              block_bytes=list(st["block_bytes"]))
-            from .engine.resident import device_memory
+            from ..engine.resident import device_memory
 
             usable = device_memory(self.device)["usable"] * (1 - self.headroom)
             predicted = peak + sum(st["block_bytes"])
@@ -81,7 +82,7 @@ class ActivationPolicy:
             self._decide(unpaged_s=dt, must_free=0)
 
     def _decide(self, unpaged_s: float | None, must_free: int) -> None:
-        from .engine.split import measure
+        from ..engine.split import measure
 
         gbps = measure(self.device)["pcie_bytes_per_s"] / 1e9
         bb = self.plan["block_bytes"]

@@ -1,11 +1,10 @@
-"""Activation offload: saved tensors of chosen blocks go to host RAM in forward and come back ahead
-of the backward pass (saved_tensors_hooks); find_blocks() (blocks.py) finds a model's repeated
-layer stack.
+"""Activation paging's hooks: saved tensors of chosen blocks go to host RAM in forward and come back
+ahead of the backward pass (saved_tensors_hooks); find_blocks() (blocks.py) finds the blocks.
 
 Mechanism only: which blocks page is decided by the caller (planner.py, wrap()). Works with a CUDA
 device (pinned arena buffers, a D2H and an H2D copy stream ordered by events) and with the CPU as
 the "device" (plain copies into pooled host buffers, no streams), so CI tests the same logic.
-The host buffers, the copy engines and the saved-tensor records live in activation_buffers.py.
+The host buffers, the copy engines and the saved-tensor records live in buffers.py.
 
     off = ActivationOffloader(find_blocks(model), torch.device("cuda"), prefetch_depth=1)
     off.attach(); off.set_paged({0, 1, 2})
@@ -22,11 +21,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from .activation_buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved,
-                                 byte_view, check_version, version_probe)
-from .blocks import find_blocks
+from .buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved, byte_view,
+                      check_version, version_probe)
 
-__all__ = ["find_blocks", "ActivationOffloader"]
+__all__ = ["ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
 _ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)
@@ -61,6 +59,9 @@ class ActivationOffloader:
         d2h_lag: a paged block's forward starts once the copies to the host of the paged block
             ``d2h_lag`` calls before it have finished (the forward thread waits), which bounds the
             device memory held by copies still in flight.
+        pool_window: the host buffer pool keeps, at the start of each step, at most the highest
+            bytes in use over the last ``pool_window`` steps (and those in use now); free buffers
+            beyond that are given back, least recently used first (HostPool in buffers.py).
         log: an optional callable taking one string (decisions, e.g. EventLog).
 
     A saved tensor is paged when its block is paged, the module is in training mode, grad is
@@ -79,7 +80,7 @@ class ActivationOffloader:
     """
 
     def __init__(self, blocks: Iterable[nn.Module], device, *, prefetch_depth: int = 1,
-                 min_offload_bytes: int = 1 << 20, d2h_lag: int = 2,
+                 min_offload_bytes: int = 1 << 20, d2h_lag: int = 2, pool_window: int = 2,
                  log: Callable[[str], None] | None = None) -> None:
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
@@ -92,6 +93,9 @@ class ActivationOffloader:
                              f"{prefetch_depth!r}")
         if isinstance(d2h_lag, bool) or not isinstance(d2h_lag, int) or d2h_lag < 1:
             raise ValueError(f"ActivationOffloader: d2h_lag must be an int >= 1, got {d2h_lag!r}")
+        if isinstance(pool_window, bool) or not isinstance(pool_window, int) or pool_window < 1:
+            raise ValueError(f"ActivationOffloader: pool_window must be an int >= 1, got "
+                             f"{pool_window!r}")
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
                 or min_offload_bytes < 0:
             raise ValueError(f"ActivationOffloader: min_offload_bytes must be an int >= 0, got "
@@ -117,11 +121,12 @@ class ActivationOffloader:
         self.log = log or (lambda msg: None)
         self.measuring = False
         self._paged: frozenset[int] = frozenset()
-        self._pool = HostPool(self._copies.pinned)
+        self._pool = HostPool(self._copies.pinned, window=pool_window)
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
         self._aged_pass = -1
+        self._backward_seen = False   # since the pool last aged: a new pass then starts a step
         self._last_index = _NO_CALL
         self._last_call: Call | None = None
         self._persistent: set[int] = set()
@@ -188,7 +193,10 @@ class ActivationOffloader:
         """Counters. Per forward pass (the latest one, a pass starting at the first block):
         ``bytes_paged_last_pass``, ``block_bytes`` (per block: bytes paged, or that would be
         paged for measured blocks). Host: ``host_bytes_held`` (pool, in use + free),
-        ``host_bytes_in_use``, ``host_bytes_peak``, ``host_allocations``, ``host_reuses``.
+        ``host_bytes_in_use``, ``host_bytes_peak``, ``host_allocations``, ``host_reuses``,
+        ``host_bytes_high_water`` (the most the pool keeps at the next step's start: the highest
+        bytes in use over the last ``pool_window`` steps), ``host_bytes_given_back`` (cumulative)
+        and ``host_trims`` (times a pinned pool gave the arena's cache back to the driver).
         Cumulative: ``copies_d2h``/``copies_h2d``, ``bytes_d2h``/``bytes_h2d``, ``pack_s`` and
         ``unpack_s`` (host time spent in the hooks; unpack_s includes ``h2d_wait_s``, autograd's
         thread waiting for the GPU before taking memory for a prefetch), ``d2h_wait_s`` (the
@@ -200,7 +208,8 @@ class ActivationOffloader:
         with p.lock:
             pool = {"host_bytes_held": p.bytes_held, "host_bytes_in_use": p.bytes_in_use,
                     "host_bytes_peak": p.peak_held, "host_allocations": p.allocations,
-                    "host_reuses": p.reuses}
+                    "host_reuses": p.reuses, "host_bytes_high_water": p.high_water,
+                    "host_bytes_given_back": p.bytes_dropped, "host_trims": p.trims}
         stall = self._copies.stall_seconds()
         with self._lock:
             self._counters["h2d_stall_s"] += stall
@@ -269,17 +278,26 @@ class ActivationOffloader:
             out.register_hook(lambda g, call=call: self._on_output_grad(call))
 
     def _age_pool(self) -> None:
-        """Ages the pool's free buffers once per step: at the first block call of a pass while
-        nothing paged is alive. A pass starts whenever a block runs again (shared weights,
-        blocks called out of order), possibly several per step; aging per pass would drop and
-        reallocate the buffers every step."""
+        """Ends a step for the pool (HostPool.new_pass: gives back what recent steps did not use)
+        at the first block call of a pass that follows a backward, or while nothing paged is
+        alive. A pass starts whenever a block runs again (shared weights, blocks called out of
+        order), possibly several per step: aging at every pass would drop buffers the step's later
+        passes need. Entries kept alive without a backward (a graph held by an exception's
+        traceback) do not stop the give-back once backward runs again."""
         if self._aged_pass == self._pass:
             return
-        with self._lock:
-            idle = self._counters["live_entries"] == 0
-        if idle:
-            self._aged_pass = self._pass
-            self._pool.new_pass()
+        if not self._backward_seen:
+            with self._lock:
+                if self._counters["live_entries"] != 0:
+                    return
+        self._aged_pass = self._pass
+        self._backward_seen = False
+        held = self._pool.bytes_held
+        gone = self._pool.new_pass()
+        if gone:
+            self.log(f"activation offload: host pool gave back {gone / 2**20:.1f} MiB of "
+                     f"{held / 2**20:.1f} MiB (keeps {self._pool.high_water / 2**20:.1f} MiB: the "
+                     f"most in use over the last {self._pool.window} steps)")
 
     def _throttle_d2h(self, call: Call) -> None:
         """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
@@ -304,6 +322,7 @@ class ActivationOffloader:
 
     def _on_output_grad(self, call: Call) -> None:
         t0 = time.perf_counter()
+        self._backward_seen = True
         if call.bwd_event is None:
             call.bwd_event = self._copies.mark()
         self._fetch_call(call)
@@ -444,6 +463,7 @@ class ActivationOffloader:
             return x
         check_version(x.probe._version, x)
         t0 = time.perf_counter()
+        self._backward_seen = True
         e = x.entry
         if e.call.bwd_event is None:
             e.call.bwd_event = self._copies.mark()

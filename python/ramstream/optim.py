@@ -11,8 +11,13 @@ from typing import Any
 
 import torch
 
-from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_moment_dtype,
-                      parse_threads)
+from .options import (
+    parse_accumulation_steps,
+    parse_device,
+    parse_max_grad_norm,
+    parse_moment_dtype,
+    parse_threads,
+)
 
 _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                      differentiable=False, fused=None, decoupled_weight_decay=True)
@@ -26,22 +31,26 @@ def _number(v):
     return v
 
 
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_hyper(lr, betas, eps, weight_decay, where: str = "OffloadAdamW:") -> None:
     def bad(name, value, accepted):
-        return ValueError(f"OffloadAdamW: {name}={value!r} is invalid; accepted: {accepted}")
+        return ValueError(f"{where} {name}={value!r} is invalid; accepted: {accepted}")
 
     lr = _number(lr)
     if isinstance(betas, (tuple, list)):
         betas = tuple(_number(b) for b in betas)
 
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+    if not _real(lr) or lr < 0:
         raise bad("lr", lr, "a finite float >= 0")
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and math.isfinite(b) and 0 <= b < 1 for b in betas)):
+            or not all(_real(b) and 0 <= b < 1 for b in betas)):
         raise bad("betas", betas, "a pair of floats in [0, 1)")
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if not _real(eps) or eps <= 0:
         raise bad("eps", eps, "a finite float > 0")
-    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) or weight_decay < 0:
+    if not _real(weight_decay) or weight_decay < 0:
         raise bad("weight_decay", weight_decay, "a finite float >= 0")
 
 
@@ -97,7 +106,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates)):
+        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates),
+                            ("distributed", distributed)):
             if not isinstance(value, bool):
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
         for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
@@ -112,12 +122,22 @@ class OffloadAdamW(torch.optim.Optimizer):
                 or not 0.0 <= vram_headroom < 1.0:
             raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number "
                              "in [0, 1)")
+        if distributed:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("OffloadAdamW: distributed=True needs torch.distributed "
+                                 "initialised (torch.distributed.init_process_group) first")
+        device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None
         self._closed = False
         self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
+        for i, g in enumerate(self.param_groups):   # a group may set its own hyper-parameters
+            _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                         f"OffloadAdamW: param group {i}:")
         if self._threads is not None:
             from ._native import lib
 
@@ -128,7 +148,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; "
                                  "pass device=")
             device = devices.pop()
-        device = torch.device(device)
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
         self._distributed = bool(distributed)
         self._log = _log or (lambda msg: None)
@@ -234,7 +253,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
-
         from .engine.state import gather_bucket_state
 
         self.synchronize()

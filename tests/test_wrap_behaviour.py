@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.core as core   # imported before any patching (it binds host_jobs.update)
+import ramstream.engine.core as core  # imported before any patching (it binds host_jobs.update)
 from ramstream.engine import host_jobs
+
 from _models import batches, clone, make_model, max_diff, train_torch
 
 

@@ -16,7 +16,7 @@ import ramstream  # noqa: E402
 from ramstream._native import lib  # noqa: E402
 from ramstream.options import WrapOptions  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=5000, derandomize=True, database=None,
+SETTINGS = settings(max_examples=60, deadline=20000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 HANG_S = 120     # one example taking this long is a hang: dump every thread's stack and exit
 

@@ -26,4 +26,5 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     diff = (bits(a) != bits(b)).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} differ, first at {diff[0].tolist()}: {a.flatten()[diff[0]]} vs {b.flatten()[diff[0]]}"
+    assert diff.numel() == 0, (f"{diff.shape[0]} differ, first at {diff[0].tolist()}: "
+                               f"{a.flatten()[diff[0]]} vs {b.flatten()[diff[0]]}")

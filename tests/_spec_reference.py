@@ -6,13 +6,10 @@ import math
 import numpy as np
 import torch
 
-NF4_TABLE = torch.tensor(
-    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
-    dtype=torch.float32,
-)
+from _quant_helpers import NF4_CODE
+
+# the NF4 table, typed in once for every test (tests/_quant_helpers.py)
+NF4_TABLE = NF4_CODE
 
 M32 = 0xFFFFFFFF
 

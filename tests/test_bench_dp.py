@@ -1,4 +1,4 @@
-"""bench/train/bench_dp.py on the CPU: two gloo ranks under torch.distributed.run vs one process."""
+"""bench/train/bench_dp.py on the CPU: two gloo ranks (FileStore rendezvous) vs one process."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,13 +22,16 @@ def _bench_module():
 
 @pytest.fixture(scope="module")
 def driver_result(tmp_path_factory):
-    """The driver: single process, full-batch reference, two ranks (--standalone picks a free
-    port); tiny GPT, buckets small enough that both ranks own some."""
+    """The driver: single process, full-batch reference, two ranks that meet through a FileStore
+    in the test's folder (--rendezvous file: torchrun --standalone would take a free TCP port
+    that another process may grab first); tiny GPT, buckets small enough that both ranks own
+    some."""
     tmp = tmp_path_factory.mktemp("bench_dp")
     cmd = [sys.executable, str(BENCH), "--nproc", "2", "--device", "cpu", "--model", "tiny",
            "--batch", "2", "--seq", "32", "--steps", "3", "--warmup", "1",
            "--options", json.dumps({"bucket_bytes": 1 << 18}), "--check",
-           "--workdir", str(tmp / "runs"), "--timeout", "120", "--out", str(tmp / "dp.json")]
+           "--rendezvous", "file", "--workdir", str(tmp / "runs"), "--timeout", "120",
+           "--out", str(tmp / "dp.json")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp / "dp.json").read_text())

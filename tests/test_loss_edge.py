@@ -70,20 +70,37 @@ def test_float64_inputs_compute_in_float64(chunk):
     assert s.dtype == torch.float64
 
 
-@pytest.mark.parametrize("needs", ["w", "b", "h", "none"])
+def _dense64(h, w, b, t, **kw):
+    """The reference: dense cross-entropy in float64 on copies (its own leaves)."""
+    h, w, b = (x.detach().double().requires_grad_() for x in (h, w, b))
+    return F.cross_entropy(F.linear(h, w, b), t, **kw), (h, w, b)
+
+
+@pytest.mark.parametrize("needs", ["w", "b", "h", "hw", "wb", "hb", "none"])
 def test_inputs_that_need_no_gradient(needs):
+    """Some inputs need no gradient: the loss, and loss.backward() filling exactly the .grad of
+    those that do, against float64; with none, backward raises as torch's does."""
     h, w, b, t = _inputs()
     for name, x in (("h", h), ("w", w), ("b", b)):
-        x.requires_grad_(name == needs)
+        x.requires_grad_(name in needs)
     loss = chunked_cross_entropy(h, w, t, b, chunk_size=10)
-    ref = _dense(h, w, b, t)
+    ref, leaves = _dense64(h, w, b, t)
     assert abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
     if needs == "none":
         assert not loss.requires_grad
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            _dense(h, w, b, t).backward()
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            loss.backward()
         return
-    x = {"h": h, "w": w, "b": b}[needs]
-    (g,), (gr,) = torch.autograd.grad(loss, [x]), torch.autograd.grad(ref, [x])
-    _close(g, gr, 1e-5)
+    loss.backward()
+    ref.backward()
+    for name, x, r in zip("hwb", (h, w, b), leaves):
+        if name in needs:
+            assert x.grad is not None
+            _close(x.grad.double(), r.grad, 1e-5)
+        else:
+            assert x.grad is None
 
 
 def test_all_targets_ignored_with_num_items_and_empty_rows():
@@ -99,21 +116,22 @@ def test_all_targets_ignored_with_num_items_and_empty_rows():
     assert torch.isnan(chunked_cross_entropy(h0, w, t0, b)) and torch.isnan(_dense(h0, w, b, t0))
 
 
-def _chunked(h, w, b, t, **kw):
-    return chunked_cross_entropy(h, w, t, b, chunk_size=9, **kw)
-
-
-@pytest.mark.parametrize("fn", [_chunked, _dense])
-def test_scaled_combined_and_retained_backward(fn):
+@pytest.mark.parametrize("chunk", [1, 9, 64])
+def test_scaled_combined_and_retained_backward(chunk):
+    """Two reductions of one chunked loss scaled and summed, backward twice through a retained
+    graph: gradients accumulate to twice the float64 reference's."""
     h, w, b, t = _inputs()
     t[::4] = -100
-    total = 3 * fn(h, w, b, t) + 0.5 * fn(h, w, b, t, reduction="sum")
+    total = 3 * chunked_cross_entropy(h, w, t, b, chunk_size=chunk) \
+        + 0.5 * chunked_cross_entropy(h, w, t, b, chunk_size=chunk, reduction="sum")
     total.backward(retain_graph=True)
     total.backward()                                   # accumulates twice
-    got = [x.grad.clone() for x in (h, w, b)]
-    ref = 3 * _dense(h, w, b, t) + 0.5 * _dense(h, w, b, t, reduction="sum")
-    for g, r in zip(got, torch.autograd.grad(ref, [h, w, b])):
-        _close(g, 2 * r, 1e-5)
+    ref_mean, leaves = _dense64(h, w, b, t)
+    ref_sum = F.cross_entropy(F.linear(*leaves), t, reduction="sum")
+    ref = 3 * ref_mean + 0.5 * ref_sum
+    assert abs(total.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for x, r in zip((h, w, b), torch.autograd.grad(ref, list(leaves))):
+        _close(x.grad.double(), 2 * r, 1e-5)
 
 
 def test_targets_out_of_range_raise_like_torch():

@@ -1,5 +1,6 @@
 """Tests of the pinned host arena on a GPU: pinned tensors, reuse without new pin calls,
-empty_cache, budget exhaustion, bit-exact copies, registration, bandwidth against torch."""
+empty_cache, budget exhaustion, bit-exact copies (large ones against torch's pinned
+memory), registration. Bandwidth is measured in bench/bench_copy.py, not asserted here."""
 from __future__ import annotations
 
 import gc
@@ -10,11 +11,14 @@ import torch
 import ramstream
 from ramstream._native import lib
 from ramstream.ops import memory as mem
-from _memory_helpers import ALL_DTYPES, MiB, stats
 
 # restore_budget is a fixture: pytest finds it here once imported
-from _memory_helpers import restore_budget  # noqa: F401
-
+from _memory_helpers import (
+    ALL_DTYPES,
+    MiB,
+    restore_budget,  # noqa: F401
+    stats,
+)
 
 # ---- GPU (run by the lead: pytest -m cuda) -----------------------------------------------------
 
@@ -130,35 +134,34 @@ def test_cuda_register(restore_budget):
         ramstream.unregister_host_memory(t)
 
 
-def _median_copy_seconds(dst, src, reps: int = 7) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.mark.cuda
-def test_cuda_bandwidth_matches_torch_pinned():
-    n = 256 * MiB
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_cuda_large_copies_match_torch_pinned(chunks):
+    """A 256 MiB arena buffer crosses PCIe (whole, or in unaligned chunks on two streams) with the
+    same bytes as torch's own pinned buffer. The bandwidth ratio against torch's pinned memory is
+    a benchmark, not a test: bench/bench_copy.py::test_copy_bandwidth_arena_vs_torch_pinned."""
+    n = 256 * MiB + 13
     arena = ramstream.pinned_empty(n, torch.uint8)
+    assert arena.is_pinned() and lib().is_arena_pinned(arena.data_ptr())
     ref = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    arena.fill_(1)
-    ref.fill_(1)
-    gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
-    h2d_arena = n / _median_copy_seconds(gpu, arena)
-    h2d_ref = n / _median_copy_seconds(gpu, ref)
-    d2h_arena = n / _median_copy_seconds(arena, gpu)
-    d2h_ref = n / _median_copy_seconds(ref, gpu)
-    msg = (f"H2D {h2d_arena / 1e9:.1f} vs {h2d_ref / 1e9:.1f} GB/s, "
-           f"D2H {d2h_arena / 1e9:.1f} vs {d2h_ref / 1e9:.1f} GB/s")
-    print(msg)
-    assert h2d_arena >= 0.9 * h2d_ref, msg
-    assert d2h_arena >= 0.9 * d2h_ref, msg
+    ref.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    arena.copy_(ref)
+    from_arena = torch.empty(n, dtype=torch.uint8, device="cuda")
+    from_ref = torch.empty(n, dtype=torch.uint8, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    bounds = [n * k // chunks for k in range(chunks + 1)]
+    for k in range(chunks):
+        a, b = bounds[k], bounds[k + 1]
+        with torch.cuda.stream(streams[k % 2]):
+            from_arena[a:b].copy_(arena[a:b], non_blocking=True)
+    from_ref.copy_(ref, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(from_arena, from_ref)
+    back = ramstream.pinned_empty(n, torch.uint8)
+    back.zero_()
+    for k in range(chunks):
+        a, b = bounds[k], bounds[k + 1]
+        with torch.cuda.stream(streams[k % 2]):
+            back[a:b].copy_(from_arena[a:b], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, ref)

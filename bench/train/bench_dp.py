@@ -16,7 +16,8 @@ bit-identical:
         --steps 10 --check --ref-file ref.pt
 
 Driver (--nproc N): runs the single-process baseline (--batch per process), the reference (with
---check) and the N-rank run under torch.distributed.run, then prints a table and a summary (the
+--check) and the N-rank run under torch.distributed.run (or, with --rendezvous file, N processes
+it starts that meet through a FileStore: no TCP port), then prints a table and a summary (the
 throughput ratio, host bytes per rank against one process, parity); --out writes everything:
 
     python bench/train/bench_dp.py --nproc 2 --model 1.8b --batch 8 --seq 512 --steps 10 \
@@ -88,7 +89,6 @@ def _load_reference(path: str, meta: dict) -> dict:
 
 def _compare_with_reference(model, path: str, meta: dict) -> dict:
     """Largest absolute difference between the model's parameters and a saved reference."""
-    import torch
 
     ref = _load_reference(path, meta)
     worst, worst_name = 0.0, None
@@ -131,7 +131,11 @@ def run_worker(args) -> dict | None:
             raise SystemExit(f"bench_dp: {local_world} ranks per node but "
                              f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank "
                              "(--backend gloo shares a GPU)")
-        dist.init_process_group(backend, **({"device_id": dev} if backend == "nccl" else {}))
+        extra = {"device_id": dev} if backend == "nccl" else {}
+        init_file = os.environ.get("RAMSTREAM_DP_INIT_FILE")
+        if init_file:   # --rendezvous file: the ranks meet in a file, no port to race for
+            extra.update(init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group(backend, **extra)
 
     def gather(obj):
         if not launched:
@@ -271,6 +275,47 @@ def _launch(name: str, cmd: list[str], out_file: str, timeout: float) -> dict:
     return r
 
 
+def _launch_ranks(name: str, cmd: list[str], n: int, init_file: str, out_file: str,
+                  timeout: float) -> dict:
+    """--rendezvous file: starts the n ranks itself (RANK, WORLD_SIZE, LOCAL_RANK set as torchrun
+    would), meeting through a FileStore in `init_file`; each rank logs to its own file. A rank
+    that fails or a timeout stops the others."""
+    t0 = time.perf_counter()
+    procs, logs = [], []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(n), RAMSTREAM_DP_INIT_FILE=init_file)
+        logs.append(f"{out_file}.rank{r}.log")
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    deadline, rc = time.monotonic() + timeout, 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            rc = failed[0] if failed else f"timeout after {timeout:.0f} s"
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    for p in procs:
+        p.wait()
+    rc = rc or next((p.returncode for p in procs if p.returncode), 0)
+    if rc == 0 and os.path.exists(out_file):
+        with open(out_file) as f:
+            r = json.load(f)
+    else:
+        tails = []
+        for log in logs:
+            with open(log, errors="replace") as f:
+                tails.append(f"{log}: {f.read()[-1500:]}")
+        r = {"ok": False, "error": f"rc={rc}: " + "\n".join(tails)}
+    r.update(name=name, wall_s=time.perf_counter() - t0, cmd=" ".join(cmd), log=logs[0])
+    print(json.dumps(r), flush=True)
+    return r
+
+
 def drive(args) -> dict:
     """The single-process baseline, the full-batch reference (--check) and the N-rank run."""
     n = args.nproc
@@ -290,11 +335,18 @@ def drive(args) -> dict:
                 + ["--save-ref", ref, "--out", f"{work}/reference.json"],
                 f"{work}/reference.json", args.timeout)
             dp_extra = ["--check", "--ref-file", ref]
-        runs["dp"] = _launch(
-            "dp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(n), os.path.abspath(__file__)]
-            + _common_args(args, args.batch) + dp_extra + ["--out", f"{work}/dp.json"],
-            f"{work}/dp.json", args.timeout)
+        worker_args = _common_args(args, args.batch) + dp_extra + ["--out", f"{work}/dp.json"]
+        if args.rendezvous == "file":
+            init_file = f"{work}/rendezvous"
+            if os.path.exists(init_file):
+                os.remove(init_file)     # a FileStore file left by an earlier run would be joined
+            runs["dp"] = _launch_ranks("dp", me + worker_args, n, init_file, f"{work}/dp.json",
+                                       args.timeout)
+        else:
+            runs["dp"] = _launch(
+                "dp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(n), os.path.abspath(__file__)] + worker_args,
+                f"{work}/dp.json", args.timeout)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -363,6 +415,9 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, help="driver: single process, reference, N ranks")
     ap.add_argument("--workdir", help="driver: keep the runs' files (reference) here")
     ap.add_argument("--timeout", type=float, default=1800, help="driver: seconds per run")
+    ap.add_argument("--rendezvous", choices=("torchrun", "file"), default="torchrun",
+                    help="driver: the N ranks under torchrun --standalone, or started by the "
+                    "driver and meeting in a file (no TCP port; what the tests use)")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     json.loads(args.options)

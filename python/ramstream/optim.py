@@ -11,8 +11,13 @@ from typing import Any
 import torch
 
 from .ops import _adamw_rules as _rules
-from .options import (parse_accumulation_steps, parse_max_grad_norm, parse_moment_dtype,
-                      parse_threads)
+from .options import (
+    parse_accumulation_steps,
+    parse_device,
+    parse_max_grad_norm,
+    parse_moment_dtype,
+    parse_threads,
+)
 
 _GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                      differentiable=False, fused=None, decoupled_weight_decay=True)
@@ -79,7 +84,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates)):
+        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates),
+                            ("distributed", distributed)):
             if not isinstance(value, bool):
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
         for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
@@ -94,12 +100,21 @@ class OffloadAdamW(torch.optim.Optimizer):
                 or not 0.0 <= vram_headroom < 1.0:
             raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number "
                              "in [0, 1)")
+        if distributed:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("OffloadAdamW: distributed=True needs torch.distributed "
+                                 "initialised (torch.distributed.init_process_group) first")
+        device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None
         self._closed = False
         self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
+        for i, g in enumerate(self.param_groups):   # a group may set its own hyper-parameters
+            _rules.check_group("OffloadAdamW", g, i)
         if self._threads is not None:
             from ._native import lib
 
@@ -110,7 +125,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; "
                                  "pass device=")
             device = devices.pop()
-        device = torch.device(device)
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
         self._distributed = bool(distributed)
         self._log = _log or (lambda msg: None)
@@ -216,7 +230,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
-
         from .engine.state import gather_bucket_state
 
         self.synchronize()

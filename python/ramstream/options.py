@@ -46,17 +46,20 @@ def parse_accumulation_steps(value: Any, where: str = "wrap(): option") -> int:
     return int(value)
 
 
+MAX_THREADS = 4096      # the bound RAMSTREAM_NUM_THREADS has in the core
+
+
 def parse_threads(value: Any, where: str = "wrap(): option") -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
         raise ValueError(f"{where} threads={value!r} is not accepted; accepted: None (all cores) "
-                         "or an integer >= 1")
+                         f"or an integer in [1, {MAX_THREADS}]")
     return int(value)
 
 
 def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
-    if value not in ("cpu", "gpu", "auto") or not isinstance(value, str):
+    if not isinstance(value, str) or value not in ("cpu", "gpu", "auto"):
         raise ValueError(f"{where}={value!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
     return value
 
@@ -101,10 +104,10 @@ class WrapOptions:
                              f"{', '.join(sorted(known))}")
         o = cls(**options)
         o.optimizer_mode = parse_mode(o.optimizer_mode)
-        if not (o.offload == "auto" and isinstance(o.offload, str)) and o.offload is not True:
+        if not (isinstance(o.offload, str) and o.offload == "auto") and o.offload is not True:
             raise _fail("offload", o.offload, "'auto', True")
         o.device = parse_device(o.device)
-        if o.distributed not in (None, True, False):
+        if not any(o.distributed is v for v in (None, True, False)):   # 1 == True: not accepted
             raise _fail("distributed", o.distributed, "None (auto), True, False")
         for name in ("guard_params", "verbose", "eager_updates"):
             if not isinstance(getattr(o, name), bool):
@@ -156,16 +159,30 @@ def parse_activation_offload(value: Any):
     raise _fail("activation_offload", value, "'auto', True, False, or a fraction in [0, 1]")
 
 
-def parse_device(value: Any) -> torch.device | None:
-    """None, 'cpu', 'cuda', 'cuda:N' or a torch.device; ValueError otherwise."""
+def parse_device(value: Any, where: str = "wrap(): option") -> torch.device | None:
+    """None, 'cpu', 'cuda', 'cuda:N' or a torch.device; ValueError otherwise, RuntimeError for a
+    CUDA device when torch sees no GPU."""
     if value is None:
         return None
+    accepted = "None, 'cpu', 'cuda', 'cuda:N', a torch.device"
+    if isinstance(value, bool) or not isinstance(value, (str, torch.device, int)) \
+            or (isinstance(value, int) and value < 0):
+        raise ValueError(f"{where} device={value!r} is not accepted; accepted: {accepted}")
     try:
-        dev = torch.device(value)
-    except (RuntimeError, TypeError):
-        raise _fail("device", value, "None, 'cpu', 'cuda', 'cuda:N', a torch.device") from None
+        # an integer is a CUDA index (torch.device(int) would pick whichever accelerator exists)
+        dev = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{where} device={value!r} is not accepted; accepted: {accepted}") from None
     if dev.type not in ("cpu", "cuda"):
-        raise _fail("device", value, "None, 'cpu', 'cuda', 'cuda:N', a torch.device")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        raise ValueError(f"{where} device={value!r} is not accepted; accepted: {accepted}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{where} device={value!r}: torch sees no CUDA GPU; pass "
+                               "device='cpu' to run the engine on the CPU")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{where} device={value!r} is not accepted: torch sees "
+                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
     return dev

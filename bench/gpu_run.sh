@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, sanitize, dp), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
@@ -60,10 +60,14 @@ for stage in $STAGES; do
         --cap-gib 24 > "$OUT/diag_oom.log" 2>&1
       summary "diag_oom rc=$?"; tail -20 "$OUT/diag_oom.log"
       (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
-        test_resident_f64.py "test_wrap_resident_cpu.py::test_resident_goes_on_as_the_offloaded_run_on_the_gpu" \
+        test_resident_f64.py "test_wrap_resident.py::test_resident_goes_on_as_the_offloaded_run_on_the_gpu" \
         > "$OUT/diag_resident.log" 2>&1)
       summary "diag_resident: $(tail -1 "$OUT/diag_resident.log")"
       grep -E "ulps per step|^(FAILED|ERROR)|Assert" "$OUT/diag_resident.log" | head -12 ;;
+    soak)  # issue 8: 200 steps of the 1.8B GPT, 24 GiB cap, optimizer_mode="auto", paging: flat memory
+      timeout 400 python3 bench/train/soak.py --steps "${SOAK_STEPS:-200}" --model "${MODEL:-1.8b}" \
+        --cap-gib 24 --out "$OUT/soak.json" > "$OUT/soak.log" 2>&1
+      summary "soak rc=$?"; tail -12 "$OUT/soak.log" ;;
     sanitize)  # compute-sanitizer memcheck and racecheck over the CUDA kernel tests, once
       cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
       for tool in memcheck racecheck; do

@@ -9,6 +9,8 @@ import weakref
 
 import torch
 
+from ._faults import fault_point
+
 __all__ = ["HostBuf", "HostPool", "byte_view", "CpuCopies", "CudaCopies", "Call", "Entry", "Saved",
            "Kept", "version_probe", "check_version"]
 
@@ -72,12 +74,18 @@ class HostPool:
             if buf is not None:
                 self.reuses += 1
                 return buf
-        if self.pinned:
-            from .ops.memory import pinned_empty
+        try:
+            fault_point("activations.buffer")
+            if self.pinned:
+                from .ops.memory import pinned_empty
 
-            t = pinned_empty(size, torch.uint8)
-        else:
-            t = torch.empty(size, dtype=torch.uint8)
+                t = pinned_empty(size, torch.uint8)
+            else:
+                t = torch.empty(size, dtype=torch.uint8)
+        except BaseException:         # out of memory: the buffer was never handed out
+            with self.lock:
+                self.bytes_in_use -= size
+            raise
         with self.lock:
             self.allocations += 1
             self.bytes_held += size

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from .._faults import fault_point
 from .buckets import Bucket, Slot
 from .gpu_updates import dev_norm_add, launch_mapped
 from .host_jobs import Piece, land
@@ -95,6 +96,7 @@ class BackwardHooks:
         s: Slot = p._ramstream_slot
         self.check_param(p)
         track_pass(self)
+        fault_point("backward.grad_hook")
         b = s.bucket
         if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
             raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
@@ -117,6 +119,7 @@ class BackwardHooks:
 
     def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
         self._landing_reusable(b)
+        fault_point("backward.landing")
         g = p.grad
         if self.dp is not None:
             if b.staging is None:
@@ -255,6 +258,8 @@ class BackwardHooks:
                 "ranks wait in its collectives, so the process group cannot continue (as with "
                 "DistributedDataParallel): restart from a checkpoint")
         self._discard_gathered("a backward pass raised before its end")
+        for fn in self.on_abandon:
+            fn()
 
     def discard_if_gathered(self) -> None:
         """zero_grad() between backward and step(): the gradients gathered since the last step
@@ -280,12 +285,13 @@ class BackwardHooks:
             b.micro_list, b.staging, b.sq_norm = [], None, 0.0
             b.pending_landing_checked = False
             for s in b.slots:
-                if b.placement == "mapped" and not s.updated:
-                    s.param.grad = None           # a mapped slot's gradient waits on the device
+                if not s.updated:   # a mapped slot's gradient waits on the device; a host
+                    s.param.grad = None           # slot's, when its landing raised
                 s.arrivals, s.micro_arrived, s.updated = 0, False, False
         if self._dev_norm is not None:
             self._dev_norm.zero_()
         self._micro, self._in_backward, self._task = 0, False, -1
+        self._clip_now = None
         msg = f"{why}: the gradients of {dropped} parameters gathered since the last step were " \
               "discarded"
         if stepped:

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from .._faults import fault_point
 from . import guard as _guard
 from . import layout
 from .buckets import Bucket, Slot, build_buckets
@@ -96,7 +97,9 @@ class Engine(BackwardHooks):
         self.frozen_names: dict[int, str] = {}
         self.closed = False
         self.last_grad_norm: float | None = None
+        self._clip_now = None              # (max_norm, norm, _micro): clip_grad_norm_ this step
         self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
+        self.on_abandon: list = []         # called once a backward pass that raised is dropped
         self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
                       "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0,
                       "throttle_s": 0.0}
@@ -241,6 +244,7 @@ class Engine(BackwardHooks):
         self.recover_if_abandoned()
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
+        fault_point("step.begin")
         self.worker.raise_if_failed()
         for s in self.slots:
             self.check_param(s.param)
@@ -248,12 +252,19 @@ class Engine(BackwardHooks):
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
             hypers = self._hypers()       # validated before anything is changed
-            if self.max_grad_norm is not None and self._micro < self.accumulation_steps:
+            clip = self._clip_now
+            if clip is not None and clip[2] != self._micro:
+                raise RuntimeError("ramstream: a backward pass ran after clip_grad_norm_ and "
+                                   "before step(); call clip_grad_norm_ after the last one")
+            if clip is None and self.max_grad_norm is not None \
+                    and self._micro < self.accumulation_steps:
                 self._norms_now(todo)
             world = self.dp.world if self.dp is not None else 1
-            grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
+            grad_scale = (clip_coefficient(clip[0], clip[1]) if clip is not None
+                          else self._clip_coefficient() if self.max_grad_norm is not None
                           else 1.0) / world
             accumulate = self.accumulation_steps > 1
+            fault_point("step.updates")   # the last point before the first update is queued
             by_bucket: dict[int, list[Slot]] = {}
             for s in todo:
                 by_bucket.setdefault(s.bucket.index, []).append(s)
@@ -286,6 +297,7 @@ class Engine(BackwardHooks):
             s.arrivals = 0
             s.updated = False
         self._micro = 0
+        self._clip_now = None
         self.stats["steps"] += 1
 
     def _norms_now(self, todo: list[Slot]) -> None:
@@ -305,8 +317,12 @@ class Engine(BackwardHooks):
             b.last_seq = b.landing_seq = seq
 
     def _clip_coefficient(self) -> float:
+        """clip_grad_norm_'s factor for max_grad_norm and the global norm (_total_norm)."""
+        return clip_coefficient(self.max_grad_norm, self._total_norm())
+
+    def _total_norm(self) -> float:
         """Waits for every gradient's squared norm (host buckets: computed as they landed;
-        mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
+        mapped ones: on the GPU) and returns the global L2 norm (consumed: set to zero)."""
         total = 0.0
         for b in self.buckets:
             if b.placement == "host" and (self.dp is None or self.dp.owns(b)):
@@ -320,7 +336,7 @@ class Engine(BackwardHooks):
         if self.dp is not None:           # the norm of the averaged gradient
             total = self.dp.all_reduce_scalar(total) / self.dp.world ** 2
         self.last_grad_norm = math.sqrt(total)
-        return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
+        return self.last_grad_norm
 
     # ---- waits --------------------------------------------------------------------------------
     def wait_bucket(self, b: Bucket) -> None:
@@ -362,6 +378,7 @@ class Engine(BackwardHooks):
             bl = [self.buckets[i] for i in idx]
 
             def pre_hook(module, args, bl=bl):
+                fault_point("forward.pre_hook")
                 for b in bl:
                     if b.pending:
                         self.wait_bucket(b)

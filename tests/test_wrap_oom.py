@@ -211,11 +211,12 @@ def _gpu_model():
     dict(max_grad_norm=1.0, activation_offload=True), dict(eager_updates=False),
     dict(max_grad_norm=1.0, optimizer_mode="gpu")], ids=["clip+paging", "deferred", "mapped"])
 def test_real_oom_on_the_gpu(options):
+    torch.use_deterministic_algorithms(True, warn_only=True)   # embedding backward: atomics
     dev = torch.device("cuda")
     torch.cuda.empty_cache()
     base = _gpu_model()
-    model, opt = ramstream.wrap(clone(base).to(dev), lr=LR, device=dev, min_offload_bytes=0,
-                                **options)
+    options = dict(options, offload=True, min_offload_bytes=0)
+    model, opt = ramstream.wrap(clone(base).to(dev), lr=LR, device=dev, **options)
     g = torch.Generator().manual_seed(3)
 
     def batch(b, t=256):
@@ -238,8 +239,8 @@ def test_real_oom_on_the_gpu(options):
         opt.synchronize()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
-    ref_model, ref_opt = ramstream.wrap(clone(base).to(dev), lr=LR, device=dev,
-                                        min_offload_bytes=0, **options)
+        torch.use_deterministic_algorithms(False)
+    ref_model, ref_opt = ramstream.wrap(clone(base).to(dev), lr=LR, device=dev, **options)
     for b in small:
         _step(ref_model, ref_opt, b)
     ref_opt.synchronize()

@@ -182,6 +182,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Applies the gradients gathered since the last step (queued; returns without waiting
+        for host updates). With none gathered it updates nothing, as torch.optim.AdamW skips
+        parameters without .grad (the step still counts for stats() and LR schedulers); the
+        first such call before any backward pass warns once (RuntimeWarning)."""
         if self._closed:
             raise RuntimeError("OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
                                "wrap() took its model): gradients no longer reach it; step the "

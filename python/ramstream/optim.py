@@ -223,7 +223,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         warnings.warn("ramstream: optimizer.step() before any backward pass: there are no "
                       "gradients, so nothing is updated (weights, moments and step counts stay "
                       "as they are, as with torch.optim.AdamW); call loss.backward() before "
-                      "optimizer.step()", RuntimeWarning, stacklevel=4)
+                      "optimizer.step()", RuntimeWarning, stacklevel=5)
 
     def clip_grad_norm_(self, max_norm, norm_type: float = 2.0) -> torch.Tensor:
         """Clips this step's gradients by their global L2 norm, as

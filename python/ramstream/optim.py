@@ -6,6 +6,7 @@ torch.optim.AdamW(fused=True) on the CPU (fp32 master weights on the host).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -137,6 +138,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             accumulation_steps=self._accumulation_steps, bucket_bytes=bucket_bytes,
             guard_params=guard_params, max_inflight_bytes=max_inflight_bytes,
             distributed=distributed, seed=seed, log=_log, eager_updates=eager_updates)
+        self._had_grads = False
+        from .clipping import register
+
+        register(self)        # torch.nn.utils.clip_grad_norm_ on these parameters comes here
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
         if mode == "cpu" or self._distributed:
@@ -173,6 +178,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Applies the gradients gathered since the last step (queued; returns without waiting
+        for host updates). With none gathered it updates nothing, as torch.optim.AdamW skips
+        parameters without .grad (the step still counts for stats() and LR schedulers); the
+        first such call before any backward pass warns once (RuntimeWarning)."""
         if self._closed:
             raise RuntimeError("OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
                                "wrap() took its model): gradients no longer reach it; step the "
@@ -181,6 +190,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._had_grads:
+            self._check_first_gradients()
         if self._resident is not None:
             self._resident.step()
             self._engine.stats["steps"] += 1
@@ -194,6 +205,44 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._maybe_go_resident()
         self._after_step()
         return loss
+
+    def _check_first_gradients(self) -> None:
+        """step() before any backward pass: nothing to apply (as torch.optim.AdamW, which skips
+        parameters without .grad); the step still counts for stats() and LR schedulers. Warned
+        once per optimizer, since it usually means a training loop in the wrong order."""
+        e = self._engine
+        e.recover_if_abandoned()
+        if e.intake.micro > 0 or self._resident is not None:
+            self._had_grads = True
+            return
+        self._had_grads = True
+        warnings.warn("ramstream: optimizer.step() before any backward pass: there are no "
+                      "gradients, so nothing is updated (weights, moments and step counts stay "
+                      "as they are, as with torch.optim.AdamW); call loss.backward() before "
+                      "optimizer.step()", RuntimeWarning, stacklevel=5)
+
+    def clip_grad_norm_(self, max_norm, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips this step's gradients by their global L2 norm, as
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) does for a torch optimizer
+        (and Accelerate's / FSDP's clip_grad_norm_), and returns that norm (before clipping) as
+        a float32 tensor on the device. Call it after the last backward pass of the step and
+        before step(); step() then scales the update by min(1, max_norm / (norm + 1e-6)).
+        max_norm=float('inf') only measures. The norm is summed in double on the host.
+
+        Needs updates that wait for step(): max_grad_norm= given at wrap() (max_norm replaces it
+        for this step) or eager_updates=False; otherwise RuntimeError, since the updates ran
+        during backward. Only norm_type=2.0 (ValueError otherwise). With no gradient gathered
+        since the last step the norm is 0."""
+        from .clipping import check_max_norm, engine_norm, resident_norm
+
+        if self._closed:
+            raise RuntimeError("OffloadAdamW.clip_grad_norm_: this optimizer is closed")
+        max_norm = check_max_norm(max_norm, norm_type)
+        if self._resident is not None:
+            norm = resident_norm(self._resident, max_norm)
+        else:
+            norm = engine_norm(self._engine, max_norm)
+        return torch.tensor(norm, dtype=torch.float32, device=self._engine.device)
 
     def _after_step(self) -> None:
         for fn in self._step_callbacks:
@@ -279,7 +328,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                   f"{room / 2**30:.2f} GiB free -> "
                   + ("switching to fused AdamW on the device" if verdict else "keep offloading"))
         if verdict:
-            self._resident = Resident(self._engine, self.param_groups)
+            try:
+                resident = Resident(self._engine, self.param_groups)
+            except torch.OutOfMemoryError as exc:   # the step itself is done: keep offloading
+                msg = (f"offload=auto: the device ran out of memory building the resident state "
+                       f"({exc}); the partial copies are freed and the optimizer keeps offloading")
+                self._log(msg)
+                warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=3)
+                return
+            self._resident = resident
             self._engine.close()
             for b in self._engine.buckets:      # the state lives on the device now
                 b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None

@@ -196,6 +196,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
         w.activations = ActivationPolicy(model, device, opts, log)
         opt._step_callbacks.append(w.activations.on_step)
+        engine.on_abandon.append(w.activations.off.release_abandoned)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(model.register_load_state_dict_pre_hook(
         lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)))

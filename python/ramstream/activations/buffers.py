@@ -16,6 +16,8 @@ from collections import deque
 
 import torch
 
+from .._faults import fault_point
+
 _TEST_POISON = False
 _TEST_SKIP_WAIT: str | None = None
 SKIPPABLE_WAITS = ("d2h_after_compute", "h2d_after_d2h", "compute_after_h2d")
@@ -102,12 +104,18 @@ class HostPool:
             if buf is not None:
                 self.reuses += 1
         if buf is None:
-            if self.pinned:
-                from ..ops.memory import pinned_empty
+            try:
+                fault_point("activations.buffer")
+                if self.pinned:
+                    from ..ops.memory import pinned_empty
 
-                t = pinned_empty(size, torch.uint8)
-            else:
-                t = torch.empty(size, dtype=torch.uint8)
+                    t = pinned_empty(size, torch.uint8)
+                else:
+                    t = torch.empty(size, dtype=torch.uint8)
+            except BaseException:     # out of memory: the buffer was never handed out
+                with self.lock:
+                    self.bytes_in_use -= size
+                raise
             with self.lock:
                 self.allocations += 1
                 self.bytes_held += size

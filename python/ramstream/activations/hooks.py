@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from .._faults import fault_point
 from .buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved, byte_view,
                       check_version, version_probe)
 
@@ -125,6 +126,7 @@ class ActivationOffloader:
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
+        self._live: weakref.WeakSet = weakref.WeakSet()   # entries holding a host buffer
         self._aged_pass = -1
         self._backward_seen = False   # since the pool last aged: a new pass then starts a step
         self._last_index = _NO_CALL
@@ -361,6 +363,7 @@ class ActivationOffloader:
         return t.untyped_storage().data_ptr() not in self._persistent
 
     def _pack(self, t: torch.Tensor, call: Call, paged: bool):
+        fault_point("activations.pack")
         # a tensor that stays is wrapped with its version: behind hooks torch checks none
         if not self._pageable(t):
             return Kept(t, call.index)
@@ -405,6 +408,7 @@ class ActivationOffloader:
             buf = self._pool.take(n)
             self._copies.to_host(buf, byte_view(st, self.device, lo, n))
             found = Entry(self, call, buf, lo, n)
+            self._live.add(found)
             found.d2h_event = call.d2h_event = self._copies.d2h_event()
             call.entries.append(weakref.ref(found))
             recs.append((weakref.ref(st), version, weakref.ref(found), lo, hi))
@@ -455,6 +459,7 @@ class ActivationOffloader:
             c = c.prev
 
     def _unpack(self, x):
+        fault_point("activations.unpack")
         kind = type(x)
         if kind is Kept:
             check_version(x.t._version, x)
@@ -470,6 +475,9 @@ class ActivationOffloader:
         if e.gpu is None:
             self._fetch_call(e.call)
             self._fetch(e)           # an entry shared from another call
+            if e.gpu is None:
+                raise RuntimeError("ramstream: this graph's paged activations were released "
+                                   "after a backward pass raised; run the forward pass again")
         self._prefetch_before(e.call)
         self._copies.use_on_current(e)
         out = torch.empty(0, dtype=x.dtype, device=self.device).set_(
@@ -477,6 +485,20 @@ class ActivationOffloader:
         with self._lock:
             self._counters["unpack_s"] += time.perf_counter() - t0
         return out
+
+    def release_abandoned(self) -> int:
+        """A backward pass raised: torch (2.13, CPU) keeps the failed graph's unexecuted nodes
+        alive, with the host buffers and device copies of their paged activations. Frees those of
+        every pass but, when a new backward runs, the current one's (it is that backward's)."""
+        keep = self._pass if torch._C._current_graph_task_id() != -1 else None
+        freed = 0
+        for e in list(self._live):
+            if e.call.pass_id == keep or e.buf is None:
+                continue
+            buf, e.buf, e.gpu = e.buf, None, None
+            freed += e.nbytes
+            self._release(buf, e.h2d_event if e.h2d_event is not None else e.d2h_event)
+        return freed
 
     def _release(self, buf: HostBuf, event) -> None:
         self._pool.give(buf, event)

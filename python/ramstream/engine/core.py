@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from .._faults import fault_point
 from . import guard as _guard
 from . import layout
 from .buckets import Bucket, Slot, build_buckets
@@ -102,6 +103,12 @@ class Engine:
         return self.parallel if self.parallel.distributed else None
 
     @property
+    def on_abandon(self) -> list:
+        """Callables run once a backward pass that raised has been dropped (the activation
+        offloader frees the failed graph's paged buffers there)."""
+        return self.intake.on_abandon
+
+    @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm of the last clipped step (max_grad_norm)."""
         return self.updater.last_grad_norm
@@ -173,6 +180,7 @@ class Engine:
         self.recover_if_abandoned()
         if self.intake.in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
+        fault_point("step.begin")
         self.updater.raise_if_failed()
         for s in self.slots:
             self.check_param(s.param)
@@ -182,6 +190,7 @@ class Engine:
             self.updater.step(todo, self.intake.micro)
         self.weights.broadcast([self.buckets[bi] for bi in stepped])
         self.intake.end_step()
+        self.updater.clip_now = None
         self.stats["steps"] += 1
 
     def recover_if_abandoned(self) -> None:

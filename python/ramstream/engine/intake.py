@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .._faults import fault_point
 from .buckets import Bucket, Slot
 from .devices import check_param
 
@@ -143,6 +144,7 @@ class GradientIntake:
         self._in_backward = False
         self._task = -1
         self.frozen_names: dict[int, str] = {}
+        self.on_abandon: list = []         # called once a backward pass that raised is dropped
         self._on_grad_weak = _weak_method(self, "on_grad")
         self._hooks = [_grad_hook(s.param, self._on_grad_weak) for s in slots]
         self._frozen_hooks = [_grad_hook(p, _weak_method(self, "on_frozen_grad"))
@@ -191,6 +193,7 @@ class GradientIntake:
         s: Slot = p._ramstream_slot
         check_param(p, self.device)
         track_pass(self)
+        fault_point("backward.grad_hook")
         b = s.bucket
         if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
             raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
@@ -215,6 +218,7 @@ class GradientIntake:
 
     def _on_grad_host(self, s: Slot, b: Bucket, p) -> None:
         self._landing_reusable(b)
+        fault_point("backward.landing")
         g = p.grad
         if self.parallel.lands_alone(s):
             self.inflight.throttle(g.nbytes)
@@ -301,6 +305,8 @@ class GradientIntake:
         the failed pass's share, so the whole accumulation window goes (as zero_grad() would)."""
         self.parallel.on_abandoned_pass()
         self._discard_gathered("a backward pass raised before its end")
+        for fn in self.on_abandon:
+            fn()
 
     def discard_if_gathered(self) -> None:
         """zero_grad() between backward and step(): the gradients gathered since the last step
@@ -324,8 +330,8 @@ class GradientIntake:
             b.micro_list, b.staging, b.sq_norm = [], None, 0.0
             b.pending_landing_checked = False
             for s in b.slots:
-                if b.placement == "mapped" and not s.updated:
-                    s.param.grad = None           # a mapped slot's gradient waits on the device
+                if not s.updated:   # a mapped slot's gradient waits on the device; a host
+                    s.param.grad = None           # slot's, when its landing raised
                 s.arrivals, s.micro_arrived, s.updated = 0, False, False
         self.updater.discard()
         self.micro, self._in_backward, self._task = 0, False, -1

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .._faults import fault_point
 from .intake import _grad_hook, _weak_method, track_pass
 from .layout import master_flat, replaced_params
 from .updater import clip_coefficient
@@ -73,9 +74,11 @@ class Resident:
                 "exp_avg_sq": b.exp_avg_sq[sl].to(self.device, copy=True).view(s.param.shape),
                 "offset": b.state_offset + s.offset,
             }
+            fault_point("resident.switch")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.grads: dict[int, torch.Tensor] = {}    # summed since the last step (fp32)
+        self._clip_now, self._clip_stale = None, False  # clip_grad_norm_: (max_norm, norm)
         self._in_backward, self._task = False, -1
         self._on_grad_weak = _weak_method(self, "_on_grad")
         self._hooks = {s.index: self._hook(s) for s in self.slots}
@@ -102,6 +105,7 @@ class Resident:
 
     def _begin_backward(self) -> None:
         self._in_backward = True
+        self._clip_stale = self._clip_now is not None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
@@ -115,6 +119,7 @@ class Resident:
     def discard_if_gathered(self) -> None:
         """zero_grad() between backward and step(): the gradients summed since the last step are
         dropped, as torch drops them."""
+        self._clip_now = None
         if not self._in_backward and self.grads:
             dropped = len(self.grads)
             self.grads = {}
@@ -125,14 +130,17 @@ class Resident:
         """Updates run only in step(): dropping the gradients gathered since the last step leaves
         weights and optimizer state as they were before the failed pass."""
         dropped = len(self.grads)
-        self.grads = {}
+        self.grads, self._clip_now = {}, None
         self._in_backward, self._task = False, -1
         self.engine.log(f"a backward pass raised before its end: the gradients of {dropped} "
                         "parameters gathered since the last step were discarded")
+        for fn in self.engine.on_abandon:
+            fn()
 
     # ---- update -------------------------------------------------------------------------------
     def step(self) -> None:
         self.recover_if_abandoned()
+        fault_point("resident.step")
         if self._in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         for s in self.slots:
@@ -141,11 +149,17 @@ class Resident:
                     f"ramstream: parameter of shape {tuple(s.param.shape)} is on {s.param.device} "
                     f"but the optimizer runs on {self.device}; move the model back with "
                     f"model.to('{self.device}')")
+        clip, self._clip_now = self._clip_now, None
+        if clip is not None and self._clip_stale:
+            raise RuntimeError("ramstream: a backward pass ran after clip_grad_norm_ and before "
+                               "step(); call clip_grad_norm_ after the last one")
         grads, self.grads = self.grads, {}
         if not grads:
             return
         scale = 1.0
-        if self.max_grad_norm is not None:
+        if clip is not None:
+            scale = clip_coefficient(clip[0], clip[1])
+        elif self.max_grad_norm is not None:
             scale = clip_coefficient(self.max_grad_norm, math.sqrt(self._sq_norm(grads.values())))
         for gi, group in enumerate(self.param_groups):
             idx = [s.index for s in self.slots if s.group == gi and s.index in grads]

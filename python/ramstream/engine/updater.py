@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .._faults import fault_point
 from .gpu_updates import MappedUpdates
 from .host_jobs import Piece, add_sq_norm, land, update
 
@@ -35,6 +36,7 @@ class Updater:
         self.mapped = MappedUpdates(dev=dev, device=device, seed=seed, inflight=inflight,
                                     weights=weights, stats=stats)
         self.last_grad_norm: float | None = None
+        self.clip_now = None        # (max_norm, norm, micro): clip_grad_norm_ for this step
         self._pass_hypers = None
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -112,11 +114,17 @@ class Updater:
         """Queues the updates of the slots in `todo` (they got gradients, their update is not
         queued yet) after `micro` backward passes."""
         hypers = self.hypers()       # validated before anything is changed
-        if self.max_grad_norm is not None and micro < self.accumulation_steps:
-            self._norms_now(todo)
-        grad_scale = (self._clip_coefficient() if self.max_grad_norm is not None
+        clip = self.clip_now
+        if clip is not None and clip[2] != micro:
+            raise RuntimeError("ramstream: a backward pass ran after clip_grad_norm_ and "
+                               "before step(); call clip_grad_norm_ after the last one")
+        if clip is None and self.max_grad_norm is not None and micro < self.accumulation_steps:
+            self.norms_now(todo)
+        grad_scale = (clip_coefficient(clip[0], clip[1]) if clip is not None
+                      else self._clip_coefficient() if self.max_grad_norm is not None
                       else 1.0) / self.parallel.world
         accumulate = self.accumulation_steps > 1
+        fault_point("step.updates")   # the last point before the first update is queued
         by_bucket: dict[int, list] = {}
         for s in todo:
             by_bucket.setdefault(s.bucket.index, []).append(s)
@@ -137,9 +145,11 @@ class Updater:
                 priority=b.index, deps=(b.last_seq,))
             b.last_seq = b.update_seq = b.landing_seq = seq
 
-    def _norms_now(self, todo) -> None:
+    def norms_now(self, todo, accumulated: bool = True) -> None:
         """step() after fewer backward passes than accumulation_steps (the end of an epoch,
-        say): the squared norms, otherwise taken in the last micro-batch, of what was summed."""
+        say): the squared norms, otherwise taken in the last micro-batch, of what was summed
+        (in the accumulator; with accumulated=False, in the landing buffer: clip_grad_norm_
+        with eager_updates=False and no max_grad_norm, where landings take no norm)."""
         by_bucket: dict[int, list[Piece]] = {}
         for s in todo:
             if s.bucket.placement == "mapped":
@@ -149,13 +159,19 @@ class Updater:
                     Piece(s.offset, s.numel, s.group, s.step, False))
         for bi, pieces in by_bucket.items():
             b = self.buckets[bi]
-            seq = self.worker.submit(lambda b=b, pieces=pieces: add_sq_norm(b, pieces, b.acc),
-                                     priority=b.index, deps=(b.last_seq,))
+            seq = self.worker.submit(
+                lambda b=b, pieces=pieces: add_sq_norm(b, pieces,
+                                                       b.acc if accumulated else b.landing),
+                priority=b.index, deps=(b.last_seq,))
             b.last_seq = b.landing_seq = seq
 
     def _clip_coefficient(self) -> float:
+        """clip_grad_norm_'s factor for max_grad_norm and the global norm (total_norm)."""
+        return clip_coefficient(self.max_grad_norm, self.total_norm())
+
+    def total_norm(self) -> float:
         """Waits for every gradient's squared norm (host buckets: computed as they landed;
-        mapped ones: on the GPU) and returns clip_grad_norm_'s factor."""
+        mapped ones: on the GPU) and returns the global L2 norm (consumed: set to zero)."""
         total = 0.0
         for b in self.buckets:
             if b.placement == "host" and self.parallel.owns(b):
@@ -165,11 +181,12 @@ class Updater:
         total += self.mapped.take_sq_norm()
         total = self.parallel.all_reduce_norm(total)   # data parallel: of the averaged gradient
         self.last_grad_norm = math.sqrt(total)
-        return clip_coefficient(self.max_grad_norm, self.last_grad_norm)
+        return self.last_grad_norm
 
     def discard(self) -> None:
         """The gradients gathered since the last step were dropped: so are their GPU norms."""
         self.mapped.discard()
+        self.clip_now = None
 
     def close(self) -> None:
         self.worker.close()

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .._faults import fault_point
 from . import guard as _guard
 
 
@@ -82,6 +83,7 @@ class WeightReturn:
             bl = [self.buckets[i] for i in idx]
 
             def pre_hook(module, args, bl=bl):
+                fault_point("forward.pre_hook")
                 for b in bl:
                     if b.pending:
                         wait(b)

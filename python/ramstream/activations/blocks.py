@@ -1,4 +1,4 @@
-"""find_blocks(): a model's repeated layer stack, the unit activation paging works in."""
+"""find_blocks(): a model's repeated layer stack, the unit activation paging works in (and ranges_text for logs)."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -41,3 +41,18 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             f"(such as model.layers or transformer.h); containers seen: {found}. Pass the blocks "
             "explicitly (blocks=[...]).")
     return best[1]
+
+
+def ranges_text(idx: list[int]) -> str:
+    """Block indices for a log line: [0,1,2,5] -> '0-2,5'."""
+    if not idx:
+        return "none"
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)

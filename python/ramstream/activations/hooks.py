@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from .._faults import fault_point
+from .blocks import ranges_text as _ranges
 from .buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved, byte_view,
                       check_version, version_probe)
 
@@ -88,19 +89,12 @@ class ActivationOffloader:
             raise ValueError("ActivationOffloader: blocks must be a non-empty list of nn.Module")
         if len({id(b) for b in blocks}) != len(blocks):
             raise ValueError("ActivationOffloader: blocks must not list a module twice")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) \
-                or prefetch_depth < 1:
-            raise ValueError(f"ActivationOffloader: prefetch_depth must be an int >= 1, got "
-                             f"{prefetch_depth!r}")
-        if isinstance(d2h_lag, bool) or not isinstance(d2h_lag, int) or d2h_lag < 1:
-            raise ValueError(f"ActivationOffloader: d2h_lag must be an int >= 1, got {d2h_lag!r}")
-        if isinstance(pool_window, bool) or not isinstance(pool_window, int) or pool_window < 1:
-            raise ValueError(f"ActivationOffloader: pool_window must be an int >= 1, got "
-                             f"{pool_window!r}")
-        if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
-                or min_offload_bytes < 0:
-            raise ValueError(f"ActivationOffloader: min_offload_bytes must be an int >= 0, got "
-                             f"{min_offload_bytes!r}")
+        for name, value, lo in (("prefetch_depth", prefetch_depth, 1), ("d2h_lag", d2h_lag, 1),
+                                ("pool_window", pool_window, 1),
+                                ("min_offload_bytes", min_offload_bytes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"ActivationOffloader: {name} must be an int >= {lo}, got "
+                                 f"{value!r}")
         device = torch.device(device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
@@ -504,18 +498,3 @@ class ActivationOffloader:
         self._pool.give(buf, event)
         with self._lock:
             self._counters["live_entries"] -= 1
-
-
-def _ranges(idx: list[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    if not idx:
-        return "none"
-    out, start, prev = [], idx[0], idx[0]
-    for i in idx[1:] + [None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(f"{start}-{prev}" if prev > start else f"{start}")
-        if i is not None:
-            start = prev = i
-    return ",".join(out)

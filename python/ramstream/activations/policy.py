@@ -111,3 +111,4 @@ class ActivationPolicy:
 
     def close(self) -> None:
         self.off.detach()
+

@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 import ramstream
 import ramstream.functional as F
+import torch
 from ramstream import doctor
 from ramstream.cli import main
 
@@ -117,7 +116,7 @@ def test_bad_or_slow_settings_warn_in_a_fresh_process(env, want):
     if v == "scalar" and ramstream._native.lib().best_isa() == "scalar":
         pytest.skip("scalar is the best ISA here")
     r = subprocess.run([sys.executable, "-m", "ramstream", "doctor", "--json"],
-                       env={**os.environ, k: v}, capture_output=True, text=True, timeout=300)
+                       env={**os.environ, k: v}, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     c = {x["name"]: x for x in json.loads(r.stdout)}
     assert c[want[0]]["status"] == want[1] and c[want[0]]["fix"]

@@ -14,7 +14,7 @@ def _cpu_quick_start() -> str:
     with open(README) as f:
         text = f.read()
     section = text.split("### On the CPU", 1)[1]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
+    m = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert m, "README lost the CPU quick start's code block"
     return m.group(1)
 

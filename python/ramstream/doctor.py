@@ -143,7 +143,6 @@ def check_copy(nbytes: int = 64 << 20) -> Check:
 
     up, down = nbytes / _best(h2d) / 1e9, nbytes / _best(d2h) / 1e9
     text = f"cuda:0 H2D {up:.1f} GB/s, D2H {down:.1f} GB/s ({nbytes >> 20} MiB, pinned)"
-    del host, dev
     if min(up, down) < 5:
         return Check("copy", WARN, text, "below a PCIe 3.0 x16 link: check the link width and "
                      "speed (nvidia-smi -q | grep -A3 'Link Width'); host buffers may not be pinned")

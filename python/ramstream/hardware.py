@@ -43,7 +43,7 @@ def _version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvidia_driver() -> dict:
     """{"found": bool, "cuda": "13.0" or None}: whether the NVIDIA driver library (libcuda.so.1)
     loads, and the newest CUDA version it supports. Never raises."""

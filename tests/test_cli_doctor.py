@@ -79,7 +79,8 @@ def test_doctor_warns_about_unknown_and_lists_known_variables(capsys, monkeypatc
     assert rc == 0
     env = c["env"]
     assert env["status"] == "WARN"
-    assert "RAMSTREAM_NUM_THREAD=4" in env["detail"] and "RAMSTREAM_POOL_SPIN_US=10" in env["detail"]
+    assert "RAMSTREAM_NUM_THREAD=4" in env["detail"]
+    assert "RAMSTREAM_POOL_SPIN_US=10" in env["detail"]
     assert "unknown, ignored: RAMSTREAM_NUM_THREAD " in env["fix"]
     assert "RAMSTREAM_POOL_SPIN_US" not in env["fix"].split("(known")[0]
 
@@ -116,7 +117,8 @@ def test_bad_or_slow_settings_warn_in_a_fresh_process(env, want):
     if v == "scalar" and ramstream._native.lib().best_isa() == "scalar":
         pytest.skip("scalar is the best ISA here")
     r = subprocess.run([sys.executable, "-m", "ramstream", "doctor", "--json"],
-                       env={**os.environ, k: v}, capture_output=True, text=True, timeout=300, check=False)
+                       env={**os.environ, k: v}, capture_output=True, text=True, timeout=300,
+                       check=False)
     assert r.returncode == 0, r.stderr
     c = {x["name"]: x for x in json.loads(r.stdout)}
     assert c[want[0]]["status"] == want[1] and c[want[0]]["fix"]

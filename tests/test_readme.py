@@ -1,4 +1,4 @@
-"""The README's CPU quick start, extracted from README.md and run: it trains as plain torch AdamW does."""
+"""The README's CPU quick start, extracted from README.md and run: it trains as torch AdamW does."""
 from __future__ import annotations
 
 import os

@@ -50,7 +50,8 @@ def check_torch() -> Check:
         return Check("torch", OK, f"torch {v}, CUDA {torch.version.cuda}")
     if nvidia_driver()["found"]:
         return Check("torch", WARN, f"torch {v} is a CPU-only build on a machine with an NVIDIA "
-                     "driver", "install a CUDA build of torch: https://pytorch.org/get-started/locally")
+                     "driver",
+                     "install a CUDA build of torch: https://pytorch.org/get-started/locally")
     return Check("torch", OK, f"torch {v} (CPU-only build, as this machine has no NVIDIA driver)")
 
 
@@ -145,7 +146,8 @@ def check_copy(nbytes: int = 64 << 20) -> Check:
     text = f"cuda:0 H2D {up:.1f} GB/s, D2H {down:.1f} GB/s ({nbytes >> 20} MiB, pinned)"
     if min(up, down) < 5:
         return Check("copy", WARN, text, "below a PCIe 3.0 x16 link: check the link width and "
-                     "speed (nvidia-smi -q | grep -A3 'Link Width'); host buffers may not be pinned")
+                     "speed (nvidia-smi -q | grep -A3 'Link Width'); host buffers may not be "
+                     "pinned")
     return Check("copy", OK, text)
 
 

@@ -1,5 +1,5 @@
-"""What the machine offers: host RAM, CPU ISA and threads, NVIDIA driver, GPUs (free memory under any
-cap), and why a CUDA device cannot be used, in words that say what to do."""
+"""What the machine offers: host RAM, CPU ISA and threads, NVIDIA driver, GPUs (free memory under
+any cap), and why a CUDA device cannot be used, in words that say what to do."""
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,8 @@
-"""`ramstream` command line: info (what ramstream sees), bench (host AdamW vs torch), demo.
+"""`ramstream` command line: info (what ramstream sees), doctor (checks with what to do), bench
+(host AdamW vs torch), demo.
 
     ramstream info
+    ramstream doctor [--json]
     ramstream bench [--params N] [--repeat R]
     ramstream demo  [--device cpu|cuda|cuda:N] [--steps N]
 """
@@ -27,7 +29,9 @@ def _cmd_info(args) -> int:
         print(f"warning: {d['isa_env_error']} (ignored)")
     print(f"host: ISA {d['isa']} (best {d['best_isa']}), {d['threads']} threads, "
           f"RAM {ram['total'] / 2**30:.1f} GiB total / {ram['available'] / 2**30:.1f} GiB available")
-    cuda = f"CUDA runtime {d['cuda_runtime']}" if d["built_with_cuda"] else "no CUDA in this build"
+    rt = d["cuda_runtime"]
+    cuda = (f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}" if d["built_with_cuda"]
+            else "no CUDA kernels in this build")
     print(f"build: {cuda}; GPUs seen by ramstream: {d['cuda_devices']}"
           + (f" ({d['cuda_unavailable_reason']})" if d["cuda_devices"] == 0 else ""))
     for i, g in enumerate(d["gpus"]):
@@ -74,8 +78,20 @@ def _cmd_bench(args) -> int:
 
 def _cmd_demo(args) -> int:
     from .demo import run_demo
+    from .hardware import torch_cuda_problem
 
+    if args.device is not None and torch.device(args.device).type == "cuda":
+        problem = torch_cuda_problem(args.device)
+        if problem:
+            print(f"ramstream demo --device {args.device}: {problem}", file=sys.stderr)
+            return 2
     return run_demo(device=args.device, steps=args.steps)
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import run_doctor
+
+    return run_doctor(as_json=args.json)
 
 
 def main(argv=None) -> int:
@@ -85,6 +101,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help="print the hardware ramstream sees")
     p.add_argument("--json", action="store_true", help="print the same as JSON")
     p.set_defaults(fn=_cmd_info)
+    p = sub.add_parser("doctor", help="check GPU, driver, build, pinned memory, copy and AdamW "
+                       "rates, RAM, RAMSTREAM_* variables; OK/WARN/FAIL with what to do")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(fn=_cmd_doctor)
     p = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
     p.add_argument("--params", type=int, default=16_000_000,
                    help="fp32 parameters updated per step (default: 16000000)")

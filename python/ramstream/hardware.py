@@ -1,6 +1,9 @@
-"""What the machine offers: host RAM, CPU ISA and threads, GPUs (free memory under any cap)."""
+"""What the machine offers: host RAM, CPU ISA and threads, NVIDIA driver, GPUs (free memory under
+any cap), and why a CUDA device cannot be used, in words that say what to do."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -35,6 +38,71 @@ def gpu_memory(device: torch.device) -> dict:
             "allocated": torch.cuda.memory_allocated(device)}
 
 
+def _version(v: int) -> str:
+    """CUDA's integer versions (12080) as text ("12.8")."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@functools.cache
+def nvidia_driver() -> dict:
+    """{"found": bool, "cuda": "13.0" or None}: whether the NVIDIA driver library (libcuda.so.1)
+    loads, and the newest CUDA version it supports. Never raises."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return {"found": False, "cuda": None}
+    v = ctypes.c_int(0)
+    try:
+        ok = cuda.cuDriverGetVersion(ctypes.byref(v)) == 0
+    except AttributeError:
+        ok = False
+    return {"found": True, "cuda": _version(v.value) if ok and v.value else None}
+
+
+NO_DRIVER = ("no NVIDIA driver or GPU was found (libcuda.so.1 does not load); ramstream runs "
+             "on the CPU with device='cpu'")
+
+
+def torch_cuda_problem(device: torch.device | str = "cuda") -> str | None:
+    """Why torch cannot use `device` (a CUDA device), with what to do; None when it can."""
+    device = torch.device(device)
+    if not nvidia_driver()["found"]:
+        return NO_DRIVER
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
+                "torch (https://pytorch.org/get-started/locally) or use device='cpu'")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        drv = nvidia_driver()["cuda"]
+        return (f"torch (CUDA {torch.version.cuda}) sees no GPU with this NVIDIA driver "
+                f"(supports CUDA {drv or '?'}): check nvidia-smi and CUDA_VISIBLE_DEVICES, or "
+                "use device='cpu'")
+    n = torch.cuda.device_count()
+    if device.index is not None and device.index >= n:
+        return f"{device} does not exist: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}"
+    return None
+
+
+def kernels_problem() -> str | None:
+    """Why ramstream's own CUDA kernels (optimizer_mode='gpu', the CUDA functional ops) cannot
+    run, with what to do; None when they can."""
+    from ._native import lib
+
+    C = lib()
+    if not C.built_with_cuda():
+        return ("this build of ramstream has no CUDA kernels (compiled without a CUDA toolkit "
+                "or with RAMSTREAM_CUDA=OFF): reinstall with nvcc on PATH "
+                "(RAMSTREAM_CUDA=ON pip install .) or use optimizer_mode='cpu'")
+    if C.cuda_device_count() > 0:
+        return None
+    drv = nvidia_driver()
+    if not drv["found"]:
+        return NO_DRIVER
+    rt = _version(C.cuda_runtime_version())
+    return (f"the NVIDIA driver (supports CUDA {drv['cuda'] or '?'}) cannot run this build's "
+            f"CUDA runtime {rt} ({C.cuda_unavailable_reason()}): update the driver, or check "
+            "nvidia-smi and CUDA_VISIBLE_DEVICES")
+
+
 def describe() -> dict:
     """A summary of what ramstream sees (used by `ramstream info`)."""
     from ._native import lib
@@ -49,7 +117,8 @@ def describe() -> dict:
         "built_with_cuda": bool(C.built_with_cuda()),
         "cuda_runtime": C.cuda_runtime_version(),
         "cuda_devices": C.cuda_device_count(),
-        "cuda_unavailable_reason": C.cuda_unavailable_reason(),
+        "cuda_unavailable_reason": kernels_problem() or "",
+        "driver": nvidia_driver(),
         "torch": torch.__version__,
         "torch_cuda": torch.cuda.is_available(),
         "gpus": [],

@@ -63,6 +63,20 @@ def _bytes_to_move(model: torch.nn.Module, device: torch.device) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.device != device)
 
 
+def _check_cuda_device(device: torch.device, mode: str) -> None:
+    """RuntimeError saying what to do when wrap() cannot use the CUDA device it was asked for
+    (CPU-only torch, no driver or GPU, no such index, mode 'gpu' on a build without kernels)."""
+    from .hardware import kernels_problem, torch_cuda_problem
+
+    problem = torch_cuda_problem(device)
+    if problem is None and mode == "gpu":
+        problem = kernels_problem()
+        if problem:
+            problem = f"optimizer_mode='gpu' needs ramstream's CUDA kernels, but {problem}"
+    if problem:
+        raise RuntimeError(f"wrap(): device {device}: {problem}")
+
+
 def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
     """MemoryError with the arithmetic when the weights wrap() would move to the device exceed
     what the process may still allocate there (mem: hardware.gpu_memory)."""
@@ -152,6 +166,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             raise ValueError(f"wrap(): the model's parameters are on {sorted(map(str, devices))}; "
                              "pass device=")
         device = devices.pop()
+    if device.type == "cuda":
+        _check_cuda_device(device, opts.optimizer_mode)
     if any(d != device for d in {p.device for p in model.parameters()}):
         if device.type == "cuda":
             from .hardware import gpu_memory

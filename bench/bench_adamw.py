@@ -11,6 +11,7 @@ GB/s counts the state each step must touch once (fp32: read p, g, m, v and write
 28 B/param; mixed: read p(4) g(2) m(2) v(2), write p(4) m(2) v(2) out(2) = 20 B/param; a
 separate `out` written with ordinary stores would also be read first: 22 B of traffic).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,10 @@ def table():
         return
     base = _results.get(BASELINE, (None,))[0]
     threads = f"ramstream {lib().num_threads()} threads ({lib().active_isa()}), torch {torch.get_num_threads()} threads"
-    lines = [f"\nhost AdamW, {N:,} params, {threads}",
-             f"{'implementation':<42}{'ms/step':>10}{'Gparams/s':>11}{'GB/s':>8}{'vs torch fused':>16}"]
+    lines = [
+        f"\nhost AdamW, {N:,} params, {threads}",
+        f"{'implementation':<42}{'ms/step':>10}{'Gparams/s':>11}{'GB/s':>8}{'vs torch fused':>16}",
+    ]
     for name, (t, b) in _results.items():
         ratio = f"{base / t:.2f}x" if base else "-"
         lines.append(f"{name:<42}{t * 1e3:>10.2f}{N / t / 1e9:>11.3f}{N * b / t / 1e9:>8.1f}{ratio:>16}")

@@ -5,6 +5,7 @@ Run: pytest bench/bench_copy.py --benchmark-only -s
   RAMSTREAM_BENCH_ALLOC_MIB  largest allocation size in MiB for the allocation benchmark (default 16)
 Each benchmark measures its baseline in the same run and records the ratio in extra_info.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,10 @@ def test_alloc_arena_vs_torch_empty(benchmark, nbytes):
         info["torch_pinned_us"] = pinned * 1e6
         info["ratio_torch_pinned_over_arena"] = pinned / arena
     benchmark.extra_info.update(info)
-    print(f"\nalloc {nbytes} B: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                           for k, v in info.items()))
+    print(
+        f"\nalloc {nbytes} B: "
+        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+    )
     benchmark(lambda: ramstream.pinned_empty(nbytes, torch.uint8))
 
 
@@ -114,8 +117,10 @@ def test_copy_bandwidth_arena_vs_torch_pinned(benchmark, direction):
         "ratio_arena_over_torch_pinned": arena_bw / ref_bw,
     }
     benchmark.extra_info.update(info)
-    print(f"\n{direction} {n / MiB:.0f} MiB: arena {arena_bw:.1f} GB/s, torch pinned {ref_bw:.1f} GB/s "
-          f"(ratio {arena_bw / ref_bw:.3f}), pageable {pageable_bw:.1f} GB/s")
+    print(
+        f"\n{direction} {n / MiB:.0f} MiB: arena {arena_bw:.1f} GB/s, torch pinned {ref_bw:.1f} GB/s "
+        f"(ratio {arena_bw / ref_bw:.3f}), pageable {pageable_bw:.1f} GB/s"
+    )
 
     def one_copy():
         if direction == "h2d":

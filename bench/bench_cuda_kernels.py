@@ -10,6 +10,7 @@ Timing: CUDA events around each call, median of repeats. Run on a GPU machine wi
     pytest bench/bench_cuda_kernels.py --benchmark-enable -s     (or: python bench/bench_cuda_kernels.py)
 RAMSTREAM_BENCH_SCALE multiplies the sizes (default 1: 16 Mi elements per tensor).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,24 @@ import torch
 SCALE = float(os.environ.get("RAMSTREAM_BENCH_SCALE", "1"))
 N = int(16 * 2**20 * SCALE) // 1024 * 1024  # a multiple of every block size used
 REPEATS = int(os.environ.get("RAMSTREAM_BENCH_REPEATS", "20"))
-NF4_TABLE = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-             0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+NF4_TABLE = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
 
 
 def _gpu_ready() -> tuple[bool, str]:
@@ -97,9 +112,11 @@ def test_bench_dequant(benchmark, fmt, dtype):
     read = codes.numel() + absmax.numel() * 4
     gbs = written / t_ours / 1e9
     ratio = t_base / t_ours
-    row = (f"{fmt:>5} -> {str(dtype).replace('torch.', ''):<9} n={n:>11,d}  ours {t_ours * 1e6:9.1f} us "
-           f"{gbs:7.1f} GB/s written ({(written + read) / t_ours / 1e9:7.1f} GB/s r+w)  "
-           f"torch {t_base * 1e6:9.1f} us {written / t_base / 1e9:7.1f} GB/s  speedup {ratio:5.2f}x")
+    row = (
+        f"{fmt:>5} -> {str(dtype).replace('torch.', ''):<9} n={n:>11,d}  ours {t_ours * 1e6:9.1f} us "
+        f"{gbs:7.1f} GB/s written ({(written + read) / t_ours / 1e9:7.1f} GB/s r+w)  "
+        f"torch {t_base * 1e6:9.1f} us {written / t_base / 1e9:7.1f} GB/s  speedup {ratio:5.2f}x"
+    )
     ROWS["dequant"].append(row)
     print("\n" + row)
     benchmark.extra_info.update(gb_per_s_written=gbs, speedup_vs_torch=ratio, n=n)
@@ -118,7 +135,10 @@ def test_bench_adamw(benchmark, moment_dtype):
     out = torch.empty(n, dtype=torch.bfloat16, device=dev)
     m_host = torch.zeros(n, dtype=moment_dtype, pin_memory=True)
     v_host = torch.zeros(n, dtype=moment_dtype, pin_memory=True)
-    m_dev, v_dev = torch.zeros(n, dtype=moment_dtype, device=dev), torch.zeros(n, dtype=moment_dtype, device=dev)
+    m_dev, v_dev = (
+        torch.zeros(n, dtype=moment_dtype, device=dev),
+        torch.zeros(n, dtype=moment_dtype, device=dev),
+    )
     hyper = dict(step=1, lr=1e-4, weight_decay=1e-2)
 
     t_host = cuda_time(lambda: rc.adamw_(param, grad, m_host, v_host, out=out, **hyper))
@@ -131,17 +151,26 @@ def test_bench_adamw(benchmark, moment_dtype):
 
     pcie = 2 * 2 * n * torch.tensor([], dtype=moment_dtype).element_size()  # 2 moments, read + write
     name = str(moment_dtype).replace("torch.", "")
-    row = (f"moments {name:<8} n={n:>11,d}  pinned-host {t_host * 1e3:8.2f} ms "
-           f"{n / t_host / 1e9:6.2f} Gparam/s  PCIe {pcie / t_host / 1e9:6.1f} GB/s (both ways)  | "
-           f"moments on GPU {t_dev * 1e3:7.2f} ms  | torch fused (GPU state) {t_torch * 1e3:7.2f} ms  "
-           f"host/torch {t_host / t_torch:5.1f}x")
+    row = (
+        f"moments {name:<8} n={n:>11,d}  pinned-host {t_host * 1e3:8.2f} ms "
+        f"{n / t_host / 1e9:6.2f} Gparam/s  PCIe {pcie / t_host / 1e9:6.1f} GB/s (both ways)  | "
+        f"moments on GPU {t_dev * 1e3:7.2f} ms  | torch fused (GPU state) {t_torch * 1e3:7.2f} ms  "
+        f"host/torch {t_host / t_torch:5.1f}x"
+    )
     ROWS["adamw"].append(row)
     print("\n" + row)
-    benchmark.extra_info.update(params_per_s=n / t_host, pcie_gb_per_s=pcie / t_host / 1e9,
-                                time_vs_torch_fused_gpu=t_host / t_torch,
-                                time_vs_device_moments=t_host / t_dev, n=n)
-    benchmark.pedantic(lambda: (rc.adamw_(param, grad, m_host, v_host, out=out, **hyper),
-                                torch.cuda.synchronize()), rounds=3, iterations=1)
+    benchmark.extra_info.update(
+        params_per_s=n / t_host,
+        pcie_gb_per_s=pcie / t_host / 1e9,
+        time_vs_torch_fused_gpu=t_host / t_torch,
+        time_vs_device_moments=t_host / t_dev,
+        n=n,
+    )
+    benchmark.pedantic(
+        lambda: (rc.adamw_(param, grad, m_host, v_host, out=out, **hyper), torch.cuda.synchronize()),
+        rounds=3,
+        iterations=1,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)

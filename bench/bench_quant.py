@@ -3,6 +3,7 @@ pure-torch implementation of the same spec, measured in the same run (ratio = to
 
 Run: pytest bench/bench_quant.py --benchmark-only   (RAMSTREAM_BENCH_ELEMS scales the size,
 default 64M elements; RAMSTREAM_BENCH_ROUNDS the timed rounds, default 5)."""
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,30 @@ ROUNDS = int(os.environ.get("RAMSTREAM_BENCH_ROUNDS", 5))
 BLOCK = 64
 
 NF4_CODE = torch.tensor(
-    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 NF4_MID = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
 
 
 # ---- the baseline: the spec in vectorized torch (n a multiple of the block) -------------------------
+
 
 def torch_quantize_nf4(x):
     xb = x.view(-1, BLOCK).float()
@@ -53,6 +70,7 @@ def torch_dequantize_int8(codes, absmax, dtype):
 
 
 # ---- fixtures and the measuring helper ----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def inputs():
@@ -81,10 +99,15 @@ def _measure(benchmark, capsys, name, ours, baseline, nbytes, kernel=None):
     t_kernel = _best_time(kernel, ROUNDS) if kernel is not None else None
     ratio = t_torch / t_ours
     benchmark.extra_info.update(
-        elements=N, bytes=nbytes, isa=lib().active_isa(), threads=lib().num_threads(),
+        elements=N,
+        bytes=nbytes,
+        isa=lib().active_isa(),
+        threads=lib().num_threads(),
         torch_threads=torch.get_num_threads(),
-        ramstream_GBps=nbytes / t_ours / 1e9, ramstream_Gelem_per_s=N / t_ours / 1e9,
-        torch_GBps=nbytes / t_torch / 1e9, torch_Gelem_per_s=N / t_torch / 1e9,
+        ramstream_GBps=nbytes / t_ours / 1e9,
+        ramstream_Gelem_per_s=N / t_ours / 1e9,
+        torch_GBps=nbytes / t_torch / 1e9,
+        torch_Gelem_per_s=N / t_torch / 1e9,
         speedup_vs_torch=ratio,
     )
     kernel_txt = ""
@@ -92,10 +115,12 @@ def _measure(benchmark, capsys, name, ours, baseline, nbytes, kernel=None):
         benchmark.extra_info.update(kernel_reused_out_GBps=nbytes / t_kernel / 1e9)
         kernel_txt = f" | kernel, reused out {nbytes / t_kernel / 1e9:7.2f} GB/s"
     with capsys.disabled():
-        print(f"\n{name:24s} N={N} ramstream {nbytes / t_ours / 1e9:6.2f} GB/s "
-              f"({N / t_ours / 1e9:5.3f} Gelem/s) | torch {nbytes / t_torch / 1e9:6.2f} GB/s "
-              f"({N / t_torch / 1e9:5.3f} Gelem/s) | ratio {ratio:6.2f}x{kernel_txt} "
-              f"[{lib().active_isa()}, {lib().num_threads()} threads]")
+        print(
+            f"\n{name:24s} N={N} ramstream {nbytes / t_ours / 1e9:6.2f} GB/s "
+            f"({N / t_ours / 1e9:5.3f} Gelem/s) | torch {nbytes / t_torch / 1e9:6.2f} GB/s "
+            f"({N / t_torch / 1e9:5.3f} Gelem/s) | ratio {ratio:6.2f}x{kernel_txt} "
+            f"[{lib().active_isa()}, {lib().num_threads()} threads]"
+        )
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -110,21 +135,34 @@ def test_quantize_nf4(benchmark, capsys, inputs, dtype):
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])  # same spec, same bytes
     del ours, ref
     packed, absmax = torch.empty(N // 2, dtype=torch.uint8), torch.empty(N // BLOCK)
-    _measure(benchmark, capsys, f"quantize_nf4 {dtype}", lambda: rf.quantize_nf4(x, block_size=BLOCK),
-             lambda: torch_quantize_nf4(x), x.numel() * x.element_size(),
-             lambda: lib().quantize_nf4(x, packed, absmax, BLOCK))
+    _measure(
+        benchmark,
+        capsys,
+        f"quantize_nf4 {dtype}",
+        lambda: rf.quantize_nf4(x, block_size=BLOCK),
+        lambda: torch_quantize_nf4(x),
+        x.numel() * x.element_size(),
+        lambda: lib().quantize_nf4(x, packed, absmax, BLOCK),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_dequantize_nf4(benchmark, capsys, inputs, dtype):
     packed, absmax = rf.quantize_nf4(inputs[torch.float32], block_size=BLOCK)
     out = torch.empty(N, dtype=dtype)
-    assert torch.equal(rf.dequantize_nf4(packed, absmax, (N,), dtype, block_size=BLOCK),
-                       torch_dequantize_nf4(packed, absmax, dtype))
-    _measure(benchmark, capsys, f"dequantize_nf4 {dtype}",
-             lambda: rf.dequantize_nf4(packed, absmax, (N,), dtype, block_size=BLOCK),
-             lambda: torch_dequantize_nf4(packed, absmax, dtype), N * dtype.itemsize,
-             lambda: lib().dequantize_nf4(packed, absmax, out, BLOCK))
+    assert torch.equal(
+        rf.dequantize_nf4(packed, absmax, (N,), dtype, block_size=BLOCK),
+        torch_dequantize_nf4(packed, absmax, dtype),
+    )
+    _measure(
+        benchmark,
+        capsys,
+        f"dequantize_nf4 {dtype}",
+        lambda: rf.dequantize_nf4(packed, absmax, (N,), dtype, block_size=BLOCK),
+        lambda: torch_dequantize_nf4(packed, absmax, dtype),
+        N * dtype.itemsize,
+        lambda: lib().dequantize_nf4(packed, absmax, out, BLOCK),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -135,18 +173,31 @@ def test_quantize_int8(benchmark, capsys, inputs, dtype):
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     del ours, ref
     codes, absmax = torch.empty(N, dtype=torch.int8), torch.empty(N // BLOCK)
-    _measure(benchmark, capsys, f"quantize_int8 {dtype}", lambda: rf.quantize_int8(x, block_size=BLOCK),
-             lambda: torch_quantize_int8(x), x.numel() * x.element_size(),
-             lambda: lib().quantize_int8(x, codes, absmax, BLOCK))
+    _measure(
+        benchmark,
+        capsys,
+        f"quantize_int8 {dtype}",
+        lambda: rf.quantize_int8(x, block_size=BLOCK),
+        lambda: torch_quantize_int8(x),
+        x.numel() * x.element_size(),
+        lambda: lib().quantize_int8(x, codes, absmax, BLOCK),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_dequantize_int8(benchmark, capsys, inputs, dtype):
     codes, absmax = rf.quantize_int8(inputs[torch.float32], block_size=BLOCK)
     out = torch.empty(N, dtype=dtype)
-    assert torch.equal(rf.dequantize_int8(codes, absmax, (N,), dtype, block_size=BLOCK),
-                       torch_dequantize_int8(codes, absmax, dtype))
-    _measure(benchmark, capsys, f"dequantize_int8 {dtype}",
-             lambda: rf.dequantize_int8(codes, absmax, (N,), dtype, block_size=BLOCK),
-             lambda: torch_dequantize_int8(codes, absmax, dtype), N * dtype.itemsize,
-             lambda: lib().dequantize_int8(codes, absmax, out, BLOCK))
+    assert torch.equal(
+        rf.dequantize_int8(codes, absmax, (N,), dtype, block_size=BLOCK),
+        torch_dequantize_int8(codes, absmax, dtype),
+    )
+    _measure(
+        benchmark,
+        capsys,
+        f"dequantize_int8 {dtype}",
+        lambda: rf.dequantize_int8(codes, absmax, (N,), dtype, block_size=BLOCK),
+        lambda: torch_dequantize_int8(codes, absmax, dtype),
+        N * dtype.itemsize,
+        lambda: lib().dequantize_int8(codes, absmax, out, BLOCK),
+    )

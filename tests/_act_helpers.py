@@ -1,5 +1,6 @@
 """Helpers of the activation offload tests on the CPU engine: an attached offloader, a spy on the
 paging decision, gradient comparison with a clone."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,7 @@ def _assert_same_grads(a, b):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert (pa.grad is None) == (pb.grad is None), name
         if pa.grad is not None:
-            assert torch.equal(pa.grad, pb.grad), f"{name}: max diff " \
-                f"{(pa.grad - pb.grad).abs().max().item()}"
+            assert torch.equal(pa.grad, pb.grad), f"{name}: max diff {(pa.grad - pb.grad).abs().max().item()}"
 
 
 def _backward_both(blocks, ref, x):

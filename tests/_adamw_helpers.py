@@ -1,5 +1,6 @@
 """Helpers of the host AdamW tests: bitwise comparison, a changing lr schedule, random problems,
 torch's AdamW and ours run over the same gradients."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,9 @@ def bits(t: torch.Tensor) -> np.ndarray:
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     ba, bb = bits(a), bits(b)
     bad = np.flatnonzero(ba != bb)
-    assert bad.size == 0, f"{what}: {bad.size} of {ba.size} differ, first at {bad[:5]}: {a.flatten()[bad[:3]]} vs {b.flatten()[bad[:3]]}"
+    assert bad.size == 0, (
+        f"{what}: {bad.size} of {ba.size} differ, first at {bad[:5]}: {a.flatten()[bad[:3]]} vs {b.flatten()[bad[:3]]}"
+    )
 
 
 def lr_at(s: int) -> float:
@@ -47,14 +50,38 @@ def torch_adamw(p0, grads, *, beta1=0.9, beta2=0.999, eps=1e-8, wd=1e-2, lr_fn=l
     return p.detach(), st["exp_avg"], st["exp_avg_sq"]
 
 
-def ours(p0, grads, *, beta1=0.9, beta2=0.999, eps=1e-8, wd=1e-2, lr_fn=lr_at, moment_dtype=torch.float32,
-         grad_dtype=None, grad_scale=1.0, seed=0):
+def ours(
+    p0,
+    grads,
+    *,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-8,
+    wd=1e-2,
+    lr_fn=lr_at,
+    moment_dtype=torch.float32,
+    grad_dtype=None,
+    grad_scale=1.0,
+    seed=0,
+):
     p = p0.clone()
     m = torch.zeros(p0.numel(), dtype=moment_dtype)
     v = torch.zeros(p0.numel(), dtype=moment_dtype)
     for s, gr in enumerate(grads):
         if grad_dtype is not None:
             gr = gr.to(grad_dtype)
-        F.adamw_(p, gr, m, v, step=s + 1, lr=lr_fn(s), beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                 grad_scale=grad_scale, seed=seed)
+        F.adamw_(
+            p,
+            gr,
+            m,
+            v,
+            step=s + 1,
+            lr=lr_fn(s),
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            grad_scale=grad_scale,
+            seed=seed,
+        )
     return p, m, v

@@ -4,6 +4,7 @@ comparison that lets NaN payloads differ, the `dev` fixture.
 Fixtures are found by pytest once imported into a test module:
 ``from _cuda_helpers import dev  # noqa: F401``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     diff = torch.nonzero(a[~nan].view(bits) != b[~nan].view(bits))
     if diff.numel():
         i = diff[0].item()
-        raise AssertionError(f"{diff.numel()} of {a.numel()} values differ; first at {i}: "
-                             f"{a[~nan][i].item()!r} != {b[~nan][i].item()!r}")
+        raise AssertionError(
+            f"{diff.numel()} of {a.numel()} values differ; first at {i}: "
+            f"{a[~nan][i].item()!r} != {b[~nan][i].item()!r}"
+        )
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ that run_ranks() collects, and the test compares it with one process on the full
 scenarios share one spawn (starting processes dominates the cost); each wraps a fresh model and
 closes it again.
 """
+
 from __future__ import annotations
 
 import io
@@ -43,8 +44,13 @@ def run_ranks(tmp_path, world: int, names: list[str], timeout_s: float = 120) ->
     """Runs the named scenarios, in order, on `world` gloo ranks; returns each rank's results.
     Ranks stuck in mismatched collectives are killed after timeout_s (the engine's process
     groups wait 30 minutes)."""
-    ctx = mp.start_processes(_entry, args=(world, new_store(tmp_path), str(tmp_path), names),
-                             nprocs=world, start_method="spawn", join=False)
+    ctx = mp.start_processes(
+        _entry,
+        args=(world, new_store(tmp_path), str(tmp_path), names),
+        nprocs=world,
+        start_method="spawn",
+        join=False,
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -66,8 +72,10 @@ def groups_of(model, lrs=(LR, 1e-3), wds=(WD, 0.0)) -> list[dict]:
     """Two param groups: the blocks (lr, weight decay) and the rest (another lr, no decay)."""
     blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
-    return [{"params": blocks, "lr": lrs[0], "weight_decay": wds[0]},
-            {"params": rest, "lr": lrs[1], "weight_decay": wds[1]}]
+    return [
+        {"params": blocks, "lr": lrs[0], "weight_decay": wds[0]},
+        {"params": rest, "lr": lrs[1], "weight_decay": wds[1]},
+    ]
 
 
 def accum_model(seed: int = 0) -> nn.Module:
@@ -105,12 +113,14 @@ class Branchy(nn.Module):
 
 def branch_data(steps: int, world: int):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(4 * world, 32, generator=g), torch.randint(0, 8, (4 * world,), generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randn(4 * world, 32, generator=g), torch.randint(0, 8, (4 * world,), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def branch_extra(i: int, rank: int) -> bool:
-    return i == rank          # backward r: only rank r takes the branch; later ones: none
+    return i == rank  # backward r: only rank r takes the branch; later ones: none
 
 
 # ---- scenarios (each rank) ------------------------------------------------------------------
@@ -138,8 +148,13 @@ def sc_accum(rank, world):
     """accumulation_steps=2 (the last window one micro-batch short), clipping, two param groups,
     an LR scheduler, a frozen parameter."""
     model = accum_model(0 if rank == 0 else 5)
-    model, opt = _wrap(model, torch.optim.AdamW(groups_of(model)), accumulation_steps=2,
-                       max_grad_norm=0.3, bucket_bytes=1 << 13)
+    model, opt = _wrap(
+        model,
+        torch.optim.AdamW(groups_of(model)),
+        accumulation_steps=2,
+        max_grad_norm=0.3,
+        bucket_bytes=1 << 13,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_lambda)
     norms = []
     for i, (x, y) in enumerate(batches(ACCUM_MICRO, b=8)):
@@ -149,8 +164,12 @@ def sc_accum(rank, world):
             opt.zero_grad()
             sched.step()
             norms.append(opt._engine.last_grad_norm)
-    out = {"params": params(model), "norms": norms, "state": opt.state_dict(),
-           "lr": [g["lr"] for g in opt.param_groups]}
+    out = {
+        "params": params(model),
+        "norms": norms,
+        "state": opt.state_dict(),
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
     opt.close()
     return out
 
@@ -162,8 +181,9 @@ def sc_branch(rank, world):
     for name, kw in BRANCH_RUNS.items():
         torch.manual_seed(0 if rank == 0 else 5)
         model = Branchy()
-        model, opt = _wrap(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-                           bucket_bytes=4096, **kw)
+        model, opt = _wrap(
+            model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), bucket_bytes=4096, **kw
+        )
         k = kw.get("accumulation_steps", 1)
         for i, (x, y) in enumerate(branch_data(4, world)):
             model(shard(x, rank, world), shard(y, rank, world), branch_extra(i, rank)).backward()
@@ -175,14 +195,14 @@ def sc_branch(rank, world):
     return out
 
 
-BRANCH_RUNS = {"eager": {}, "clip": dict(max_grad_norm=0.05, eager_updates=False,
-                                         accumulation_steps=2)}
+BRANCH_RUNS = {"eager": {}, "clip": dict(max_grad_norm=0.05, eager_updates=False, accumulation_steps=2)}
 
 
 def _fresh(seed, dtype=torch.float32, **kw):
     model = make_model(seed, dtype=dtype, n_blocks=2)
-    return _wrap(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-                 bucket_bytes=1 << 13, **kw)
+    return _wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), bucket_bytes=1 << 13, **kw
+    )
 
 
 def _roundtrip(obj):
@@ -221,7 +241,7 @@ def sc_torch_state(rank, world):
     data = batches(4, b=8)
     model = make_model(0, n_blocks=2)
     topt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    for x, y in data[:2]:                       # one process on the full batch, on every rank
+    for x, y in data[:2]:  # one process on the full batch, on every rank
         model(x, y).backward()
         topt.step()
         topt.zero_grad()
@@ -245,8 +265,10 @@ def sc_lowp(rank, world):
     for dtype in (torch.bfloat16, torch.float16):
         model, opt = _fresh(rank * 5, dtype=dtype)
         _train(model, opt, batches(4, b=8), rank, world)
-        out[str(dtype)] = {"params": [p.detach().clone() for p in model.parameters()],
-                           "masters": opt.master_weights()}
+        out[str(dtype)] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "masters": opt.master_weights(),
+        }
         opt.close()
     return out
 
@@ -259,8 +281,7 @@ def sc_unwrap(rank, world):
     model, opt = _fresh(rank * 5)
     _train(model, opt, data[:2], rank, world)
     ramstream.unwrap(model)
-    plain = all(type(p) is nn.Parameter and not hasattr(p, "_ramstream_slot")
-                for p in model.parameters())
+    plain = all(type(p) is nn.Parameter and not hasattr(p, "_ramstream_slot") for p in model.parameters())
     mid = params(model)
     model, opt = _wrap(model, opt, bucket_bytes=1 << 13)
     _train(model, opt, data[2:], rank, world)
@@ -274,15 +295,24 @@ def sc_three(rank, world):
     import ramstream
 
     model = make_model(rank * 5, n_blocks=2)
-    model, opt = _wrap(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-                       bucket_bytes=4096, accumulation_steps=2, max_grad_norm=0.3)
+    model, opt = _wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        bucket_bytes=4096,
+        accumulation_steps=2,
+        max_grad_norm=0.3,
+    )
     norms = []
     _train(model, opt, batches(4, b=12), rank, world, accumulation=2, norms=norms)
     e = opt._engine
-    out = {"params": params(model), "norms": norms, "state": opt.state_dict(),
-           "owned": [b.numel for b in e.buckets if e.dp.owns(b)],
-           "bucket_numel": [b.numel for b in e.buckets],
-           "host_state_bytes": ramstream.memory_report(model)["optimizer"]["host_state_bytes"]}
+    out = {
+        "params": params(model),
+        "norms": norms,
+        "state": opt.state_dict(),
+        "owned": [b.numel for b in e.buckets if e.dp.owns(b)],
+        "bucket_numel": [b.numel for b in e.buckets],
+        "host_state_bytes": ramstream.memory_report(model)["optimizer"]["host_state_bytes"],
+    }
     opt.close()
     return out
 
@@ -294,8 +324,7 @@ def sc_convert(rank, world):
     _train(model, opt, data[:2], rank, world)
     model.bfloat16()
     _train(model, opt, data[2:], rank, world)
-    out = {"params": [p.detach().clone() for p in model.parameters()],
-           "masters": opt.master_weights()}
+    out = {"params": [p.detach().clone() for p in model.parameters()], "masters": opt.master_weights()}
     opt.close()
     return out
 
@@ -305,12 +334,16 @@ def sc_one_bucket(rank, world):
     import ramstream
 
     model = make_model(rank * 5, n_blocks=2)
-    model, opt = _wrap(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-                       max_grad_norm=0.3)
+    model, opt = _wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), max_grad_norm=0.3
+    )
     norms = []
     _train(model, opt, batches(2, b=12), rank, world, norms=norms)
-    out = {"params": params(model), "norms": norms,
-           "host_state_bytes": ramstream.memory_report(model)["optimizer"]["host_state_bytes"]}
+    out = {
+        "params": params(model),
+        "norms": norms,
+        "host_state_bytes": ramstream.memory_report(model)["optimizer"]["host_state_bytes"],
+    }
     opt.close()
     return out
 
@@ -334,8 +367,16 @@ def sc_refreeze(rank, world):
     return out
 
 
-SCENARIOS = {"accum": sc_accum, "branch": sc_branch, "resume": sc_resume,
-             "resume_bf16_moments": sc_resume_bf16_moments, "torch_state": sc_torch_state,
-             "lowp": sc_lowp, "convert": sc_convert, "unwrap": sc_unwrap, "refreeze": sc_refreeze,
-             "three": sc_three,
-             "one_bucket": sc_one_bucket}
+SCENARIOS = {
+    "accum": sc_accum,
+    "branch": sc_branch,
+    "resume": sc_resume,
+    "resume_bf16_moments": sc_resume_bf16_moments,
+    "torch_state": sc_torch_state,
+    "lowp": sc_lowp,
+    "convert": sc_convert,
+    "unwrap": sc_unwrap,
+    "refreeze": sc_refreeze,
+    "three": sc_three,
+    "one_bucket": sc_one_bucket,
+}

@@ -1,5 +1,6 @@
 """Two-rank data-parallel runs of the engine (spawned processes, gloo) and their checks, shared
 by the CPU test and the test of two processes sharing one GPU."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def _wrap_options(device: str) -> dict:
@@ -43,9 +45,12 @@ def _rank_main(rank: int, store: str, out_dir: str, device: str, options: dict, 
     init_gloo(rank, WORLD, store)
     try:
         model = make_model(0 if rank == 0 else 7, n_blocks=3).to(device)  # rank 1 starts elsewhere
-        model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                             weight_decay=0.05),
-                                    **_wrap_options(device), **options)
+        model, opt = ramstream.wrap(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05),
+            **_wrap_options(device),
+            **options,
+        )
         engine = opt._engine
         assert engine.dp is not None and engine.mapped_numel == 0
         assert all(b.device_flat.device.type == torch.device(device).type for b in engine.buckets)
@@ -55,10 +60,14 @@ def _rank_main(rank: int, store: str, out_dir: str, device: str, options: dict, 
             opt.zero_grad()
         opt.synchronize()
         report = ramstream.memory_report(model)
-        torch.save({"params": [p.detach().cpu().clone() for p in model.parameters()],
-                    "state": opt.state_dict(),
-                    "host_state_bytes": report["optimizer"]["host_state_bytes"]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "params": [p.detach().cpu().clone() for p in model.parameters()],
+                "state": opt.state_dict(),
+                "host_state_bytes": report["optimizer"]["host_state_bytes"],
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
         opt.close()
     finally:
         dist.destroy_process_group()
@@ -66,8 +75,12 @@ def _rank_main(rank: int, store: str, out_dir: str, device: str, options: dict, 
 
 def run_two_ranks(tmp_path, device: str, options: dict, steps: int = 8) -> list[dict]:
     """Each rank trains on its half of every batch; returns what each rank saved."""
-    mp.start_processes(_rank_main, args=(new_store(tmp_path), str(tmp_path), device, options, steps),
-                       nprocs=WORLD, start_method="spawn")
+    mp.start_processes(
+        _rank_main,
+        args=(new_store(tmp_path), str(tmp_path), device, options, steps),
+        nprocs=WORLD,
+        start_method="spawn",
+    )
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -75,9 +88,12 @@ def check_equals_one_process(res: list[dict], device: str, clip, steps: int = 8)
     """Replicas bit-identical, equal to torch AdamW on the full batch, the same state dict (in
     torch's format, gathered from the owners) on every rank."""
     ref = make_model(0, n_blocks=3).to(device)
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
-                                       foreach=False), batches(steps, b=8, device=device),
-                max_grad_norm=clip)
+    train_torch(
+        ref,
+        torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05, foreach=False),
+        batches(steps, b=8, device=device),
+        max_grad_norm=clip,
+    )
     for a, b, r in zip(res[0]["params"], res[1]["params"], ref.parameters()):
         assert torch.equal(a, b)
         assert (a - r.detach().cpu()).abs().max() < 1e-5

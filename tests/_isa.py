@@ -3,6 +3,7 @@
 Fixtures are found by pytest once imported into a test module:
 ``from _isa import ISAS, isa, restore_isa, restore_threads  # noqa: F401``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ tensors, a fixture that restores the page-lock budget.
 Fixtures are found by pytest once imported into a test module:
 ``from _memory_helpers import restore_budget  # noqa: F401``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,16 @@ import ramstream
 
 MiB = 1 << 20
 ALL_DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.float64, torch.bool,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float64,
+    torch.bool,
 ]
 
 

@@ -1,4 +1,5 @@
 """Small models and a torch reference trainer shared by the engine tests."""
+
 from __future__ import annotations
 
 import copy
@@ -63,8 +64,13 @@ def make_model(seed: int = 0, dtype=torch.float32, **kw) -> TinyGPT:
 
 def batches(n: int, vocab: int = 64, b: int = 4, t: int = 8, seed: int = 1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (b, t), generator=g).to(device),
-             torch.randint(0, vocab, (b, t), generator=g).to(device)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, vocab, (b, t), generator=g).to(device),
+            torch.randint(0, vocab, (b, t), generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
 
 
 def clone(model: nn.Module) -> nn.Module:
@@ -72,12 +78,13 @@ def clone(model: nn.Module) -> nn.Module:
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters()))
+    return max(
+        (pa.detach().float() - pb.detach().float()).abs().max().item()
+        for pa, pb in zip(a.parameters(), b.parameters())
+    )
 
 
-def train_torch(model, opt, data, *, accumulation: int = 1, max_grad_norm=None, scheduler=None,
-                steps=None):
+def train_torch(model, opt, data, *, accumulation: int = 1, max_grad_norm=None, scheduler=None, steps=None):
     """A plain torch training loop over `data` (list of batches), grouped into `accumulation`
     micro-batches per step. Returns the losses."""
     losses = []

@@ -1,4 +1,5 @@
 """Independent references of docs/NUMERICS.md rules 1-5 in torch/numpy (CPU), for the kernel tests."""
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,12 @@ def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
 
 def sr_bits(seed: int, step: int, idx: torch.Tensor, moment: int) -> torch.Tensor:
     """The 16 random bits of rule 2 for int64 indices idx (= index + offset)."""
-    base = ((seed & M32) * 0xC2B2AE3D + (seed >> 32) * 0x27D4EB2F + (step & M32) * 0x165667B1
-            + moment * 0xD3A2646C) & M32
+    base = (
+        (seed & M32) * 0xC2B2AE3D
+        + (seed >> 32) * 0x27D4EB2F
+        + (step & M32) * 0x165667B1
+        + moment * 0xD3A2646C
+    ) & M32
     k = (_mul32(idx & M32, 0x9E3779B1) + _mul32(idx >> 32, 0x85EBCA77) + base) & M32
     k = k ^ (k >> 16)
     k = _mul32(k, 0x7FEB352D)
@@ -74,12 +79,17 @@ def adamw_coefficients(*, lr, beta1, beta2, eps, weight_decay, step, grad_scale=
     w = f(1.0 - beta1)
     from_grad = not (abs(w) < f(0.5))
     return {
-        "decay": f(1.0 - lr * weight_decay), "apply_decay": weight_decay != 0.0,
-        "coeff": f(w - f(1.0)) if from_grad else w, "from_grad": from_grad,
-        "beta2": f(beta2), "c2": f(1.0 - beta2),
-        "bc2_sqrt": f(math.sqrt(1.0 - beta2 ** step)),
-        "nss": f(-(lr / (1.0 - beta1 ** step))),
-        "eps": f(eps), "grad_scale": f(grad_scale), "apply_scale": f(grad_scale) != f(1.0),
+        "decay": f(1.0 - lr * weight_decay),
+        "apply_decay": weight_decay != 0.0,
+        "coeff": f(w - f(1.0)) if from_grad else w,
+        "from_grad": from_grad,
+        "beta2": f(beta2),
+        "c2": f(1.0 - beta2),
+        "bc2_sqrt": f(math.sqrt(1.0 - beta2**step)),
+        "nss": f(-(lr / (1.0 - beta1**step))),
+        "eps": f(eps),
+        "grad_scale": f(grad_scale),
+        "apply_scale": f(grad_scale) != f(1.0),
     }
 
 
@@ -93,8 +103,9 @@ def adamw_step(p, g, m, v, **hyper):
         p = p * c["decay"]
     base = g if c["from_grad"] else m
     m = (np.float64(c["coeff"]) * (g - m).astype(np.float64) + base.astype(np.float64)).astype(np.float32)
-    v = ((c["c2"] * g).astype(np.float64) * g.astype(np.float64)
-         + (v * c["beta2"]).astype(np.float64)).astype(np.float32)  # fma, as torch fuses it
+    v = (
+        (c["c2"] * g).astype(np.float64) * g.astype(np.float64) + (v * c["beta2"]).astype(np.float64)
+    ).astype(np.float32)  # fma, as torch fuses it
     d = np.sqrt(v) / c["bc2_sqrt"] + c["eps"]
     p = p + (c["nss"] * m) / d
     return p, m, v

@@ -1,4 +1,5 @@
 """Test configuration: the `cuda` marker skips without a GPU (fails with RAMSTREAM_REQUIRE_CUDA=1)."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """Activation offload on the CPU engine, the host side: the buffer pool's reuse, growth and
 give-back after a large batch, graphs dropped without backward, poisoned buffers (the test-only
 NaN fill), and the waits on copies and compute (with fake events)."""
+
 from __future__ import annotations
 
 import gc
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ramstream.activations import buffers, find_blocks
+
 from _act_helpers import _assert_same_grads, _offloader
 from _models import batches, clone, make_model
 
@@ -45,9 +47,9 @@ def test_pool_gives_back_buffers_idle_for_two_passes():
     for _ in range(4):
         model(x, y).backward()
         held.append(off.stats()["host_bytes_held"])
-    assert held[0] == held[1] == all_held             # kept while they may come back
-    assert 0 < held[3] < all_held / 2                 # then block 0's buffers only
-    assert held[3] >= off.stats()["block_bytes"][0]      # (size classes round up)
+    assert held[0] == held[1] == all_held  # kept while they may come back
+    assert 0 < held[3] < all_held / 2  # then block 0's buffers only
+    assert held[3] >= off.stats()["block_bytes"][0]  # (size classes round up)
 
 
 def test_graph_dropped_without_backward_releases_buffers():
@@ -60,7 +62,7 @@ def test_graph_dropped_without_backward_releases_buffers():
     gc.collect()
     s = off.stats()
     assert s["live_entries"] == 0 and s["host_bytes_in_use"] == 0
-    model(x, y).backward()                         # buffers are reused
+    model(x, y).backward()  # buffers are reused
     assert off.stats()["host_allocations"] == s["host_allocations"]
 
 
@@ -111,7 +113,7 @@ def test_pool_shrinks_after_a_large_batch_to_what_small_batches_need(window):
     assert need <= paged * 1.125 + 4096 * copies
     assert s["host_bytes_high_water"] == need and s["host_bytes_in_use"] == 0
     assert s["host_bytes_given_back"] == s["host_bytes_peak"] - need
-    assert s["host_trims"] == 0                         # the CPU pool has no arena cache to trim
+    assert s["host_trims"] == 0  # the CPU pool has no arena cache to trim
 
 
 def test_pool_give_back_is_logged_with_its_numbers():
@@ -120,13 +122,18 @@ def test_pool_give_back_is_logged_with_its_numbers():
     off = _offloader(find_blocks(model), log=logs.append)
     for x, y in batches(1, b=32, t=16) + batches(3, b=2, t=16):
         model(x, y).backward()
-    gone = [re.fullmatch(r"activation offload: host pool gave back ([0-9.]+) MiB of ([0-9.]+) MiB "
-                         r"\(keeps ([0-9.]+) MiB: the most in use over the last 2 steps\)", m)
-            for m in logs if "gave back" in m]
-    assert len(gone) == 2 and all(gone)                 # at the 3rd and the 4th step
+    gone = [
+        re.fullmatch(
+            r"activation offload: host pool gave back ([0-9.]+) MiB of ([0-9.]+) MiB "
+            r"\(keeps ([0-9.]+) MiB: the most in use over the last 2 steps\)",
+            m,
+        )
+        for m in logs
+        if "gave back" in m
+    ]
+    assert len(gone) == 2 and all(gone)  # at the 3rd and the 4th step
     s = off.stats()
-    assert sum(float(m[1]) for m in gone) == pytest.approx(s["host_bytes_given_back"] / 2**20,
-                                                           abs=0.1)
+    assert sum(float(m[1]) for m in gone) == pytest.approx(s["host_bytes_given_back"] / 2**20, abs=0.1)
     assert float(gone[-1][3]) == pytest.approx(s["host_bytes_high_water"] / 2**20, abs=0.05)
 
 
@@ -139,7 +146,7 @@ def test_a_graph_kept_alive_does_not_stop_the_give_back():
     model(xb, yb).backward()
     big_held = off.stats()["host_bytes_held"]
     xm, ym = batches(1, b=8, t=16, seed=5)[0]
-    kept = model(xm, ym)                                  # no backward: its entries stay alive
+    kept = model(xm, ym)  # no backward: its entries stay alive
     kept_bytes = off.stats()["host_bytes_in_use"]
     assert kept_bytes > 0
     need = _small_need()[0]
@@ -231,7 +238,7 @@ def test_forward_waits_for_the_copies_lag_blocks_back(lag):
     assert forward_waits == list(range(n - lag))
     waits.clear()
     loss.backward()
-    assert all(id(e) not in owner for e in waits)    # no D2H waits in backward
+    assert all(id(e) not in owner for e in waits)  # no D2H waits in backward
 
 
 @pytest.mark.parametrize("depth,expected", [(1, [4, 3, 2]), (2, [4, 3]), (4, [])])

@@ -1,6 +1,7 @@
 """Activation offload on the CPU engine, the mechanism: bit-exact gradients, prefetch order,
 layouts, what is (not) paged, dedupe and spans, checkpointing, hooks, validation (the host buffer
 pool: test_activation_pool.py; find_blocks and the planner: test_find_blocks_planner.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ramstream
 from ramstream.activations import ActivationOffloader, find_blocks
+
 from _act_helpers import CPU, _assert_same_grads, _backward_both, _offloader, _spy
 from _models import batches, clone, make_model
 
@@ -73,7 +75,7 @@ def test_prefetch_runs_depth_blocks_ahead_of_backward(depth):
     x, y = batches(1, b=4, t=16)[0]
     model(x, y).backward()
     fetches = [j for kind, j in ev if kind == "fetch"]
-    assert fetches == list(range(n - 1, -1, -1))        # each block once, in backward order
+    assert fetches == list(range(n - 1, -1, -1))  # each block once, in backward order
     for j in range(n):
         # block j starts coming back when backward reaches block j + depth's output (or the last
         # block's, at the start), so before it reaches the next block's
@@ -109,8 +111,9 @@ class _LayoutProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        ctx.log.append((ctx.meta, (x.dtype, tuple(x.shape), x.stride(), x.storage_offset(),
-                                   x.data_ptr() % 64)))
+        ctx.log.append(
+            (ctx.meta, (x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.data_ptr() % 64))
+        )
         return g * 2, None
 
 
@@ -123,14 +126,14 @@ class _StridedBlock(nn.Module):
         self.lin = nn.Linear(c, c)
         self.log = log if log is not None else []
 
-    def forward(self, x):                         # x: [B, C, H, W] channels_last
+    def forward(self, x):  # x: [B, C, H, W] channels_last
         y = F.gelu(self.conv(x))
-        y = _LayoutProbe.apply(y, self.log)       # channels_last saved tensor
-        t = y.transpose(2, 3)                      # non-contiguous view
+        y = _LayoutProbe.apply(y, self.log)  # channels_last saved tensor
+        t = y.transpose(2, 3)  # non-contiguous view
         z = _LayoutProbe.apply(t, self.log)
-        s = z[:, :, 1:, 2:]                        # offset view
+        s = z[:, :, 1:, 2:]  # offset view
         s = _LayoutProbe.apply(s, self.log)
-        u = self.lin(s.permute(0, 2, 3, 1))        # matmul on a permuted view
+        u = self.lin(s.permute(0, 2, 3, 1))  # matmul on a permuted view
         return x + F.pad(u.permute(0, 3, 1, 2), (2, 0, 1, 0)).transpose(2, 3)
 
 
@@ -154,7 +157,7 @@ def test_layouts_come_back_exactly_and_grads_bit_exact():
     assert len(log) == 6 and spy
     for before, after in log:
         assert before == after
-    assert log[0][0][2][1] == 1                # the first probe saw channels_last (C stride 1)
+    assert log[0][0][2][1] == 1  # the first probe saw channels_last (C stride 1)
     assert off.stats()["copies_d2h"] > 0
 
 
@@ -181,13 +184,13 @@ def test_saved_storage_is_released_in_forward_and_restored_in_backward():
             y = b(y)
         return y.sum()
 
-    loss = run()                                  # unpaged: gelu keeps h alive
+    loss = run()  # unpaged: gelu keeps h alive
     gc.collect()
     assert all(r() is not None for r in refs)
     loss.backward()
     refs.clear()
     off = _offloader(list(blocks))
-    loss = run()                                  # paged: h's storage died after its copy
+    loss = run()  # paged: h's storage died after its copy
     gc.collect()
     assert len(refs) == 2 and all(r() is None for r in refs)
     loss.backward()
@@ -219,8 +222,7 @@ def test_parameters_views_of_parameters_and_buffers_are_never_paged():
     x = torch.randn(16, 64, requires_grad=True)
     xr = _backward_both(blocks, ref, x)
     assert torch.equal(x.grad, xr.grad)
-    persistent = {t.untyped_storage().data_ptr() for t in
-                  list(blocks.parameters()) + list(blocks.buffers())}
+    persistent = {t.untyped_storage().data_ptr() for t in list(blocks.parameters()) + list(blocks.buffers())}
     assert spy, "activations should reach the paging decision"
     assert not {ptr for _, ptr, _ in spy} & persistent
 
@@ -287,8 +289,8 @@ def test_unpaged_blocks_untouched_and_measuring_counts_their_bytes():
     off.set_measuring(True)
     model(x, y).backward()
     s = off.stats()
-    assert s["block_bytes"] == [paged] * 3          # identical blocks, identical bytes
-    assert s["bytes_paged_last_pass"] == paged      # only block 1 copied
+    assert s["block_bytes"] == [paged] * 3  # identical blocks, identical bytes
+    assert s["bytes_paged_last_pass"] == paged  # only block 1 copied
 
 
 # ---- dedupe, spans -------------------------------------------------------------------------------
@@ -296,11 +298,11 @@ def test_same_storage_saved_twice_in_a_block_is_copied_once():
     class Sq(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(32, 128)   # h: [64, 128] = 32 KiB; x: 8 KiB stays
+            self.fc = nn.Linear(32, 128)  # h: [64, 128] = 32 KiB; x: 8 KiB stays
 
         def forward(self, x):
             h = self.fc(x)
-            a, b = h.chunk(2, -1)          # two views of one storage
+            a, b = h.chunk(2, -1)  # two views of one storage
             return (h * h).sum(-1, keepdim=True) + (a * b)[:, :1] + x
 
     torch.manual_seed(0)
@@ -321,8 +323,8 @@ def test_small_view_of_a_large_storage_copies_its_span_only():
             self.fc = nn.Linear(16, 4096)
 
         def forward(self, x):
-            h = self.fc(x)                        # [8, 4096]: 128 KiB
-            return torch.sin(h[6:, 1000:3000]).sum() + x   # sin saves its input: a tail view
+            h = self.fc(x)  # [8, 4096]: 128 KiB
+            return torch.sin(h[6:, 1000:3000]).sum() + x  # sin saves its input: a tail view
 
     torch.manual_seed(0)
     blocks = nn.ModuleList([Tail(), Tail()])
@@ -402,9 +404,9 @@ def test_checkpoint_non_reentrant(outer):
         ref(x).backward()
         _assert_same_grads(model, ref)
     s = off.stats()
-    if outer:   # the block runs under checkpoint's hooks: they own its tensors
+    if outer:  # the block runs under checkpoint's hooks: they own its tensors
         assert s["copies_d2h"] == 0
-    else:       # ln's input and the checkpointed function's input are paged
+    else:  # ln's input and the checkpointed function's input are paged
         assert s["copies_d2h"] > 0 and s["copies_h2d"] == s["copies_d2h"]
     assert s["live_entries"] == 0
 
@@ -435,10 +437,10 @@ def test_detach_restores_the_modules():
     before = [(len(b._forward_pre_hooks), len(b._forward_hooks)) for b in blocks]
     off = _offloader(blocks)
     x, y = batches(1, b=4, t=16)[0]
-    loss = model(x, y)                         # built while attached
+    loss = model(x, y)  # built while attached
     off.detach()
     assert [(len(b._forward_pre_hooks), len(b._forward_hooks)) for b in blocks] == before
-    loss.backward()                            # still unpacks
+    loss.backward()  # still unpacks
     n = off.stats()["copies_d2h"]
     model(x, y).backward()
     assert off.stats()["copies_d2h"] == n and off.stats()["host_bytes_held"] == 0

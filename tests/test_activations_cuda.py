@@ -3,6 +3,7 @@
 SDPA backends, measured VRAM reduction, nothing paged under no_grad, pinned buffers reused and
 given back, chunked loss peak memory against the dense loss. Every stream wait is shown needed:
 with it removed (buffers._TEST_SKIP_WAIT) and the stream it orders delayed, gradients go wrong."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ramstream
-from ramstream.activations import ActivationOffloader, find_blocks
-from ramstream.activations import buffers
+from ramstream.activations import ActivationOffloader, buffers, find_blocks
 from ramstream.activations.buffers import SKIPPABLE_WAITS, Saved
 
 pytestmark = pytest.mark.cuda
@@ -42,8 +42,9 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         if self.ckpt:
             return x + checkpoint(self._mlp, x, use_reentrant=False)
@@ -72,8 +73,10 @@ def _model(seed=0, **kw):
 
 def _data(b=4, t=256, vocab=512, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, vocab, (b, t), generator=g).to(_dev()),
-            torch.randint(0, vocab, (b, t), generator=g).to(_dev()))
+    return (
+        torch.randint(0, vocab, (b, t), generator=g).to(_dev()),
+        torch.randint(0, vocab, (b, t), generator=g).to(_dev()),
+    )
 
 
 def _grads(model, x, y, autocast, before_backward=None):
@@ -88,8 +91,9 @@ def _grads(model, x, y, autocast, before_backward=None):
 
 
 def _offloader(model, depth=1, min_bytes=64 << 10):
-    off = ActivationOffloader(find_blocks(model), _dev(), prefetch_depth=depth,
-                              min_offload_bytes=min_bytes).attach()
+    off = ActivationOffloader(
+        find_blocks(model), _dev(), prefetch_depth=depth, min_offload_bytes=min_bytes
+    ).attach()
     off.set_paged(range(len(off.blocks)))
     return off
 
@@ -105,7 +109,7 @@ def _layout_spy(off):
 
     def pack(t, call, paged):
         h = real_pack(t, call, paged)
-        if type(h) is Saved:                      # paged (a Kept tensor stays on the device)
+        if type(h) is Saved:  # paged (a Kept tensor stays on the device)
             meta[id(h)] = key(t)
         return h
 
@@ -162,14 +166,14 @@ def test_bit_exact_gradients_prefetch_depth(depth, autocast, poison):
 
     model = _model()
     ref = copy.deepcopy(model)
-    with sdpa_kernel(SDPBackend.MATH):             # deterministic attention backward
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
         assert _reproducible(model, *_data(), autocast)
         off = _offloader(model, depth)
         spy = _layout_spy(off)
         _train_both(model, ref, 4, autocast, exact=True)
     s = off.stats()
     assert s["copies_d2h"] > 0 and s["copies_h2d"] == s["copies_d2h"] and s["live_entries"] == 0
-    assert s["host_reuses"] > 0                    # later steps ran in reused (poisoned) buffers
+    assert s["host_reuses"] > 0  # later steps ran in reused (poisoned) buffers
     assert spy and all(a == b for a, b in spy)
     off.detach()
 
@@ -191,9 +195,10 @@ def test_sdpa_backends_layout_preserved(backend):
         _, got = _grads(model, x, y, True)
     off.detach()
     assert len(spy) > 0
-    if backend != "MATH":   # the fused kernels save q, k, v themselves: strided views of qkv
-        strided = [a for a, _ in spy if len(a[1]) == 4 and a[2] != tuple(
-            torch.empty(a[1], device="meta").stride())]
+    if backend != "MATH":  # the fused kernels save q, k, v themselves: strided views of qkv
+        strided = [
+            a for a, _ in spy if len(a[1]) == 4 and a[2] != tuple(torch.empty(a[1], device="meta").stride())
+        ]
         assert strided, "expected q/k/v saved as non-contiguous views"
     for before, after in spy:
         assert before == after
@@ -226,7 +231,7 @@ def _after_forward_and_peak(model, x, y, off=None):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(x, y)
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()                       # processes the copy streams' deferred frees
+    torch.cuda.empty_cache()  # processes the copy streams' deferred frees
     after_fwd = torch.cuda.memory_allocated(dev) - base
     loss.backward()
     torch.cuda.synchronize()
@@ -242,9 +247,11 @@ def test_measured_vram_reduction():
     fwd1, peak1, wall = _after_forward_and_peak(model, x, y, off)
     st = off.stats()
     paged = st["bytes_paged_last_pass"]
-    print(f"\nactivations after forward: {fwd0 / 2**20:.1f} -> {fwd1 / 2**20:.1f} MiB; "
-          f"peak over the step: {peak0 / 2**20:.1f} -> {peak1 / 2**20:.1f} MiB; "
-          f"paged {paged / 2**20:.1f} MiB; GPU waited {st['h2d_stall_s'] * 1e3:.2f} ms for H2D")
+    print(
+        f"\nactivations after forward: {fwd0 / 2**20:.1f} -> {fwd1 / 2**20:.1f} MiB; "
+        f"peak over the step: {peak0 / 2**20:.1f} -> {peak1 / 2**20:.1f} MiB; "
+        f"paged {paged / 2**20:.1f} MiB; GPU waited {st['h2d_stall_s'] * 1e3:.2f} ms for H2D"
+    )
     # GPU time spent waiting within one step cannot exceed the step (a counter in the wrong
     # unit or counted twice would); that it measures the wait: test_h2d_stall_is_the_gpu_wait
     assert 0.0 <= st["h2d_stall_s"] <= wall
@@ -331,8 +338,10 @@ def test_chunked_loss_peak_below_quarter_of_dense_4096x50000(autocast):
 
     ld, pd, ghd, gwd = _loss_peak(dense, h, w, t, autocast)
     lc, pc, ghc, gwc = _loss_peak(chunked, h, w, t, autocast)
-    print(f"\nautocast={autocast}: dense peak {pd / 2**20:.0f} MiB, chunked {pc / 2**20:.0f} MiB "
-          f"({pc / pd:.3f})")
+    print(
+        f"\nautocast={autocast}: dense peak {pd / 2**20:.0f} MiB, chunked {pc / 2**20:.0f} MiB "
+        f"({pc / pd:.3f})"
+    )
     assert pc < pd / 4
     tol = 2e-2 if autocast else 1e-5
     assert abs(lc - ld) <= tol * abs(ld)
@@ -355,7 +364,8 @@ def test_copy_stream_overlap_does_not_change_results(poison):
 
     def busy():
         for _ in range(20):
-            big[0] = torch.tanh(big[0] @ big[0]) * 0.01   # keeps the GPU busy, forward queued
+            big[0] = torch.tanh(big[0] @ big[0]) * 0.01  # keeps the GPU busy, forward queued
+
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2)
     for i in range(3):
@@ -371,7 +381,7 @@ def test_copy_stream_overlap_does_not_change_results(poison):
 
 
 # ---- every wait is needed: remove one, delay the stream it orders, the gradients go wrong -------
-_SLEEP_CYCLES = 200_000_000       # torch.cuda._sleep: ~0.1 s at 2 GHz, far longer than a copy
+_SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s at 2 GHz, far longer than a copy
 
 
 def _delay(stream):
@@ -401,13 +411,16 @@ def _delayed_run(wait, skip, monkeypatch):
     delays = []
     before_backward = None
     if wait == "compute_after_h2d":
+
         def before_backward():
             delays.append(_delay(off._copies.h2d))
     else:
+
         def pre(m, args):
             stream = off._copies.d2h if wait == "h2d_after_d2h" else torch.cuda.current_stream()
             delays.append(_delay(stream))
-        model.layers[-1].register_forward_pre_hook(pre)   # runs after the offloader's pre-hook
+
+        model.layers[-1].register_forward_pre_hook(pre)  # runs after the offloader's pre-hook
     right = []
     with sdpa_kernel(SDPBackend.MATH):
         for i in range(2):
@@ -425,7 +438,7 @@ def _delayed_run(wait, skip, monkeypatch):
 @pytest.mark.parametrize("wait", SKIPPABLE_WAITS)
 def test_every_wait_is_needed(wait, monkeypatch):
     right, _, delays = _delayed_run(wait, False, monkeypatch)
-    assert len(delays) == 2 and right == [True, True]        # with the wait: exact, delay or not
+    assert len(delays) == 2 and right == [True, True]  # with the wait: exact, delay or not
     right, _, _ = _delayed_run(wait, True, monkeypatch)
     assert right != [True, True], f"without the {wait} wait the gradients should be wrong"
 

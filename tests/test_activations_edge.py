@@ -1,6 +1,7 @@
 """Activation offload on the CPU engine, edge cases against an unpaged clone (bit-exact): in-place
 ops after saving, aliasing across blocks, tuple/dict outputs, shared and skipped blocks,
 autograd.grad, double backward, unusual dtypes and layouts, exceptions in backward."""
+
 from __future__ import annotations
 
 import gc
@@ -17,7 +18,7 @@ INPLACE = "modified by an inplace operation"
 
 
 def _run(blocks, x, order=None):
-    for i in (range(len(blocks)) if order is None else order):
+    for i in range(len(blocks)) if order is None else order:
         x = blocks[i](x)
     if isinstance(x, dict):
         x = x["h"]
@@ -53,7 +54,7 @@ class _SigmoidInplace(nn.Module):
         self.inplace = inplace
 
     def forward(self, x):
-        y = torch.sigmoid(self.fc(x))        # sigmoid saves its output
+        y = torch.sigmoid(self.fc(x))  # sigmoid saves its output
         if self.inplace:
             y.mul_(2)
         return y + x
@@ -65,14 +66,14 @@ def test_inplace_after_save_raises_like_torch(mode):
     blocks = nn.ModuleList([_SigmoidInplace(), _SigmoidInplace()])
     x = torch.randn(8, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match=INPLACE):
-        _run(blocks, x).backward()                         # torch, unpaged
+        _run(blocks, x).backward()  # torch, unpaged
     kw = {"min_offload_bytes": 1 << 30} if mode == "too_small" else {}
     off = _offloader(list(blocks), paged=set() if mode == "measured" else "all", **kw)
     off.set_measuring(mode == "measured")
     with pytest.raises(RuntimeError, match=INPLACE):
         _run(blocks, x).backward()
     _clean(off)
-    for b in blocks:                                        # the next step is not disturbed
+    for b in blocks:  # the next step is not disturbed
         b.inplace = False
     ref = clone(blocks)
     xr = x.detach().clone().requires_grad_()
@@ -84,11 +85,11 @@ def test_inplace_after_save_raises_like_torch(mode):
 def test_inplace_on_an_earlier_blocks_output_raises():
     class Tanh(nn.Linear):
         def forward(self, x):
-            return torch.tanh(super().forward(x))        # saves its output, the next block's input
+            return torch.tanh(super().forward(x))  # saves its output, the next block's input
 
     class AddInplace(nn.Linear):
         def forward(self, x):
-            x.add_(1)                                       # modifies what block 0 saved
+            x.add_(1)  # modifies what block 0 saved
             return super().forward(x)
 
     blocks = nn.ModuleList([Tanh(16, 16), AddInplace(16, 16)])
@@ -114,9 +115,9 @@ class _Pair(nn.Module):
             h, aux = x
         else:
             h, aux = x, x.tanh()
-        a = h * h                                  # saves h twice
-        b = h[:, 1:].sin()                         # saves a view of h (the previous output)
-        c = self.fc(a) * aux                       # saves aux (made by the first block)
+        a = h * h  # saves h twice
+        b = h[:, 1:].sin()  # saves a view of h (the previous output)
+        c = self.fc(a) * aux  # saves aux (made by the first block)
         out = h + c + F.pad(b, (1, 0))
         return {"h": out, "aux": aux} if self.as_dict else (out, aux)
 
@@ -152,7 +153,7 @@ def test_autograd_grad_retain_graph_and_double_backward():
         loss = _run(bl, xx)
         g1 = torch.autograd.grad(loss, list(bl.parameters()), retain_graph=True)
         g2 = torch.autograd.grad(loss, list(bl.parameters()))
-        loss = _run(bl, xx)                                      # a gradient penalty
+        loss = _run(bl, xx)  # a gradient penalty
         (gx,) = torch.autograd.grad(loss, xx, create_graph=True)
         gx.square().sum().backward()
         outs.append([*g1, *g2, gx.detach()])
@@ -172,16 +173,16 @@ class _Kinds(nn.Module):
         self.s = nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x):
-        h = self.fc(x)                                          # [n, d]
-        idx = h.detach().abs().argsort(-1)[:, :4]              # int64 [n, 4]
+        h = self.fc(x)  # [n, d]
+        idx = h.detach().abs().argsort(-1)[:, :4]  # int64 [n, 4]
         g = h.gather(1, idx) + h.index_select(1, idx[0])
-        mask = h.detach() > 0                                   # bool [n, d]
+        mask = h.detach() > 0  # bool [n, d]
         m = h.masked_fill(mask, 0.0)
         z = torch.view_as_complex(torch.stack([h, h.flip(-1)], -1))  # complex [n, d]
         zz = (z * z.conj().exp()).real
-        s0 = (self.s * 3).tanh()                                # 0-d saved by mul
-        e = h[:1].expand_as(h)                                  # stride 0 in dim 0
-        off = h.reshape(-1)[5:5 + h.shape[0] * 2].view(-1, 2)   # storage offset 5
+        s0 = (self.s * 3).tanh()  # 0-d saved by mul
+        e = h[:1].expand_as(h)  # stride 0 in dim 0
+        off = h.reshape(-1)[5 : 5 + h.shape[0] * 2].view(-1, 2)  # storage offset 5
         sp = torch.eye(h.shape[0]).to_sparse().requires_grad_(False)
         spm = torch.sparse.mm(sp, h * e)
         out = m + zz + s0 * h + spm + F.pad(g, (0, h.shape[1] - 4))
@@ -217,15 +218,21 @@ def test_layout_of_every_kind_comes_back_exactly():
     class Blk(nn.Linear):
         def forward(self, x):
             h = super().forward(x)
-            for t in (h.detach() > 0, h.detach().long(), torch.tensor(3.0) * h.sum().detach(),
-                      torch.view_as_complex(h.detach().reshape(-1, 2)), h.detach()[1:, 3:],
-                      h.detach()[:1].expand(5, -1), h.detach().t()):
+            for t in (
+                h.detach() > 0,
+                h.detach().long(),
+                torch.tensor(3.0) * h.sum().detach(),
+                torch.view_as_complex(h.detach().reshape(-1, 2)),
+                h.detach()[1:, 3:],
+                h.detach()[:1].expand(5, -1),
+                h.detach().t(),
+            ):
                 x = Probe.apply(x, t)
             return x + h
 
     blocks = nn.ModuleList([Blk(16, 16), Blk(16, 16)])
     off = _both(blocks, torch.randn(6, 16, requires_grad=True))
-    assert len(seen) == 28 and all(seen)        # 7 probes x 2 blocks, paged and unpaged
+    assert len(seen) == 28 and all(seen)  # 7 probes x 2 blocks, paged and unpaged
     assert off.stats()["copies_d2h"] > 0
     _clean(off)
 
@@ -236,14 +243,14 @@ def test_shared_blocks_reuse_host_buffers_over_steps():
     off = _offloader(list(blocks))
     x = torch.randn(32, 64)
     held = []
-    for order in ([0, 1, 0, 1, 0, 1], [1, 0]):      # a new pass at every call of a block again
+    for order in ([0, 1, 0, 1, 0, 1], [1, 0]):  # a new pass at every call of a block again
         allocs = []
         for _ in range(4):
             _run(blocks, x, order).backward()
             _clean(off)
             allocs.append(off.stats()["host_allocations"])
             held.append(off.stats()["host_bytes_held"])
-        assert len(set(allocs)) == 1, allocs          # reused each step, never reallocated
+        assert len(set(allocs)) == 1, allocs  # reused each step, never reallocated
     # 6 calls x (input, sigmoid output) of 8 KiB, then 2 calls' worth once the rest idled
     assert held[0] == held[3] == 12 * 8192 and held[-1] == 4 * 8192, held
 
@@ -278,7 +285,7 @@ def test_exceptions_in_forward_or_backward_leak_nothing_and_next_steps_are_exact
     x = torch.randn(8, 16, requires_grad=True)
     blocks[2].fail_forward = True
     with pytest.raises(RuntimeError, match="boom in forward"):
-        _run(blocks, x)                                 # blocks 0 and 1 paged already
+        _run(blocks, x)  # blocks 0 and 1 paged already
     blocks[2].fail_forward = False
     _clean(off)
     _Fail.armed = True

@@ -8,6 +8,7 @@ device as the tensor itself; for a tensor an op saves of its own output (SDPA, e
 mean and rstd) that tensor's grad_fn is the node that holds the packed object, a cycle through
 autograd's C++ graph that Python's garbage collector cannot see. Backward breaks it by freeing the
 saved tensors; a forward that never reaches backward left the whole graph alive."""
+
 from __future__ import annotations
 
 import gc
@@ -47,7 +48,7 @@ def test_a_forward_that_raises_frees_its_saved_tensors(mode):
     off = ActivationOffloader(list(model), "cpu", min_offload_bytes=0).attach()
     off.set_measuring("measuring" in mode)
     off.set_paged([0, 1, 2] if "paged" in mode else [])
-    if mode == "kept":        # hooked blocks whose tensors all stay (below the size threshold)
+    if mode == "kept":  # hooked blocks whose tensors all stay (below the size threshold)
         off.min_offload_bytes = 1 << 40
         off.set_paged([0, 1, 2])
     x = torch.randn(8, 64, requires_grad=True)

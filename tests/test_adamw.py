@@ -2,6 +2,7 @@
 mixed precision, split calls with offsets, the raw-pointer entry point, the CUDA dispatch (the
 low-precision `out` copy and stochastic rounding: test_adamw_rounding.py; bad input:
 test_adamw_input.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import ramstream.functional as F
 from ramstream._native import lib
+
 from _adamw_helpers import assert_bits_equal, lr_at, make_problem, ours, torch_adamw
 
 # isa, restore_isa and restore_threads are fixtures: pytest finds them here once imported
@@ -21,6 +23,7 @@ SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 1000003]
 
 
 # ---- fp32: bit-identical to torch.optim.AdamW(fused=True) -----------------------------------------
+
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("wd", [0.0, 1e-2])
@@ -41,7 +44,9 @@ def test_bit_identical_every_isa(isa, n):
         assert_bits_equal(a, b, f"{isa} n={n} {name}")
 
 
-@pytest.mark.parametrize("beta1,beta2,wd", [(0.5, 0.999, 0.05), (0.3, 0.95, 0.1), (0.0, 0.9, 0.3), (0.95, 0.0, 0.0)])
+@pytest.mark.parametrize(
+    "beta1,beta2,wd", [(0.5, 0.999, 0.05), (0.3, 0.95, 0.1), (0.0, 0.9, 0.3), (0.95, 0.0, 0.0)]
+)
 @pytest.mark.parametrize("n", [13, 1041])
 def test_bit_identical_betas(beta1, beta2, wd, n):
     """1 - beta1 >= 0.5 takes torch's other lerp form; beta2 = 0 is allowed too."""
@@ -122,20 +127,39 @@ def test_every_isa_identical_mixed(restore_isa, grad_dtype, moment_dtype, out_dt
 
 # ---- offsets and the raw-pointer entry point -------------------------------------------------------
 
+
 def test_split_calls_with_offsets_equal_one_call():
     """The engine may update a tensor in pieces cut at multiples of 16: the result is the same."""
     n, cut = 5000 + 5, 2048
     p0, grads = make_problem(n, seed=31, steps=3)
-    whole = [p0.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
-             torch.empty(n, dtype=torch.float16)]
+    whole = [
+        p0.clone(),
+        torch.zeros(n, dtype=torch.bfloat16),
+        torch.zeros(n, dtype=torch.bfloat16),
+        torch.empty(n, dtype=torch.float16),
+    ]
     parts = [t.clone() for t in whole]
     for s, g in enumerate(grads):
         gb = g.to(torch.bfloat16)
         F.adamw_(whole[0], gb, whole[1], whole[2], step=s + 1, lr=lr_at(s), out=whole[3], seed=8)
         for lo, hi in ((0, cut), (cut, n)):
             p, m, v, o = (t[lo:hi] for t in parts)
-            C.adamw_(p, gb[lo:hi], m, v, o, lr=lr_at(s), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                     step=s + 1, grad_scale=1.0, seed=8, offset=lo)
+            C.adamw_(
+                p,
+                gb[lo:hi],
+                m,
+                v,
+                o,
+                lr=lr_at(s),
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
+                step=s + 1,
+                grad_scale=1.0,
+                seed=8,
+                offset=lo,
+            )
     for a, b in zip(parts, whole):
         assert_bits_equal(a, b, "split")
 
@@ -148,9 +172,26 @@ def test_adamw_ptr_equals_tensor_api():
     for s, g in enumerate(grads):
         gh = g.half()
         F.adamw_(a[0], gh, a[1], a[2], step=s + 1, lr=2e-3, weight_decay=0.1, grad_scale=0.25, out=a[3])
-        C.adamw_ptr(b[0].data_ptr(), gh.data_ptr(), C.DTYPE_FLOAT16, b[1].data_ptr(), b[2].data_ptr(),
-                    C.DTYPE_FLOAT32, b[3].data_ptr(), C.DTYPE_BFLOAT16, n, 0, 2e-3, 0.9, 0.999, 1e-8, 0.1,
-                    s + 1, 0.25, 0)
+        C.adamw_ptr(
+            b[0].data_ptr(),
+            gh.data_ptr(),
+            C.DTYPE_FLOAT16,
+            b[1].data_ptr(),
+            b[2].data_ptr(),
+            C.DTYPE_FLOAT32,
+            b[3].data_ptr(),
+            C.DTYPE_BFLOAT16,
+            n,
+            0,
+            2e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.1,
+            s + 1,
+            0.25,
+            0,
+        )
     for x, y in zip(a, b):
         assert_bits_equal(x, y, "ptr")
     assert (C.DTYPE_FLOAT32, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT16) == (0, 1, 2)
@@ -158,14 +199,19 @@ def test_adamw_ptr_equals_tensor_api():
 
 # ---- CUDA dispatch (run by the lead on a GPU machine) --------------------------------------------
 
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
 def test_cuda_dispatch_matches_host(moment_dtype):
     """n % 8 == 0, so the host's tail form is not involved: CUDA must equal the host bit for bit."""
     n = 4096 + 16 * 7
     p0, grads = make_problem(n, seed=41, steps=5)
-    host = [p0.clone(), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype),
-            torch.empty(n, dtype=torch.bfloat16)]
+    host = [
+        p0.clone(),
+        torch.zeros(n, dtype=moment_dtype),
+        torch.zeros(n, dtype=moment_dtype),
+        torch.empty(n, dtype=torch.bfloat16),
+    ]
     dev = [t.cuda() for t in host]
     for s, g in enumerate(grads):
         gb = g.to(torch.bfloat16)

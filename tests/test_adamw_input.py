@@ -1,5 +1,6 @@
 """Host AdamW's bad input: hyper-parameters, tensors, the bindings' own checks, and the
 RAMSTREAM_FORCE_ISA environment variable."""
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ C = lib()
 
 # ---- RAMSTREAM_FORCE_ISA -------------------------------------------------------------------------
 
+
 def test_force_isa_environment():
     code = "import ramstream._C as C; print(C.active_isa()); print(repr(C.isa_env_error()))"
     env = dict(os.environ, RAMSTREAM_FORCE_ISA="scalar")
@@ -30,38 +32,47 @@ def test_force_isa_environment():
     assert "RAMSTREAM_FORCE_ISA" in lines[1] and "avx9000" in lines[1]
     # the package says so the first time it loads the core, and `ramstream info` too
     code = "from ramstream._native import lib; lib()"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "RuntimeWarning" in out.stderr and "avx9000" in out.stderr and "ignored" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "ramstream.cli", "info"], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ramstream.cli", "info"], env=env, capture_output=True, text=True, check=True
+    )
     assert "avx9000" in out.stdout
 
 
 # ---- bad input -----------------------------------------------------------------------------------
 
+
 def _state(n=8, moment_dtype=torch.float32):
-    return torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)
+    return (
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.zeros(n, dtype=moment_dtype),
+        torch.zeros(n, dtype=moment_dtype),
+    )
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(lr=float("nan")), ValueError, "lr"),
-    (dict(lr=-1e-3), ValueError, "lr"),
-    (dict(lr="0.1"), TypeError, "lr"),
-    (dict(beta1=1.0), ValueError, "beta1"),
-    (dict(beta1=-0.1), ValueError, "beta1"),
-    (dict(beta2=1.5), ValueError, "beta2"),
-    (dict(beta2=float("inf")), ValueError, "beta2"),
-    (dict(eps=0.0), ValueError, "eps"),
-    (dict(eps=float("nan")), ValueError, "eps"),
-    (dict(weight_decay=-0.1), ValueError, "weight_decay"),
-    (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
-    (dict(step=0), ValueError, "step"),
-    (dict(step=1.5), TypeError, "step"),
-    (dict(grad_scale=float("inf")), ValueError, "grad_scale"),
-    (dict(seed=-1), ValueError, "seed"),
-    (dict(seed=2**64), ValueError, "seed"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(lr=float("nan")), ValueError, "lr"),
+        (dict(lr=-1e-3), ValueError, "lr"),
+        (dict(lr="0.1"), TypeError, "lr"),
+        (dict(beta1=1.0), ValueError, "beta1"),
+        (dict(beta1=-0.1), ValueError, "beta1"),
+        (dict(beta2=1.5), ValueError, "beta2"),
+        (dict(beta2=float("inf")), ValueError, "beta2"),
+        (dict(eps=0.0), ValueError, "eps"),
+        (dict(eps=float("nan")), ValueError, "eps"),
+        (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+        (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
+        (dict(step=0), ValueError, "step"),
+        (dict(step=1.5), TypeError, "step"),
+        (dict(grad_scale=float("inf")), ValueError, "grad_scale"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(seed=2**64), ValueError, "seed"),
+    ],
+)
 def test_bad_hyper_parameters(kw, exc, match):
     p, g, m, v = _state()
     args = dict(step=1, lr=1e-3) | kw
@@ -85,7 +96,11 @@ def test_bad_tensors():
         F.adamw_(p, g, m, v, step=1, lr=1e-3, out=torch.empty(8, dtype=torch.float64))
     with pytest.raises(TypeError, match="grad must be a torch.Tensor"):
         F.adamw_(p, [0.0] * 8, m, v, step=1, lr=1e-3)
-    for name, args in (("grad", (p, g[:7], m, v)), ("exp_avg", (p, g, m[:7], v)), ("exp_avg_sq", (p, g, m, v[:7]))):
+    for name, args in (
+        ("grad", (p, g[:7], m, v)),
+        ("exp_avg", (p, g, m[:7], v)),
+        ("exp_avg_sq", (p, g, m, v[:7])),
+    ):
         with pytest.raises(ValueError, match=f"{name} must have the same number of elements as param"):
             F.adamw_(*args, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="out must have the same number of elements"):
@@ -118,17 +133,89 @@ def test_binding_checks():
     with pytest.raises(ValueError, match="lr"):
         C.adamw_(p, g, m, v, None, lr=-1.0, step=1)
     with pytest.raises(ValueError, match="grad_dtype"):
-        C.adamw_ptr(p.data_ptr(), g.data_ptr(), 7, m.data_ptr(), v.data_ptr(), 0, 0, 0, 8, 0,
-                    1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, 0)
+        C.adamw_ptr(
+            p.data_ptr(),
+            g.data_ptr(),
+            7,
+            m.data_ptr(),
+            v.data_ptr(),
+            0,
+            0,
+            0,
+            8,
+            0,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            1,
+            1.0,
+            0,
+        )
     with pytest.raises(ValueError, match="moment dtype"):
-        C.adamw_ptr(p.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), C.DTYPE_FLOAT16, 0, 0, 8, 0,
-                    1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, 0)
+        C.adamw_ptr(
+            p.data_ptr(),
+            g.data_ptr(),
+            0,
+            m.data_ptr(),
+            v.data_ptr(),
+            C.DTYPE_FLOAT16,
+            0,
+            0,
+            8,
+            0,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            1,
+            1.0,
+            0,
+        )
     with pytest.raises(ValueError, match="null pointer"):
-        C.adamw_ptr(0, g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), 0, 0, 0, 8, 0,
-                    1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, 0)
+        C.adamw_ptr(
+            0,
+            g.data_ptr(),
+            0,
+            m.data_ptr(),
+            v.data_ptr(),
+            0,
+            0,
+            0,
+            8,
+            0,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            1,
+            1.0,
+            0,
+        )
     with pytest.raises(ValueError, match="step"):
-        C.adamw_ptr(p.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), 0, 0, 0, 8, 0,
-                    1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 1.0, 0)
+        C.adamw_ptr(
+            p.data_ptr(),
+            g.data_ptr(),
+            0,
+            m.data_ptr(),
+            v.data_ptr(),
+            0,
+            0,
+            0,
+            8,
+            0,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            0,
+            1.0,
+            0,
+        )
 
 
 def test_parameter_with_requires_grad_is_updated():

@@ -1,6 +1,7 @@
 """Host AdamW's rounding: the low-precision `out` copy (docs/NUMERICS.md rule 1), stochastic
 rounding of bf16 moments (rule 2), large calls with non-temporal stores of `out` and the AVX512-BF16
 conversion."""
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import torch
 
 import ramstream.functional as F
 from ramstream._native import lib
+
 from _adamw_helpers import assert_bits_equal, bits, lr_at, make_problem, ours
 
 # isa and restore_threads are fixtures: pytest finds them here once imported
@@ -22,6 +24,7 @@ C = lib()
 
 
 # ---- out: the new weight in low precision, written in the same pass ----------------------------------
+
 
 def _bf16_rne_reference(x: torch.Tensor) -> np.ndarray:
     """docs/NUMERICS.md rule 1 in numpy."""
@@ -36,8 +39,25 @@ def _bf16_rne_reference(x: torch.Tensor) -> np.ndarray:
 def test_out_equals_param_cast(isa, out_dtype):
     n = 5003
     p0, grads = make_problem(n, seed=13, steps=2)
-    special = torch.tensor([float("inf"), -float("inf"), 3.0e38, -7.0e4, 65519.0, 65520.0, 1e-40, -1e-45,
-                            6.0e-8, 2.9e-8, 0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.00048828125])
+    special = torch.tensor(
+        [
+            float("inf"),
+            -float("inf"),
+            3.0e38,
+            -7.0e4,
+            65519.0,
+            65520.0,
+            1e-40,
+            -1e-45,
+            6.0e-8,
+            2.9e-8,
+            0.0,
+            -0.0,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+            1.00048828125,
+        ]
+    )
     p0[: special.numel()] = special
     p = p0.clone()
     m, v = torch.zeros(n), torch.zeros(n)
@@ -96,13 +116,16 @@ def test_out_nan_rule(isa):
 
 # ---- bf16 moments: stochastic rounding ---------------------------------------------------------------
 
+
 def _sr_bits_reference(seed: int, step: int, index: np.ndarray, moment: int) -> np.ndarray:
     """docs/NUMERICS.md rule 2 in numpy (uint32 arithmetic mod 2^32)."""
     M = 0xFFFFFFFF
     idx = index.astype(np.uint64)
     lo = (idx & M).astype(np.uint64)
     hi = (idx >> np.uint64(32)).astype(np.uint64)
-    const = ((seed & M) * 0xC2B2AE3D + (seed >> 32) * 0x27D4EB2F + (step & M) * 0x165667B1 + moment * 0xD3A2646C) & M
+    const = (
+        (seed & M) * 0xC2B2AE3D + (seed >> 32) * 0x27D4EB2F + (step & M) * 0x165667B1 + moment * 0xD3A2646C
+    ) & M
     k = (lo * np.uint64(0x9E3779B1) + hi * np.uint64(0x85EBCA77) + np.uint64(const)) & np.uint64(M)
     k ^= k >> np.uint64(16)
     k = (k * np.uint64(0x7FEB352D)) & np.uint64(M)
@@ -134,15 +157,35 @@ def test_sr_moments_follow_spec(isa, offset):
     m = torch.zeros(n, dtype=torch.bfloat16)
     v = torch.zeros(n, dtype=torch.bfloat16)
     seed, step = 123456789012, 3
-    C.adamw_ptr(p.data_ptr(), g.data_ptr(), C.DTYPE_FLOAT32, m.data_ptr(), v.data_ptr(), C.DTYPE_BFLOAT16, 0,
-                C.DTYPE_BFLOAT16, n, offset, 1e-3, 0.0, 0.0, 1e-8, 0.0, step, 1.0, seed)
+    C.adamw_ptr(
+        p.data_ptr(),
+        g.data_ptr(),
+        C.DTYPE_FLOAT32,
+        m.data_ptr(),
+        v.data_ptr(),
+        C.DTYPE_BFLOAT16,
+        0,
+        C.DTYPE_BFLOAT16,
+        n,
+        offset,
+        1e-3,
+        0.0,
+        0.0,
+        1e-8,
+        0.0,
+        step,
+        1.0,
+        seed,
+    )
     index = np.arange(n, dtype=np.uint64) + np.uint64(offset)
     for moment, (state, exact) in enumerate(((m, g), (v, g * g))):
         u = exact.numpy().view(np.uint32).astype(np.uint64)
         r = _sr_bits_reference(seed, step, index, moment).astype(np.uint64)
         want = ((u + r) >> np.uint64(16)) & np.uint64(0xFFFF)
         special = (u & 0x7F800000) == 0x7F800000
-        want[special] = (u[special] >> np.uint64(16)) | np.where((u[special] & 0x7FFFFF) != 0, np.uint64(0x40), np.uint64(0))
+        want[special] = (u[special] >> np.uint64(16)) | np.where(
+            (u[special] & 0x7FFFFF) != 0, np.uint64(0x40), np.uint64(0)
+        )
         got = bits(state).view(np.uint16)
         keep = np.ones(n, dtype=bool)
         if moment == 0:  # m = fma(0, g - m, g): inf and NaN gradients give NaN (0 * inf)
@@ -217,9 +260,11 @@ def _big_run(out_dtype, placement, steps=2):
     p = p0.clone()
     m = torch.zeros(n, dtype=torch.bfloat16)
     v = torch.zeros(n, dtype=torch.bfloat16)
-    out = {"aligned": torch.empty(n, dtype=out_dtype),
-           "unaligned": torch.empty(n + 40, dtype=out_dtype)[3:3 + n],
-           "grad": None}[placement]
+    out = {
+        "aligned": torch.empty(n, dtype=out_dtype),
+        "unaligned": torch.empty(n + 40, dtype=out_dtype)[3 : 3 + n],
+        "grad": None,
+    }[placement]
     for s, g in enumerate(grads):
         g = g.to(out_dtype)
         o = g if placement == "grad" else out
@@ -265,9 +310,23 @@ def test_large_out_across_index_word_boundary(isa, restore_threads, offset):
         p = p0.clone()
         m = torch.zeros(n, dtype=torch.bfloat16)
         v = torch.zeros(n, dtype=torch.bfloat16)
-        out = torch.empty(n + 40, dtype=torch.bfloat16)[5:5 + n]
-        C.adamw_(p, g, m, v, out, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                 step=1, grad_scale=1.0, seed=5, offset=offset)
+        out = torch.empty(n + 40, dtype=torch.bfloat16)[5 : 5 + n]
+        C.adamw_(
+            p,
+            g,
+            m,
+            v,
+            out,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=1e-2,
+            step=1,
+            grad_scale=1.0,
+            seed=5,
+            offset=offset,
+        )
         return [p, m, v, out]
 
     C.set_num_threads(2)
@@ -288,8 +347,9 @@ def test_sr_nan_payloads_stay_nan(isa):
     n = 1000 + 3
     g = torch.randn(n)
     nan_at = [0, 17, 31, 32, 500, 999, 1001]
-    payloads = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0xFF80FFFF, 0x7FFFFF00, 0xFFC0FFFF, 0x7F80FFFF],
-                        dtype=np.uint32)
+    payloads = np.array(
+        [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0xFF80FFFF, 0x7FFFFF00, 0xFFC0FFFF, 0x7F80FFFF], dtype=np.uint32
+    )
     g.numpy().view(np.uint32)[nan_at] = payloads
     p = torch.randn(n)
     m = torch.zeros(n, dtype=torch.bfloat16)
@@ -337,8 +397,9 @@ def test_avx512_bf16_conversion_switch():
     for flag in ("1", "0"):
         env = dict(os.environ, RAMSTREAM_AVX512BF16=flag)
         env.pop("RAMSTREAM_FORCE_ISA", None)
-        res = subprocess.run([sys.executable, "-c", _BF16_SWITCH_SCRIPT], env=env, capture_output=True,
-                             text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _BF16_SWITCH_SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
         lines.append(res.stdout.split())
     for isa_name, same, _ in lines:
         assert isa_name == "avx512" and same == "True"

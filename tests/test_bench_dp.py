@@ -1,4 +1,5 @@
 """bench/train/bench_dp.py on the CPU: two gloo ranks (FileStore rendezvous) vs one process."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,11 +28,35 @@ def driver_result(tmp_path_factory):
     that another process may grab first); tiny GPT, buckets small enough that both ranks own
     some."""
     tmp = tmp_path_factory.mktemp("bench_dp")
-    cmd = [sys.executable, str(BENCH), "--nproc", "2", "--device", "cpu", "--model", "tiny",
-           "--batch", "2", "--seq", "32", "--steps", "3", "--warmup", "1",
-           "--options", json.dumps({"bucket_bytes": 1 << 18}), "--check",
-           "--rendezvous", "file", "--workdir", str(tmp / "runs"), "--timeout", "120",
-           "--out", str(tmp / "dp.json")]
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--options",
+        json.dumps({"bucket_bytes": 1 << 18}),
+        "--check",
+        "--rendezvous",
+        "file",
+        "--workdir",
+        str(tmp / "runs"),
+        "--timeout",
+        "120",
+        "--out",
+        str(tmp / "dp.json"),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp / "dp.json").read_text())
@@ -48,7 +73,7 @@ def test_two_ranks_match_one_process_on_the_global_batch(driver_result):
     assert dp["global_batch"] == ref["global_batch"] == 4 and dp["trained_steps"] == 4
     assert dp["parity_max_abs_diff"] < 1e-5 and dp["parity_ok"]
     assert summary["parity_max_abs_diff"] == dp["parity_max_abs_diff"]
-    assert abs(dp["loss"] - ref["loss"]) < 1e-4          # the mean of the ranks' losses
+    assert abs(dp["loss"] - ref["loss"]) < 1e-4  # the mean of the ranks' losses
     assert dp["replicas_identical"] and summary["replicas_identical"]
     assert len(set(dp["param_sha256_by_rank"])) == 1
 
@@ -58,7 +83,7 @@ def test_each_rank_holds_its_share_of_the_host_state(driver_result):
     single = runs["single"]["host_state_bytes_by_rank"][0]
     per_rank = runs["dp"]["host_state_bytes_by_rank"]
     assert len(per_rank) == 2 and sum(per_rank) == single
-    assert max(per_rank) < 0.6 * single                  # balanced owners: about half each
+    assert max(per_rank) < 0.6 * single  # balanced owners: about half each
     assert summary["host_state_sum_equals_single"]
     assert summary["host_state_max_rank_fraction"] == pytest.approx(max(per_rank) / single)
 
@@ -69,8 +94,7 @@ def test_throughput_figures_are_consistent(driver_result):
         r = runs[name]
         assert r["s_per_step"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * r["seq"] / r["s_per_step"])
-    assert summary["scaling"] == pytest.approx(
-        runs["dp"]["tokens_per_s"] / runs["single"]["tokens_per_s"])
+    assert summary["scaling"] == pytest.approx(runs["dp"]["tokens_per_s"] / runs["single"]["tokens_per_s"])
     assert "summary {" in stdout
 
 
@@ -81,8 +105,16 @@ def test_reference_comparison_sees_a_difference_and_refuses_another_run(tmp_path
 
     torch.manual_seed(0)
     model = GPT(**CONFIGS["tiny"], ctx=64)
-    meta = {"model": "tiny", "global_batch": 4, "seq": 32, "trained_steps": 4, "seed": 0,
-            "lr": 1e-3, "amp": "off", "device_type": "cpu"}
+    meta = {
+        "model": "tiny",
+        "global_batch": 4,
+        "seq": 32,
+        "trained_steps": 4,
+        "seed": 0,
+        "lr": 1e-3,
+        "amp": "off",
+        "device_type": "cpu",
+    }
     path = str(tmp_path / "ref.pt")
     bench._save_reference(model, path, meta)
     assert bench._compare_with_reference(model, path, meta)["parity_max_abs_diff"] == 0.0

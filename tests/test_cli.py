@@ -1,4 +1,5 @@
 """The `ramstream` command line: info, bench and demo run and report what they claim."""
+
 from __future__ import annotations
 
 import json
@@ -36,13 +37,14 @@ def test_demo_trains_both_alike_and_the_loss_falls(capsys):
         parts = line.split()
         if parts and parts[0] in ("torch", "ramstream"):
             losses[parts[0]] = (float(parts[2]), float(parts[4]))
-    assert losses["torch"] == losses["ramstream"]           # bit-identical training
-    assert losses["torch"][1] < losses["torch"][0]          # a task it learns
+    assert losses["torch"] == losses["ramstream"]  # bit-identical training
+    assert losses["torch"][1] < losses["torch"][0]  # a task it learns
     assert "(OK;" in out
 
 
-@pytest.mark.parametrize("argv", [["demo", "--device", "tpu"], ["demo", "--steps", "0"],
-                                  ["bench", "--params", "0"], ["nope"]])
+@pytest.mark.parametrize(
+    "argv", [["demo", "--device", "tpu"], ["demo", "--steps", "0"], ["bench", "--params", "0"], ["nope"]]
+)
 def test_bad_arguments_exit_with_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -1,5 +1,6 @@
 """`ramstream doctor` and the no-GPU messages of info, demo and wrap(): checked against what this
 machine really has (the driver library, /proc/meminfo, the arena's budget, torch's AdamW)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -9,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
 import ramstream
 import ramstream.functional as F
-import torch
 from ramstream import doctor
 from ramstream.cli import main
 
@@ -34,13 +36,14 @@ def _doctor_json(capsys) -> tuple[int, dict]:
 def test_doctor_prints_one_line_per_check_and_exits_0_when_nothing_is_broken(capsys):
     rc = main(["doctor"])
     out = capsys.readouterr().out
-    lines = [ln.split() for ln in out.splitlines()[1:] if ln.split() and ln.split()[0] in
-             ("OK", "WARN", "FAIL")]
+    lines = [
+        ln.split() for ln in out.splitlines()[1:] if ln.split() and ln.split()[0] in ("OK", "WARN", "FAIL")
+    ]
     assert [ln[1] for ln in lines] == NAMES
     fails = [ln[1] for ln in lines if ln[0] == "FAIL"]
     assert rc == (1 if fails else 0)
-    assert not fails, out                         # nothing is broken on the CI machine
-    assert len(out.splitlines()) <= 25            # one screen
+    assert not fails, out  # nothing is broken on the CI machine
+    assert len(out.splitlines()) <= 25  # one screen
     # every WARN says what to do on the next line
     text = out.splitlines()
     for i, ln in enumerate(text):
@@ -68,12 +71,11 @@ def test_doctor_findings_match_the_machine(capsys, monkeypatch):
     assert c["adamw"]["status"] in ("OK", "WARN") and "bit-identical" in c["adamw"]["detail"]
     rate = float(c["adamw"]["detail"].split()[2])
     assert rate > 0
-    assert c["env"] == {"name": "env", "status": "OK", "detail": "no RAMSTREAM_* variables set",
-                        "fix": ""}
+    assert c["env"] == {"name": "env", "status": "OK", "detail": "no RAMSTREAM_* variables set", "fix": ""}
 
 
 def test_doctor_warns_about_unknown_and_lists_known_variables(capsys, monkeypatch):
-    monkeypatch.setenv("RAMSTREAM_NUM_THREAD", "4")           # a typo
+    monkeypatch.setenv("RAMSTREAM_NUM_THREAD", "4")  # a typo
     monkeypatch.setenv("RAMSTREAM_POOL_SPIN_US", "10")
     rc, c = _doctor_json(capsys)
     assert rc == 0
@@ -109,16 +111,26 @@ def test_a_check_that_raises_is_a_failure_naming_the_error(capsys, monkeypatch):
     assert "broken: boom" in out
 
 
-@pytest.mark.parametrize("env,want", [("RAMSTREAM_PIN_BUDGET=12x", ("pinned", "WARN")),
-                                      ("RAMSTREAM_FORCE_ISA=avx9", ("isa", "WARN")),
-                                      ("RAMSTREAM_FORCE_ISA=scalar", ("isa", "WARN"))])
+@pytest.mark.parametrize(
+    "env,want",
+    [
+        ("RAMSTREAM_PIN_BUDGET=12x", ("pinned", "WARN")),
+        ("RAMSTREAM_FORCE_ISA=avx9", ("isa", "WARN")),
+        ("RAMSTREAM_FORCE_ISA=scalar", ("isa", "WARN")),
+    ],
+)
 def test_bad_or_slow_settings_warn_in_a_fresh_process(env, want):
     k, v = env.split("=")
     if v == "scalar" and ramstream._native.lib().best_isa() == "scalar":
         pytest.skip("scalar is the best ISA here")
-    r = subprocess.run([sys.executable, "-m", "ramstream", "doctor", "--json"],
-                       env={**os.environ, k: v}, capture_output=True, text=True, timeout=300,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "ramstream", "doctor", "--json"],
+        env={**os.environ, k: v},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     c = {x["name"]: x for x in json.loads(r.stdout)}
     assert c[want[0]]["status"] == want[1] and c[want[0]]["fix"]
@@ -144,7 +156,7 @@ def test_cgroup_limit_reads_v2_and_v1_files(tmp_path, monkeypatch):
     assert doctor.cgroup_limit() == 8 << 30
     del files["/sys/fs/cgroup/memory.max"]
     files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = str(1 << 62)
-    assert doctor.cgroup_limit() is None                # v1's "unlimited"
+    assert doctor.cgroup_limit() is None  # v1's "unlimited"
     files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "1073741824"
     assert doctor.cgroup_limit() == 1 << 30
 

@@ -2,6 +2,7 @@
 optimizer.clip_grad_norm_, Accelerate's) are never silently wrong: they clip by the true global
 norm and return it, compared with torch's loop, or raise naming max_grad_norm=. Also step()
 before any backward."""
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,10 @@ import torch
 import ramstream
 import ramstream.engine.resident as resident_mod
 from ramstream import clipping
+
 from _models import batches, clone, make_model, max_diff
 
-clipping.install()          # torch's own functions stay in clipping._originals
+clipping.install()  # torch's own functions stay in clipping._originals
 
 LR = 3e-3
 
@@ -25,7 +27,7 @@ def _torch_run(model, data, k, max_norm):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     norms = []
     for i in range(0, len(data), k):
-        for x, y in data[i:i + k]:
+        for x, y in data[i : i + k]:
             model(x, y).backward()
         norms.append(clipping._originals["clip_grad_norm_"](model.parameters(), max_norm))
         opt.step()
@@ -36,7 +38,7 @@ def _torch_run(model, data, k, max_norm):
 def _wrapped_run(model, opt, data, k, clip):
     norms = []
     for i in range(0, len(data), k):
-        for x, y in data[i:i + k]:
+        for x, y in data[i : i + k]:
             model(x, y).backward()
         norms.append(clip(model, opt))
         opt.step()
@@ -48,7 +50,8 @@ def _wrapped_run(model, opt, data, k, clip):
 CLIPS = {
     "torch.nn.utils": lambda m, o, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n),
     "clip_grad module": lambda m, o, n: torch.nn.utils.clip_grad.clip_grad_norm_(
-        list(m.parameters()), max_norm=n, norm_type=2),
+        list(m.parameters()), max_norm=n, norm_type=2
+    ),
     "optimizer": lambda m, o, n: o.clip_grad_norm_(n),
 }
 
@@ -59,12 +62,27 @@ def roomy(monkeypatch):
 
 
 @pytest.mark.parametrize("how", list(CLIPS))
-@pytest.mark.parametrize("options", [
-    dict(max_grad_norm=0.5), dict(max_grad_norm=10.0), dict(eager_updates=False),
-    dict(eager_updates=False, accumulation_steps=2), dict(max_grad_norm=0.5, accumulation_steps=3),
-    dict(eager_updates=False, offload="auto"), dict(max_grad_norm=0.5, offload="auto")],
-    ids=["max_grad_norm", "max_grad_norm-replaced", "deferred", "deferred+accumulate",
-         "max_grad_norm+accumulate", "deferred+resident", "max_grad_norm+resident"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_grad_norm=0.5),
+        dict(max_grad_norm=10.0),
+        dict(eager_updates=False),
+        dict(eager_updates=False, accumulation_steps=2),
+        dict(max_grad_norm=0.5, accumulation_steps=3),
+        dict(eager_updates=False, offload="auto"),
+        dict(max_grad_norm=0.5, offload="auto"),
+    ],
+    ids=[
+        "max_grad_norm",
+        "max_grad_norm-replaced",
+        "deferred",
+        "deferred+accumulate",
+        "max_grad_norm+accumulate",
+        "deferred+resident",
+        "max_grad_norm+resident",
+    ],
+)
 def test_users_clip_call_equals_torchs_loop(how, options, roomy):
     """max_norm 0.5 clips (the norm is 2-4); the limit the call passes is the one applied."""
     k = options.get("accumulation_steps", 1)
@@ -72,14 +90,15 @@ def test_users_clip_call_equals_torchs_loop(how, options, roomy):
     base = make_model(0)
     ref = clone(base)
     ref_norms = _torch_run(ref, data, k, 0.5)
-    model, opt = ramstream.wrap(clone(base), lr=LR, device="cpu", bucket_bytes=1 << 14,
-                                **{"offload": True, **options})
+    model, opt = ramstream.wrap(
+        clone(base), lr=LR, device="cpu", bucket_bytes=1 << 14, **{"offload": True, **options}
+    )
     norms = _wrapped_run(model, opt, data, k, lambda m, o: CLIPS[how](m, o, 0.5))
     assert opt.resident == (options.get("offload") == "auto")
     for a, b in zip(norms, ref_norms):
         assert a.dtype == torch.float32 and a.shape == () and a.device == b.device
         assert math.isclose(float(a), float(b), rel_tol=1e-5)
-    assert min(float(n) for n in ref_norms) > 0.5           # every step was clipped
+    assert min(float(n) for n in ref_norms) > 0.5  # every step was clipped
     assert max_diff(ref, model) < 1e-6
 
 
@@ -89,16 +108,22 @@ def test_infinite_limit_measures_without_clipping():
     ref = clone(base)
     ref_norms = _torch_run(ref, data, 1, float("inf"))
     model, opt = ramstream.wrap(clone(base), lr=LR, device="cpu", eager_updates=False)
-    norms = _wrapped_run(model, opt, data, 1,
-                         lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), math.inf))
+    norms = _wrapped_run(
+        model, opt, data, 1, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), math.inf)
+    )
     assert all(math.isclose(float(a), float(b), rel_tol=1e-5) for a, b in zip(norms, ref_norms))
     assert max_diff(ref, model) < 1e-6
 
 
-@pytest.mark.parametrize("call", [
-    lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
-    lambda m, o: torch.nn.utils.clip_grad.clip_grad_norm_(m.parameters(), 1.0),
-    lambda m, o: o.clip_grad_norm_(1.0)], ids=["torch.nn.utils", "clip_grad", "optimizer"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
+        lambda m, o: torch.nn.utils.clip_grad.clip_grad_norm_(m.parameters(), 1.0),
+        lambda m, o: o.clip_grad_norm_(1.0),
+    ],
+    ids=["torch.nn.utils", "clip_grad", "optimizer"],
+)
 def test_eager_updates_without_max_grad_norm_raise(call):
     model, opt = ramstream.wrap(make_model(0), lr=LR, device="cpu")
     x, y = batches(1)[0]
@@ -118,7 +143,7 @@ def test_clip_grad_value_raises_naming_max_grad_norm(options):
 
 
 def test_plain_models_still_get_torchs_functions():
-    ramstream.wrap(make_model(1), lr=LR, device="cpu")        # the guard is installed
+    ramstream.wrap(make_model(1), lr=LR, device="cpu")  # the guard is installed
     assert torch.nn.utils.clip_grad_norm_ is clipping._guarded_norm
     a, b = make_model(0), make_model(0)
     x, y = batches(1)[0]
@@ -159,8 +184,7 @@ def test_nonfinite_norm_raises_when_asked():
 
 
 def test_a_backward_after_the_clip_call_is_refused_at_step():
-    model, opt = ramstream.wrap(make_model(0), lr=LR, device="cpu", accumulation_steps=2,
-                                eager_updates=False)
+    model, opt = ramstream.wrap(make_model(0), lr=LR, device="cpu", accumulation_steps=2, eager_updates=False)
     before = [m.clone() for m in opt.master_weights()]
     (x, y), (x2, y2) = batches(2)
     model(x, y).backward()
@@ -180,7 +204,7 @@ def test_called_twice_returns_the_same_norm_and_the_last_limit_applies():
     model, opt = ramstream.wrap(clone(base), lr=LR, device="cpu", max_grad_norm=5.0)
 
     def twice(m, o):
-        n = o.clip_grad_norm_(math.inf)                 # Trainer logs, then clips
+        n = o.clip_grad_norm_(math.inf)  # Trainer logs, then clips
         assert torch.equal(n, o.clip_grad_norm_(0.2))
         return n
 
@@ -196,8 +220,7 @@ def test_accelerate_routes_to_ramstream():
     ref = clone(base)
     ref_norms = _torch_run(ref, data, 1, 0.5)
     model, opt = ramstream.wrap(clone(base), lr=LR, device="cpu", max_grad_norm=0.5)
-    norms = _wrapped_run(model, opt, data, 1,
-                         lambda m, o: acc.clip_grad_norm_(m.parameters(), 0.5))
+    norms = _wrapped_run(model, opt, data, 1, lambda m, o: acc.clip_grad_norm_(m.parameters(), 0.5))
     assert all(math.isclose(float(a), float(b), rel_tol=1e-5) for a, b in zip(norms, ref_norms))
     assert max_diff(ref, model) < 1e-6
 
@@ -210,7 +233,7 @@ def test_step_before_any_backward_warns_once_and_changes_nothing(offload):
         opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        opt.step()                                    # once per optimizer
+        opt.step()  # once per optimizer
         x, y = batches(1)[0]
         model(x, y).backward()
         opt.step()
@@ -225,4 +248,4 @@ def test_no_warning_when_the_first_step_has_gradients():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         opt.step()
-        opt.step()                                    # no gradients now: torch is silent too
+        opt.step()  # no gradients now: torch is silent too

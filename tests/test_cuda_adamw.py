@@ -1,17 +1,24 @@
 """CUDA AdamW (ramstream.ops.cuda.adamw_) with device or pinned-host moments, against torch, the
 spec reference and the host kernel; offsets, misaligned views, bad input. @pytest.mark.cuda."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-import _spec_reference as ref
 from ramstream._native import lib
 from ramstream.ops import cuda as rc
-from _cuda_helpers import DTYPES, HYPER, _host, _same
+
+import _spec_reference as ref
 
 # dev is a fixture: pytest finds it here once imported
-from _cuda_helpers import dev  # noqa: F401
+from _cuda_helpers import (
+    DTYPES,
+    HYPER,
+    _host,
+    _same,
+    dev,  # noqa: F401
+)
 
 
 # ---- GPU: AdamW ---------------------------------------------------------------------------
@@ -39,8 +46,7 @@ def test_adamw_fp32_matches_torch_adamw_after_20_steps(dev, where):
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) for _ in range(20)]
     ref_p = p0.to(dev).requires_grad_(True)
-    opt = torch.optim.AdamW([ref_p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                            foreach=False)
+    opt = torch.optim.AdamW([ref_p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, foreach=False)
     p = torch.nn.Parameter(p0.to(dev))  # requires_grad: the wrapper must cope
     m, v = _moments(n, torch.float32, where, dev, zeros=True)
     for step, g in enumerate(grads, 1):
@@ -245,19 +251,24 @@ def test_adamw_bad_inputs(dev):
         rc.adamw_(p, g, m, v, step=1, lr=1e-3, out=torch.zeros(n))
     # the binding checks on its own too
     with pytest.raises(ValueError, match="exp_avg: host tensor is not pinned"):
-        lib().cuda_adamw_(p, g, unpinned, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, step=1)
+        lib().cuda_adamw_(
+            p, g, unpinned, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+        )
     with pytest.raises(ValueError, match="param: host tensor is not pinned"):
-        lib().cuda_adamw_(torch.zeros(n), g, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999,
-                          eps=1e-8, weight_decay=0.0, step=1)
+        lib().cuda_adamw_(
+            torch.zeros(n), g, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+        )
     with pytest.raises(ValueError, match="exp_avg_sq: has 63 elements"):
-        lib().cuda_adamw_(p, g, m, v[:63], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, step=1)
+        lib().cuda_adamw_(
+            p, g, m, v[:63], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+        )
     with pytest.raises(ValueError, match="lr must be a finite float"):
-        lib().cuda_adamw_(p, g, m, v, None, lr=float("nan"), beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, step=1)
+        lib().cuda_adamw_(
+            p, g, m, v, None, lr=float("nan"), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+        )
     with pytest.raises(TypeError, match="exp_avg_sq: expected dtype bfloat16"):
-        lib().cuda_adamw_(p, g, m.bfloat16(), v, None, lr=1e-3, beta1=0.9, beta2=0.999,
-                          eps=1e-8, weight_decay=0.0, step=1)
+        lib().cuda_adamw_(
+            p, g, m.bfloat16(), v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+        )
     # nothing was modified by the failed calls
     assert torch.count_nonzero(p).item() == 0 and torch.count_nonzero(m).item() == 0

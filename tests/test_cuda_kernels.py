@@ -2,6 +2,7 @@
 kernels, float64 and the spec references, and the argument checks and no-GPU behaviour of every
 kernel (AdamW on the GPU: test_cuda_adamw.py). GPU tests are @pytest.mark.cuda; the argument checks
 and the no-GPU behaviour run everywhere."""
+
 from __future__ import annotations
 
 import re
@@ -10,14 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-import _spec_reference as ref
 from ramstream._native import lib
 from ramstream.ops import _checks
 from ramstream.ops import cuda as rc
-from _cuda_helpers import DTYPES, HYPER, _host, _same
+
+import _spec_reference as ref
 
 # dev is a fixture: pytest finds it here once imported
-from _cuda_helpers import dev  # noqa: F401
+from _cuda_helpers import (
+    DTYPES,
+    HYPER,
+    _host,
+    _same,
+    dev,  # noqa: F401
+)
 
 # around the vector widths (8 NF4 / 16 int8 elements per unit, 4 AdamW elements) and a large odd one
 SIZES = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 100_003]
@@ -196,10 +203,14 @@ def test_dequantize_misaligned_views_use_the_scalar_path(dev, n):
     cbig[1:] = codes.to(dev)
     for dtype in DTYPES:
         # misaligned input (the wrapper allocates an aligned output)
-        _same(rc.dequantize_nf4(pbig[1:], absmax.to(dev), (n,), dtype, block),
-              ref.dequant_nf4(packed, absmax, n, block, dtype))
-        _same(rc.dequantize_int8(cbig[1:], absmax8.to(dev), (n,), dtype, block),
-              ref.dequant_int8(codes, absmax8, n, block, dtype))
+        _same(
+            rc.dequantize_nf4(pbig[1:], absmax.to(dev), (n,), dtype, block),
+            ref.dequant_nf4(packed, absmax, n, block, dtype),
+        )
+        _same(
+            rc.dequantize_int8(cbig[1:], absmax8.to(dev), (n,), dtype, block),
+            ref.dequant_int8(codes, absmax8, n, block, dtype),
+        )
         # misaligned output through the binding
         obig = torch.full((n + 1,), 7.0, dtype=dtype, device=dev)
         lib().cuda_dequantize_nf4(packed.to(dev), absmax.to(dev), obig[1:], block)
@@ -222,12 +233,17 @@ def test_dequantize_inf_absmax_and_empty(dev):
     codes, absmax8 = _random_int8(n, block, gen)
     absmax8[1] = float("inf")
     for dtype in DTYPES:
-        _same(rc.dequantize_nf4(packed.to(dev), absmax.to(dev), (n,), dtype, block),
-              ref.dequant_nf4(packed, absmax, n, block, dtype))
-        _same(rc.dequantize_int8(codes.to(dev), absmax8.to(dev), (n,), dtype, block),
-              ref.dequant_int8(codes, absmax8, n, block, dtype))
-        e = rc.dequantize_nf4(torch.empty(0, dtype=torch.uint8, device=dev),
-                              torch.empty(0, device=dev), (0, 3), dtype)
+        _same(
+            rc.dequantize_nf4(packed.to(dev), absmax.to(dev), (n,), dtype, block),
+            ref.dequant_nf4(packed, absmax, n, block, dtype),
+        )
+        _same(
+            rc.dequantize_int8(codes.to(dev), absmax8.to(dev), (n,), dtype, block),
+            ref.dequant_int8(codes, absmax8, n, block, dtype),
+        )
+        e = rc.dequantize_nf4(
+            torch.empty(0, dtype=torch.uint8, device=dev), torch.empty(0, device=dev), (0, 3), dtype
+        )
         assert e.shape == (0, 3) and e.dtype == dtype
 
 

@@ -1,6 +1,7 @@
 """The CUDA kernels' element numerics (cuda/src/numerics.cuh) compiled for the host and checked
 against the spec references and torch: runs without a GPU (needs the source tree and a C++17
 compiler; skipped otherwise)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -59,12 +60,38 @@ def shim(tmp_path_factory):
     so = d / "shim.so"
     # -ffp-contract=off: the host build of the header must not fuse (the device build uses _rn
     # intrinsics, which nvcc never fuses).
-    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC",
-                    f"-I{HEADER_DIR}", f"-I{CORE_INCLUDE}", str(d / "shim.cpp"), "-o", str(so)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-shared",
+            "-fPIC",
+            f"-I{HEADER_DIR}",
+            f"-I{CORE_INCLUDE}",
+            str(d / "shim.cpp"),
+            "-o",
+            str(so),
+        ],
+        check=True,
+    )
     lib = ctypes.CDLL(str(so))
     P, LL = ctypes.c_void_p, ctypes.c_longlong
-    lib.rs_adamw.argtypes = [P, P, P, P, LL, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                             ctypes.c_double, ctypes.c_double, LL, ctypes.c_float]
+    lib.rs_adamw.argtypes = [
+        P,
+        P,
+        P,
+        P,
+        LL,
+        ctypes.c_double,
+        ctypes.c_double,
+        ctypes.c_double,
+        ctypes.c_double,
+        ctypes.c_double,
+        LL,
+        ctypes.c_float,
+    ]
     lib.rs_sr_bits.argtypes = [ctypes.c_ulonglong, LL, P, LL, ctypes.c_uint, P]
     lib.rs_bf16.argtypes = [P, P, LL, ctypes.c_int, P]
     lib.rs_nf4_table.argtypes = [P]
@@ -94,9 +121,20 @@ def test_adamw_math_equals_spec_reference(shim, hyper, n):
     for step in (1, 2, 7):
         g = torch.randn(n, generator=gen)
         want = ref.adamw_step(p.numpy(), g.numpy(), m.numpy(), v.numpy(), step=step, **hyper)
-        shim.rs_adamw(_ptr(p), _ptr(g), _ptr(m), _ptr(v), n, hyper["lr"], hyper["beta1"],
-                      hyper["beta2"], hyper["eps"], hyper["weight_decay"], step,
-                      hyper["grad_scale"])
+        shim.rs_adamw(
+            _ptr(p),
+            _ptr(g),
+            _ptr(m),
+            _ptr(v),
+            n,
+            hyper["lr"],
+            hyper["beta1"],
+            hyper["beta2"],
+            hyper["eps"],
+            hyper["weight_decay"],
+            step,
+            hyper["grad_scale"],
+        )
         for got, exp in zip((p, m, v), want):
             np.testing.assert_array_equal(got.numpy().view(np.int32), exp.view(np.int32))
 
@@ -126,10 +164,17 @@ def test_adamw_math_close_to_torch(shim):
 
 
 def test_sr_bits_equal_spec_reference(shim):
-    idx = torch.cat([torch.arange(0, 5000), torch.tensor([2**32 - 1, 2**32, 2**32 + 7, 2**40 + 3, 2**62 + 11])])
+    idx = torch.cat(
+        [torch.arange(0, 5000), torch.tensor([2**32 - 1, 2**32, 2**32 + 7, 2**40 + 3, 2**62 + 11])]
+    )
     out = torch.empty(idx.numel(), dtype=torch.int32)
-    for seed, step, moment in [(0, 1, 0), (0, 1, 1), (12345, 77, 0), (2**63 + 5, 2**31 + 9, 1),
-                               (2**64 - 1, 1, 0)]:
+    for seed, step, moment in [
+        (0, 1, 0),
+        (0, 1, 1),
+        (12345, 77, 0),
+        (2**63 + 5, 2**31 + 9, 1),
+        (2**64 - 1, 1, 0),
+    ]:
         shim.rs_sr_bits(seed, step, _ptr(idx), idx.numel(), moment, _ptr(out))
         got = out.to(torch.int64) & ref.M32
         torch.testing.assert_close(got, ref.sr_bits(seed, step, idx, moment), rtol=0, atol=0)
@@ -142,8 +187,23 @@ def _special_floats() -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     bits = torch.randint(-(2**31), 2**31 - 1, (20000,), generator=gen, dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32)
-    extra = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-40,
-                          3.3895314e38, 3.4028235e38, -3.4028235e38, 1.0, 1.00390625, 1.005859375])
+    extra = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            1e-45,
+            -1e-40,
+            3.3895314e38,
+            3.4028235e38,
+            -3.4028235e38,
+            1.0,
+            1.00390625,
+            1.005859375,
+        ]
+    )
     return torch.cat([x, extra]).contiguous()
 
 
@@ -154,8 +214,7 @@ def test_bf16_rne_equals_rule1_and_torch(shim):
     got = out.to(torch.int64) & 0xFFFF
     torch.testing.assert_close(got, ref.bf16_rne_bits(x), rtol=0, atol=0)
     finite = ~torch.isnan(x)
-    torch.testing.assert_close(out.view(torch.bfloat16)[finite], x[finite].to(torch.bfloat16),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(out.view(torch.bfloat16)[finite], x[finite].to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_bf16_stochastic_rounding_equals_rule2(shim):

@@ -1,4 +1,5 @@
 """Every wrap() option and every public name is documented in the README."""
+
 from __future__ import annotations
 
 import ast
@@ -65,8 +66,11 @@ def test_options_table_defaults_equal_wrap_options():
     defaults = {f.name: f.default for f in fields(WrapOptions) if not f.name.startswith("_")}
     defaults["optimizer"] = inspect.signature(ramstream.wrap).parameters["optimizer"].default
     assert set(rows) == set(defaults), "options table rows differ from wrap()'s options"
-    wrong = {n: (rows[n], d) for n, d in defaults.items()
-             if _literal(rows[n]) != d or type(_literal(rows[n])) is not type(d)}
+    wrong = {
+        n: (rows[n], d)
+        for n, d in defaults.items()
+        if _literal(rows[n]) != d or type(_literal(rows[n])) is not type(d)
+    }
     assert not wrong, f"README default != WrapOptions default: {wrong}"
 
 
@@ -81,8 +85,11 @@ def test_offload_adamw_signature_in_readme_equals_the_code():
         name, value = part.split("=", 1)
         shown[name.strip()] = _literal(f"`{value.strip()}`")
     sig = inspect.signature(ramstream.OffloadAdamW.__init__)
-    code = {n: p.default for n, p in sig.parameters.items()
-            if n not in ("self", "params") and not n.startswith("_")}
+    code = {
+        n: p.default
+        for n, p in sig.parameters.items()
+        if n not in ("self", "params") and not n.startswith("_")
+    }
     assert shown == code
 
 

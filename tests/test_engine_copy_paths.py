@@ -7,6 +7,7 @@ writes the device buffer directly), so without this device CI never runs it.
 The fake landing buffer starts as NaN, as pinned_empty() memory holds whatever was there; the
 same model tests run on a GPU (marked cuda) with the real landing buffers filled with NaN.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,6 +22,7 @@ import ramstream.engine.core as core
 import ramstream.engine.updater as updater
 from ramstream.engine.devices import CpuDevice
 from ramstream.engine.host_jobs import Piece, update
+
 from _models import Boom as _Boom
 
 
@@ -56,11 +58,11 @@ class Gated(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.a = nn.Linear(8, 8)
-        self.g = Scale(8)          # a submodule: its parameter comes after a's, before c's
+        self.g = Scale(8)  # a submodule: its parameter comes after a's, before c's
         self.c = nn.Linear(8, 4)
 
     def forward(self, inp, use_x: bool):
-        h = self.a(_Boom.apply(inp))     # raises (when armed) after every gradient arrived
+        h = self.a(_Boom.apply(inp))  # raises (when armed) after every gradient arrived
         if use_x:
             h = h * self.g.x
         return self.c(h).square().mean()
@@ -83,12 +85,17 @@ def _reference(uses, device):
 
 def _wrapped(device, **kw):
     model = Gated().to(device)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2,
-                                                         weight_decay=0.1),
-                                device=device, offload=True, bucket_bytes=1 << 16, **kw)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        device=device,
+        offload=True,
+        bucket_bytes=1 << 16,
+        **kw,
+    )
     (b,) = opt._engine.buckets
     assert b.placement == "host" and b.landing.data_ptr() != b.device_flat.data_ptr()
-    b.landing.fill_(float("nan"))     # what an unwritten pinned buffer may hold
+    b.landing.fill_(float("nan"))  # what an unwritten pinned buffer may hold
     return model, opt
 
 
@@ -140,7 +147,7 @@ def test_abandoned_backward_leaves_no_gradient_in_the_weights(dev):
             model(data[1].requires_grad_(), True).backward()
     finally:
         _Boom.armed = False
-    opt.zero_grad()                              # discards the failed pass
+    opt.zero_grad()  # discards the failed pass
     model(data[2], False).backward()
     opt.step()
     opt.synchronize()
@@ -177,8 +184,7 @@ def test_update_ranges_merge_padding_only():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     from ramstream.engine.buckets import Slot, build_buckets
 
-    slots = [Slot(param=p, index=i, group=0, numel=p.numel())
-             for i, p in enumerate(model.parameters())]
+    slots = [Slot(param=p, index=i, group=0, numel=p.numel()) for i, p in enumerate(model.parameters())]
     (b,) = build_buckets(slots, 1 << 16, 4)
     b.master = torch.zeros(b.numel)
     b.exp_avg, b.exp_avg_sq = torch.zeros(b.numel), torch.zeros(b.numel)
@@ -189,12 +195,10 @@ def test_update_ranges_merge_padding_only():
     hyper = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)]
     out = torch.zeros(b.numel)
     s = sorted(b.slots, key=lambda s: s.offset)
-    all_ranges = update(b, [Piece(x.offset, x.numel, 0, 1, True) for x in s], hyper, 1.0,
-                        False, out, 0)
+    all_ranges = update(b, [Piece(x.offset, x.numel, 0, 1, True) for x in s], hyper, 1.0, False, out, 0)
     assert all_ranges == [(s[0].offset, s[-1].offset + s[-1].numel - s[0].offset)]
     skip = [x for i, x in enumerate(s) if i != 1]
-    ranges = update(b, [Piece(x.offset, x.numel, 0, 1, True) for x in skip], hyper, 1.0,
-                    False, out, 0)
+    ranges = update(b, [Piece(x.offset, x.numel, 0, 1, True) for x in skip], hyper, 1.0, False, out, 0)
     covered = set()
     for a, n in ranges:
         covered.update(range(a, a + n))
@@ -215,8 +219,7 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(single_rank_group,
-                                                                          monkeypatch):
+def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(single_rank_group, monkeypatch):
     """Data parallel: a bucket none of whose parameters got a gradient on this rank is still
     flushed (zeros) into the owner's landing buffer at the end of backward; that must wait for
     the bucket's previous update job, which reads the landing buffer as its gradient (and, on
@@ -227,7 +230,7 @@ def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(singl
     def slow_update(b, pieces, *args):
         if b.index == 1:
             started.set()
-            time.sleep(0.3)     # the next backward runs meanwhile
+            time.sleep(0.3)  # the next backward runs meanwhile
         return real(b, pieces, *args)
 
     monkeypatch.setattr(updater, "update", slow_update)
@@ -254,15 +257,21 @@ def test_data_parallel_flush_of_an_unused_bucket_waits_for_the_last_update(singl
     ref.b.weight.grad, ref.b.bias.grad = torch.zeros(64, 64), torch.zeros(64)  # as DP counts it
     ropt.step()
     model = Two()
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                device="cpu", offload=True, distributed=True,
-                                bucket_bytes=64 * 65 * 4, guard_params=False,
-                                eager_updates=False)   # step() queues a's update, then b's
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        offload=True,
+        distributed=True,
+        bucket_bytes=64 * 65 * 4,
+        guard_params=False,
+        eager_updates=False,
+    )  # step() queues a's update, then b's
     assert [len(b.slots) for b in opt._engine.buckets] == [2, 2]
     model(inp[0], True).backward()
-    opt.step()                            # b's update job starts after a's, sleeps
+    opt.step()  # b's update job starts after a's, sleeps
     assert started.wait(5)
-    model(inp[1], False).backward()       # b unused: a zero flush into b's landing buffer
+    model(inp[1], False).backward()  # b unused: a zero flush into b's landing buffer
     opt.step()
     opt.synchronize()
     for p, q in zip(opt.master_weights(), ref.parameters()):

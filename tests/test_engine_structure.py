@@ -1,22 +1,28 @@
 """The engine's composition (docs/architecture.md): parts that own their state and do not hold the
 Engine, and data parallel as a strategy with the single-process strategy's interface, so that the
 intake and the updater follow whatever strategy they are given."""
+
 from __future__ import annotations
 
 import inspect
 
 import pytest
-import ramstream
 import torch
-from _models import batches, clone, make_model, max_diff, train_torch
+
+import ramstream
 from ramstream.engine import core
 from ramstream.engine.distributed import DataParallel
 from ramstream.engine.parallel import SingleProcess
 
+from _models import batches, clone, make_model, max_diff, train_torch
+
 
 def _interface(cls) -> dict:
-    return {n: list(inspect.signature(f).parameters) for n, f in vars(cls).items()
-            if callable(f) and not n.startswith("_")}
+    return {
+        n: list(inspect.signature(f).parameters)
+        for n, f in vars(cls).items()
+        if callable(f) and not n.startswith("_")
+    }
 
 
 def test_data_parallel_has_the_single_process_interface():
@@ -78,10 +84,16 @@ def test_the_engine_follows_its_strategy(monkeypatch, kw):
     data = batches(3 * k)
     model = make_model(0)
     ref = clone(model)
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False), data,
-                accumulation=k, max_grad_norm=kw.get("max_grad_norm"))
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                bucket_bytes=16 << 10, **kw)
+    train_torch(
+        ref,
+        torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False),
+        data,
+        accumulation=k,
+        max_grad_norm=kw.get("max_grad_norm"),
+    )
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), bucket_bytes=16 << 10, **kw
+    )
     (strategy,) = made
     n = len(opt._engine.buckets)
     assert n >= 3

@@ -3,6 +3,7 @@ and memory: test_functional_fuzz_{quant,memory}.py): wrong types, every dtype, e
 aliasing, bad hyper-parameters, sizes and devices. Each case
 either works (checked against a torch/float64 reference) or raises ValueError/TypeError/MemoryError
 naming the function and the argument, leaving in-place arguments untouched."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,19 @@ import torch
 
 import ramstream.functional as F
 
-ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+ALL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+]
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 BAD_OBJECTS = [None, [1.0, 2.0], np.zeros(12, np.float32), 3]
 N = 12
@@ -40,8 +52,12 @@ def layout(x, kind):
 
 def state(n=N):
     g = torch.Generator().manual_seed(0)
-    return dict(param=torch.randn(n, generator=g), grad=torch.randn(n, generator=g),
-                exp_avg=torch.randn(n, generator=g) * 0.1, exp_avg_sq=torch.rand(n, generator=g) * 0.01)
+    return dict(
+        param=torch.randn(n, generator=g),
+        grad=torch.randn(n, generator=g),
+        exp_avg=torch.randn(n, generator=g) * 0.1,
+        exp_avg_sq=torch.rand(n, generator=g) * 0.01,
+    )
 
 
 def clone(s):
@@ -96,8 +112,12 @@ def test_adamw_dtypes(name, dtype):
         out = torch.zeros(N, dtype=dtype)
     for k in {"moments": ("exp_avg", "exp_avg_sq"), "out": ()}.get(name, (name,)):
         s[k] = s[k].to(dtype)
-    accepted = {"param": (torch.float32,), "grad": FLOATS, "out": FLOATS,
-                "moments": (torch.float32, torch.bfloat16)}[name]
+    accepted = {
+        "param": (torch.float32,),
+        "grad": FLOATS,
+        "out": FLOATS,
+        "moments": (torch.float32, torch.bfloat16),
+    }[name]
     if dtype in accepted:
         run_adamw(s, out)
     else:
@@ -123,17 +143,30 @@ def test_adamw_sizes_and_storage_offset(n):
     s = {k: v.reshape(()) for k, v in state(1).items()}  # 0-d
     run_adamw(s)
     base = {k: torch.full((n + 9,), 7.0) for k in s}
-    s = {k: base[k][5:5 + n].copy_(v) for k, v in state(n).items()}
+    s = {k: base[k][5 : 5 + n].copy_(v) for k, v in state(n).items()}
     run_adamw(s)
     for b in base.values():
-        assert bool((b[:5] == 7).all() and (b[5 + n:] == 7).all()), "wrote outside the view"
+        assert bool((b[:5] == 7).all() and (b[5 + n :] == 7).all()), "wrote outside the view"
     rejects(ValueError, "grad", {**state(), "grad": torch.ones(N - 1)})
-    raises(ValueError, "adamw_", "exp_avg_sq", lambda: F.adamw_(
-        *{**state(), "exp_avg_sq": torch.ones(N, device="meta")}.values(), **HYPER))
+    raises(
+        ValueError,
+        "adamw_",
+        "exp_avg_sq",
+        lambda: F.adamw_(*{**state(), "exp_avg_sq": torch.ones(N, device="meta")}.values(), **HYPER),
+    )
 
 
-@pytest.mark.parametrize("alias", [("param", "grad"), ("exp_avg", "exp_avg_sq"), ("param", "exp_avg"),
-                                   ("out", "param"), ("out", "exp_avg_sq"), "views"])
+@pytest.mark.parametrize(
+    "alias",
+    [
+        ("param", "grad"),
+        ("exp_avg", "exp_avg_sq"),
+        ("param", "exp_avg"),
+        ("out", "param"),
+        ("out", "exp_avg_sq"),
+        "views",
+    ],
+)
 def test_adamw_aliasing(alias):
     s, out = state(), None
     if alias == "views":
@@ -151,33 +184,71 @@ def test_adamw_aliasing(alias):
     run_adamw(s, out=s["grad"])
 
 
-@pytest.mark.parametrize("kw,exc", [
-    *[({k: v}, ValueError) for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
-      for v in (float("nan"), float("inf"), -float("inf"))],
-    *[({k: v}, ValueError) for k, v in (("lr", -1e-3), ("beta1", 1.0), ("beta1", -0.1),
-                                       ("beta2", 1.0), ("eps", 0.0), ("eps", -1e-8),
-                                       ("weight_decay", -1.0), ("grad_scale", 1e39),
-                                       ("step", 0), ("step", -1), ("step", 2**63), ("seed", -1),
-                                       ("seed", 2**64))],
-    *[({k: v}, TypeError) for k in ("lr", "eps", "grad_scale", "step", "seed")
-      for v in (None, "1", [1], True)],
-    ({"step": 1.0}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kw,exc",
+    [
+        *[
+            ({k: v}, ValueError)
+            for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
+            for v in (float("nan"), float("inf"), -float("inf"))
+        ],
+        *[
+            ({k: v}, ValueError)
+            for k, v in (
+                ("lr", -1e-3),
+                ("beta1", 1.0),
+                ("beta1", -0.1),
+                ("beta2", 1.0),
+                ("eps", 0.0),
+                ("eps", -1e-8),
+                ("weight_decay", -1.0),
+                ("grad_scale", 1e39),
+                ("step", 0),
+                ("step", -1),
+                ("step", 2**63),
+                ("seed", -1),
+                ("seed", 2**64),
+            )
+        ],
+        *[
+            ({k: v}, TypeError)
+            for k in ("lr", "eps", "grad_scale", "step", "seed")
+            for v in (None, "1", [1], True)
+        ],
+        ({"step": 1.0}, TypeError),
+    ],
+)
 def test_adamw_bad_hyper_parameters(kw, exc):
     rejects(exc, next(iter(kw)), state(), **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(lr=1e300), dict(eps=1e300), dict(eps=1e-300), dict(lr=0.0),
-                                dict(weight_decay=1e300), dict(beta1=0.0, beta2=0.0),
-                                dict(grad_scale=-3e38), dict(grad_scale=0.0),
-                                dict(step=np.int64(1), lr=np.float32(0.5))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=1e300),
+        dict(eps=1e300),
+        dict(eps=1e-300),
+        dict(lr=0.0),
+        dict(weight_decay=1e300),
+        dict(beta1=0.0, beta2=0.0),
+        dict(grad_scale=-3e38),
+        dict(grad_scale=0.0),
+        dict(step=np.int64(1), lr=np.float32(0.5)),
+    ],
+)
 def test_adamw_extreme_hyper_parameters_match_torch(kw):
     """Finite extremes are accepted and give torch.optim.AdamW(fused=True)'s answer (infs, NaNs)."""
     h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, grad_scale=1.0) | kw
     s = state(37)
     ref = s["param"].clone().requires_grad_()
-    opt = torch.optim.AdamW([ref], lr=float(h["lr"]), betas=(h["beta1"], h["beta2"]), eps=h["eps"],
-                            weight_decay=h["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [ref],
+        lr=float(h["lr"]),
+        betas=(h["beta1"], h["beta2"]),
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        fused=True,
+    )
     ref.grad = s["grad"] * np.float32(h["grad_scale"])
     opt.step()
     m, v = torch.zeros(37), torch.zeros(37)
@@ -198,7 +269,7 @@ def test_in_place_ops_on_requires_grad_leaves_bump_the_version():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     dst = torch.ones(N, requires_grad=True)
-    loss = (dst ** 2).sum()
+    loss = (dst**2).sum()
     F.accumulate_(dst, torch.ones(N))
     assert torch.equal(dst.detach(), torch.full((N,), 2.0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -206,6 +277,7 @@ def test_in_place_ops_on_requires_grad_leaves_bump_the_version():
 
 
 # ---- sq_norm and accumulate_ ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["contiguous", "0-d", "empty", *LAYOUTS])
@@ -243,5 +315,7 @@ def test_accumulate_aliasing_sizes_devices():
     F.accumulate_(buf, buf)  # exactly the same memory: dst = 2 * dst, element by element
     assert torch.equal(buf, 2 * before)
     raises(ValueError, "accumulate_", "src", lambda: F.accumulate_(torch.ones(N), torch.ones(N + 1)))
-    raises(ValueError, "accumulate_", "src", lambda: F.accumulate_(torch.ones(N), torch.ones(N, device="meta")))
+    raises(
+        ValueError, "accumulate_", "src", lambda: F.accumulate_(torch.ones(N), torch.ones(N, device="meta"))
+    )
     raises(ValueError, "sq_norm", "tensor", lambda: F.sq_norm(torch.ones(N, device="meta")))

@@ -1,6 +1,7 @@
 """Bad input for ramstream.functional's pinned host memory functions (the kernels are in
 test_functional_fuzz.py): shapes, dtypes, huge sizes, budgets, registration. Each case works or
 raises ValueError/TypeError/MemoryError naming the function and the argument."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,8 @@ import torch
 import ramstream.functional as F
 from test_functional_fuzz import ALL_DTYPES, BAD_OBJECTS, raises
 
-
 # ---- pinned host memory -----------------------------------------------------------------------
+
 
 @pytest.fixture
 def keep_budget():
@@ -25,8 +26,13 @@ def test_pinned_empty_dtypes_and_shapes(dtype):
     if dtype == torch.complex64:
         raises(TypeError, "pinned_empty", "dtype", lambda: F.pinned_empty(3, dtype))
         return
-    for shape, want in ((np.int64(3), (3,)), (torch.Size([2, 0]), (2, 0)), ((), ()),
-                        (torch.tensor(4), (4,)), ([np.int32(2), 3], (2, 3))):
+    for shape, want in (
+        (np.int64(3), (3,)),
+        (torch.Size([2, 0]), (2, 0)),
+        ((), ()),
+        (torch.tensor(4), (4,)),
+        ([np.int32(2), 3], (2, 3)),
+    ):
         t = F.pinned_empty(shape, dtype)
         assert t.shape == want and t.dtype == dtype and t.is_contiguous()
     for bad in (None, -1, (2, -1), 2.5, "3", torch.tensor(2.5), (True,), [[2]]):
@@ -35,14 +41,23 @@ def test_pinned_empty_dtypes_and_shapes(dtype):
         raises(TypeError, "pinned_empty", "dtype", lambda: F.pinned_empty(3, bad))
 
 
-@pytest.mark.parametrize("shape,dtype", [(2**62, torch.uint8), (2**62, torch.float32),
-                                         (2**63, torch.uint8), ((2**31, 2**31, 8), torch.float64),
-                                         ((2**40, 0, 2**40), torch.float64)])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        (2**62, torch.uint8),
+        (2**62, torch.float32),
+        (2**63, torch.uint8),
+        ((2**31, 2**31, 8), torch.float64),
+        ((2**40, 0, 2**40), torch.float64),
+    ],
+)
 def test_pinned_empty_huge_is_memory_error_with_arithmetic(shape, dtype):
     if 0 in (shape if isinstance(shape, tuple) else (shape,)):
         assert F.pinned_empty(shape, dtype).numel() == 0
         return
-    with pytest.raises(MemoryError, match=r"pinned_empty: shape .* needs \d+ elements x \d bytes = \d+ bytes"):
+    with pytest.raises(
+        MemoryError, match=r"pinned_empty: shape .* needs \d+ elements x \d bytes = \d+ bytes"
+    ):
         F.pinned_empty(shape, dtype)
 
 

@@ -1,6 +1,7 @@
 """Bad input for ramstream.functional's NF4/int8 quantization (see test_functional_fuzz.py): block
 sizes, dtypes, layouts, wrong types, shapes inconsistent with the packed data. Each case works
 (checked against an independent reference) or raises ValueError/TypeError naming the argument."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 import ramstream.functional as F
-from _quant_helpers import NF4_CODE
-from test_functional_fuzz import ALL_DTYPES, BAD_OBJECTS, FLOATS, N, layout, LAYOUTS, raises
+from test_functional_fuzz import ALL_DTYPES, BAD_OBJECTS, FLOATS, LAYOUTS, N, layout, raises
 
+from _quant_helpers import NF4_CODE
 
 # ---- quantization -----------------------------------------------------------------------------
+
 
 def check_quant(x, block_size, nf4):
     q, absmax = (F.quantize_nf4 if nf4 else F.quantize_int8)(x, block_size=block_size)
@@ -72,7 +74,12 @@ def test_quant_dtypes_layouts_types(dtype, nf4):
         raises(TypeError, "dequantize_" + op, "absmax", lambda: dfn(q, bad, N, block_size=4))
     big = torch.randn(2 * N)
     q2, a2 = qfn(big, 4)
-    raises(ValueError, "dequantize_" + op, name, lambda: dfn(q2[::2] if not nf4 else q2.reshape(2, -1).t(), a2, N, block_size=4))
+    raises(
+        ValueError,
+        "dequantize_" + op,
+        name,
+        lambda: dfn(q2[::2] if not nf4 else q2.reshape(2, -1).t(), a2, N, block_size=4),
+    )
     raises(ValueError, "dequantize_" + op, "absmax", lambda: dfn(q, a2[::2], N, block_size=4))
     raises(ValueError, "quantize_" + op, "x", lambda: qfn(torch.ones(4, device="meta")))
 

@@ -1,5 +1,6 @@
 """chunked_cross_entropy / causal_lm_loss against dense F.cross_entropy(F.linear(...)): values,
 gradients, autocast, Hugging Face's shift and num_items_in_batch, validation, peak memory."""
+
 from __future__ import annotations
 
 import weakref
@@ -102,7 +103,7 @@ def test_all_targets_ignored_matches_dense():
 def test_frozen_head_non_contiguous_hidden_and_no_grad():
     h, w, b, t = _inputs(lead=(40, 3))
     w.requires_grad_(False)
-    ht = h.transpose(0, 1)                     # [3, 40, d], non-contiguous
+    ht = h.transpose(0, 1)  # [3, 40, d], non-contiguous
     tt = t.t()
     loss = chunked_cross_entropy(ht, w, tt, b, chunk_size=16)
     ref = _dense(ht, w, b, tt)
@@ -117,7 +118,7 @@ def test_bf16_autocast_within_2e_2():
     t[::5] = -100
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = chunked_cross_entropy(h, w, t, b, chunk_size=128)
-        ref = _dense(h, w, b, t)               # F.linear in bf16, loss in fp32
+        ref = _dense(h, w, b, t)  # F.linear in bf16, loss in fp32
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref.item()) <= 2e-2 * abs(ref.item())
     g = torch.autograd.grad(loss, [h, w, b])
@@ -165,8 +166,7 @@ def test_causal_lm_loss_equals_hugging_face_shift(num_items):
     _check_fp32(loss, ref, [h, w])
     # the textbook shift (drop the last position, labels from 1) is the same loss
     if num_items is None:
-        alt = F.cross_entropy(F.linear(h[:, :-1], w).reshape(-1, w.shape[0]),
-                              labels[:, 1:].reshape(-1))
+        alt = F.cross_entropy(F.linear(h[:, :-1], w).reshape(-1, w.shape[0]), labels[:, 1:].reshape(-1))
         assert abs(loss.item() - alt.item()) <= 1e-5 * alt.item()
 
 
@@ -226,8 +226,9 @@ class LiveBytes(TorchDispatchMode):
         self._seen.pop(ptr, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
@@ -258,12 +259,12 @@ def _peak(fn, *args, autocast=False, **kw):
 def test_live_bytes_tracker_counts_what_it_should():
     a = torch.randn(1000)
     with LiveBytes() as m:
-        v = a.t()[10:]                     # views: nothing new
-        a.mul_(2)                          # in place: nothing new
-        b = a * 2                          # 4000 bytes
-        c = b.view(10, 100)                # view of a new storage: counted once
+        v = a.t()[10:]  # views: nothing new
+        a.mul_(2)  # in place: nothing new
+        b = a * 2  # 4000 bytes
+        c = b.view(10, 100)  # view of a new storage: counted once
         del b, c
-        d = torch.empty(250)               # 1000 bytes, after b died
+        d = torch.empty(250)  # 1000 bytes, after b died
     assert m.peak == 4000 and m.live == 1000 and m.largest == 4000
     del d, v
     assert m.live == 0
@@ -284,6 +285,6 @@ def test_peak_memory_below_a_quarter_of_dense_cpu(autocast):
         else:
             assert _rel_max(x.grad, r) <= 1e-5
     logits = n * v * 4
-    assert dense.largest >= logits and dense.peak >= 2 * logits   # the tracker sees the logits
+    assert dense.largest >= logits and dense.peak >= 2 * logits  # the tracker sees the logits
     assert chunked.largest < logits / 4
     assert chunked.peak < dense.peak / 4, (chunked.peak, dense.peak)

@@ -1,6 +1,7 @@
 """chunked_cross_entropy edge cases against dense F.cross_entropy(F.linear(...)): a head tied with
 the embedding, float64 (gradcheck), inputs that need no gradient, ignored targets with num_items,
 scaled and repeated backward, out-of-range targets, double backward, num_items on another device."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,8 +48,8 @@ def test_head_tied_with_the_embedding_adds_both_gradients():
     _close(mix.weight.grad, ref_mix.weight.grad, 1e-5)
     # both paths contributed: the embedding rows used as inputs and every row as the head
     only_head = torch.autograd.grad(
-        chunked_cross_entropy(torch.tanh(mix(emb(idx))).detach(), emb.weight, tgt,
-                              chunk_size=8), emb.weight)[0]
+        chunked_cross_entropy(torch.tanh(mix(emb(idx))).detach(), emb.weight, tgt, chunk_size=8), emb.weight
+    )[0]
     assert not torch.equal(only_head, emb.weight.grad)
 
 
@@ -63,10 +64,12 @@ def test_float64_inputs_compute_in_float64(chunk):
     for a, r in zip(torch.autograd.grad(loss, [h, w, b]), torch.autograd.grad(ref, [h, w, b])):
         _close(a, r, 1e-12)
     assert torch.autograd.gradcheck(
-        lambda h, w, b: chunked_cross_entropy(h, w, t, b, chunk_size=chunk), (h, w, b))
+        lambda h, w, b: chunked_cross_entropy(h, w, t, b, chunk_size=chunk), (h, w, b)
+    )
     s = chunked_cross_entropy(h, w, t, b, chunk_size=chunk, reduction="sum", num_items=None)
     assert torch.autograd.gradcheck(
-        lambda h, w: chunked_cross_entropy(h, w, t, chunk_size=chunk, num_items=4.0), (h, w))
+        lambda h, w: chunked_cross_entropy(h, w, t, chunk_size=chunk, num_items=4.0), (h, w)
+    )
     assert s.dtype == torch.float64
 
 
@@ -111,7 +114,7 @@ def test_all_targets_ignored_with_num_items_and_empty_rows():
     assert loss.item() == ref.item() == 0.0
     for a, r in zip(torch.autograd.grad(loss, [h, w, b]), torch.autograd.grad(ref, [h, w, b])):
         assert torch.equal(a, r)
-    h0, t0 = h[:0], t[:0]                     # no rows at all: sum is 0, mean nan (like torch)
+    h0, t0 = h[:0], t[:0]  # no rows at all: sum is 0, mean nan (like torch)
     assert chunked_cross_entropy(h0, w, t0, b, reduction="sum").item() == 0.0
     assert torch.isnan(chunked_cross_entropy(h0, w, t0, b)) and torch.isnan(_dense(h0, w, b, t0))
 
@@ -122,10 +125,11 @@ def test_scaled_combined_and_retained_backward(chunk):
     graph: gradients accumulate to twice the float64 reference's."""
     h, w, b, t = _inputs()
     t[::4] = -100
-    total = 3 * chunked_cross_entropy(h, w, t, b, chunk_size=chunk) \
-        + 0.5 * chunked_cross_entropy(h, w, t, b, chunk_size=chunk, reduction="sum")
+    total = 3 * chunked_cross_entropy(h, w, t, b, chunk_size=chunk) + 0.5 * chunked_cross_entropy(
+        h, w, t, b, chunk_size=chunk, reduction="sum"
+    )
     total.backward(retain_graph=True)
-    total.backward()                                   # accumulates twice
+    total.backward()  # accumulates twice
     ref_mean, leaves = _dense64(h, w, b, t)
     ref_sum = F.cross_entropy(F.linear(*leaves), t, reduction="sum")
     ref = 3 * ref_mean + 0.5 * ref_sum
@@ -158,7 +162,7 @@ def test_double_backward_is_a_clear_error_not_a_missing_term():
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         torch.autograd.grad(gw.sum(), [w])
     loss = chunked_cross_entropy(h, w, t, b)
-    loss.backward(create_graph=True)                   # create_graph alone does not raise
+    loss.backward(create_graph=True)  # create_graph alone does not raise
     assert h.grad is not None and w.grad is not None
 
 

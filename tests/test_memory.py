@@ -1,5 +1,6 @@
 """Tests of the pinned host arena: tensors, reuse, fallback bookkeeping, registration,
 concurrency (the budget: test_memory_budget.py; GPU copies: test_memory_cuda.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -14,10 +15,16 @@ import ramstream
 from ramstream import functional as F
 from ramstream._native import lib
 from ramstream.ops import memory as mem
-from _memory_helpers import ALL_DTYPES, MiB, pinning, random_like, stats
 
 # restore_budget is a fixture: pytest finds it here once imported
-from _memory_helpers import restore_budget  # noqa: F401
+from _memory_helpers import (
+    ALL_DTYPES,
+    MiB,
+    pinning,
+    random_like,
+    restore_budget,  # noqa: F401
+    stats,
+)
 
 # 0, 1, around the 4 KiB minimum block, between size classes, around the 16 MiB slab-block
 # limit (larger blocks are dedicated allocations), a large odd size.
@@ -28,8 +35,16 @@ BYTE_SIZES = [0, 1, 4095, 4096, 4097, 5000, 12289, MiB + 1, 16 * MiB - 1, 16 * M
 
 
 def test_exports():
-    for name in ["pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
-                 "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory"]:
+    for name in [
+        "pinned_empty",
+        "memory_stats",
+        "set_pin_budget",
+        "pin_budget",
+        "empty_cache",
+        "reset_peak_memory_stats",
+        "register_host_memory",
+        "unregister_host_memory",
+    ]:
         assert getattr(ramstream, name) is getattr(mem, name)
         assert getattr(F, name) is getattr(mem, name)
         assert name in F.__all__ and name in ramstream.__all__
@@ -37,10 +52,24 @@ def test_exports():
 
 def test_stats_keys_and_types():
     s = stats()
-    ints = ["bytes_pinned", "bytes_in_use", "bytes_requested", "bytes_cached", "peak_bytes_in_use",
-            "bytes_registered", "fallback_allocations", "fallback_bytes_in_use", "pin_calls",
-            "unpin_calls", "budget", "allocations", "reuse_hits", "slabs", "dedicated_blocks",
-            "physical_memory"]
+    ints = [
+        "bytes_pinned",
+        "bytes_in_use",
+        "bytes_requested",
+        "bytes_cached",
+        "peak_bytes_in_use",
+        "bytes_registered",
+        "fallback_allocations",
+        "fallback_bytes_in_use",
+        "pin_calls",
+        "unpin_calls",
+        "budget",
+        "allocations",
+        "reuse_hits",
+        "slabs",
+        "dedicated_blocks",
+        "physical_memory",
+    ]
     for k in ints:
         assert isinstance(s[k], int) and s[k] >= 0, k
     for k in ["fallback_reason", "budget_source", "budget_error"]:
@@ -131,8 +160,10 @@ def test_bad_dtype(dtype):
         ramstream.pinned_empty(4, dtype)
 
 
-@pytest.mark.parametrize("code,dtype", [(0, torch.float32), (1, torch.bfloat16), (2, torch.float16),
-                                        (3, torch.uint8), (4, torch.int8)])
+@pytest.mark.parametrize(
+    "code,dtype",
+    [(0, torch.float32), (1, torch.bfloat16), (2, torch.float16), (3, torch.uint8), (4, torch.int8)],
+)
 def test_binding_dtype_codes(code, dtype):
     """The raw binding takes the core's dtype codes (cpp/include/ramstream/dtype.h)."""
     t = lib().pinned_empty([3, 0, 2] if code == 4 else [3, 5], code)

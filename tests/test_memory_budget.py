@@ -1,5 +1,6 @@
 """Tests of the pinned host arena's page-lock budget: set_pin_budget's forms and errors,
 allocation with a zero budget, RAMSTREAM_PIN_BUDGET read at start-up."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,14 @@ import pytest
 import torch
 
 import ramstream
-from _memory_helpers import MiB, random_like, stats
 
 # restore_budget is a fixture: pytest finds it here once imported
-from _memory_helpers import restore_budget  # noqa: F401
-
+from _memory_helpers import (
+    MiB,
+    random_like,
+    restore_budget,  # noqa: F401
+    stats,
+)
 
 # ---- budget ----------------------------------------------------------------------------------
 
@@ -27,17 +31,39 @@ def test_set_pin_budget_forms(restore_budget):
     assert ramstream.pin_budget() == 123456789 == stats()["budget"]
     assert stats()["budget_source"] == "set_budget"
     assert ramstream.set_pin_budget(0.25) == int(ram * 0.25) == ramstream.pin_budget()
-    for text, want in [("1M", MiB), ("512k", 512 * 1024), ("1.5G", 3 << 29), ("64MiB", 64 * MiB),
-                       (" 2 gb ", 2 << 30), ("1T", 1 << 40), ("4096", 4096), ("100%", ram),
-                       ("50%", ram * 50 // 100), ("0", 0)]:
+    for text, want in [
+        ("1M", MiB),
+        ("512k", 512 * 1024),
+        ("1.5G", 3 << 29),
+        ("64MiB", 64 * MiB),
+        (" 2 gb ", 2 << 30),
+        ("1T", 1 << 40),
+        ("4096", 4096),
+        ("100%", ram),
+        ("50%", ram * 50 // 100),
+        ("0", 0),
+    ]:
         assert ramstream.set_pin_budget(text) == want, text
         assert ramstream.pin_budget() == want, text
 
 
-@pytest.mark.parametrize("bad,exc", [(-1, ValueError), (1.5, ValueError), (float("nan"), ValueError),
-                                     ("abc", ValueError), ("", ValueError), ("-1G", ValueError),
-                                     ("1X", ValueError), ("101%", ValueError), ("1e9", ValueError),
-                                     (True, TypeError), (None, TypeError), ([1], TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (-1, ValueError),
+        (1.5, ValueError),
+        (float("nan"), ValueError),
+        ("abc", ValueError),
+        ("", ValueError),
+        ("-1G", ValueError),
+        ("1X", ValueError),
+        ("101%", ValueError),
+        ("1e9", ValueError),
+        (True, TypeError),
+        (None, TypeError),
+        ([1], TypeError),
+    ],
+)
 def test_set_pin_budget_bad(bad, exc, restore_budget):
     with pytest.raises(exc, match="set_pin_budget|cannot parse"):
         ramstream.set_pin_budget(bad)
@@ -73,8 +99,14 @@ def _run_with_env(value: str | None) -> subprocess.Popen:
     env.pop("RAMSTREAM_PIN_BUDGET", None)
     if value is not None:
         env["RAMSTREAM_PIN_BUDGET"] = value
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd="/",
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd="/",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_budget_from_env():

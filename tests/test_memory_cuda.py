@@ -1,6 +1,7 @@
 """Tests of the pinned host arena on a GPU: pinned tensors, reuse without new pin calls,
 empty_cache, budget exhaustion, bit-exact copies (large ones against torch's pinned
 memory), registration. Bandwidth is measured in bench/bench_copy.py, not asserted here."""
+
 from __future__ import annotations
 
 import gc
@@ -96,8 +97,9 @@ def test_cuda_budget_exhaustion_falls_back(restore_budget, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8,
-                                   torch.int8, torch.int32], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.int32], ids=str
+)
 @pytest.mark.parametrize("numel", [0, 1, 1023, 1025, 777_777, 12 * MiB + 3])
 def test_cuda_copies_bit_exact(dtype, numel):
     src = ramstream.pinned_empty(numel, dtype)

@@ -1,5 +1,6 @@
 """Squared norms, gradient accumulation and float casts on the host: against float64 / torch
 references, for every dtype, size and ISA; deterministic across ISAs and thread counts."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,6 +29,7 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 
 # ---- sq_norm -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -73,12 +75,15 @@ def test_sq_norm_identical_across_isas_and_threads(restore_isa, restore_threads,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sq_norm_ptr(dtype):
     x = sample(4099, dtype)
-    code = {torch.float32: C.DTYPE_FLOAT32, torch.bfloat16: C.DTYPE_BFLOAT16, torch.float16: C.DTYPE_FLOAT16}[dtype]
+    code = {torch.float32: C.DTYPE_FLOAT32, torch.bfloat16: C.DTYPE_BFLOAT16, torch.float16: C.DTYPE_FLOAT16}[
+        dtype
+    ]
     assert C.sq_norm_ptr(x.data_ptr(), code, x.numel()) == F.sq_norm(x)
     assert C.sq_norm_ptr(x.data_ptr(), code, 0) == 0.0
 
 
 # ---- accumulate_ -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -102,7 +107,9 @@ def test_accumulate_micro_batches_equal_summed_grads():
 
 def test_accumulate_shapes_and_ptr():
     dst = sample(600, torch.float32, seed=3).reshape(20, 30)
-    src = sample(600, torch.float16, seed=4).reshape(30, 20).t()  # same numel, non-contiguous: read via a copy
+    src = (
+        sample(600, torch.float16, seed=4).reshape(30, 20).t()
+    )  # same numel, non-contiguous: read via a copy
     ref = dst.reshape(-1) + src.contiguous().reshape(-1).float()
     F.accumulate_(dst, src)
     np.testing.assert_array_equal(bits(dst.reshape(-1)), bits(ref))
@@ -114,6 +121,7 @@ def test_accumulate_shapes_and_ptr():
 
 
 # ---- cast_to_float_ (binding) -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100003])
@@ -140,6 +148,7 @@ def test_fp16_subnormals_and_nan_cast():
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+
 
 def test_bad_inputs():
     with pytest.raises(TypeError, match="tensor must be float32/bfloat16/float16"):
@@ -176,6 +185,7 @@ def test_bad_inputs():
 
 
 # ---- CUDA dispatch (run by the lead on a GPU machine) ------------------------------------------
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,6 @@
 """Hypothesis fuzz of ramstream.wrap() options and OffloadAdamW arguments: any value either works
 (and a training step then runs) or raises ValueError/TypeError naming the argument."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -16,23 +17,48 @@ import ramstream  # noqa: E402
 from ramstream._native import lib  # noqa: E402
 from ramstream.options import WrapOptions, parse_device  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=20000, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-HANG_S = 120     # one example taking this long is a hang: dump every thread's stack and exit
+SETTINGS = settings(
+    max_examples=60,
+    deadline=20000,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+HANG_S = 120  # one example taking this long is a hang: dump every thread's stack and exit
 
 # Values of every kind, for every argument: wrong types, huge and special numbers, strings.
 WEIRD = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(10**30), max_value=10**30),
     st.sampled_from([0, 1, -1, 2, 3, 4096, 4097, 1 << 20, (1 << 20) - 1, 2**31, 2**63, 2**64]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-320, 1e308, 0.5, 0.999999]),
     st.text(max_size=8),
     st.sampled_from(["auto", "cpu", "gpu", "cuda", "meta", "float32", "bf16", "fp16", "True", ""]),
-    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.device("cpu"), b"cpu",
-                     1 + 2j, [], [1, 2], (0.9, 0.999), (0.9,), (0.9, 0.99, 0.9), {}, {"a": 1},
-                     object(), torch.tensor(1.0), torch.tensor([0.5, 0.5]), torch.tensor(3),
-                     float("nan"), ...]),
+    st.sampled_from(
+        [
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.device("cpu"),
+            b"cpu",
+            1 + 2j,
+            [],
+            [1, 2],
+            (0.9, 0.999),
+            (0.9,),
+            (0.9, 0.99, 0.9),
+            {},
+            {"a": 1},
+            object(),
+            torch.tensor(1.0),
+            torch.tensor([0.5, 0.5]),
+            torch.tensor(3),
+            float("nan"),
+            ...,
+        ]
+    ),
 )
 
 # Values wrap() should accept, so that the fuzz also reaches the training step with them.
@@ -44,8 +70,9 @@ VALID = {
     "guard_params": st.booleans(),
     "max_grad_norm": st.one_of(st.none(), st.floats(1e-6, 1e6)),
     "accumulation_steps": st.integers(1, 3),
-    "moment_dtype": st.sampled_from(["auto", "float32", "fp32", "bfloat16", "bf16", torch.float32,
-                                     torch.bfloat16]),
+    "moment_dtype": st.sampled_from(
+        ["auto", "float32", "fp32", "bfloat16", "bf16", torch.float32, torch.bfloat16]
+    ),
     "threads": st.one_of(st.none(), st.integers(1, 3)),
     "lr": st.floats(0, 1),
     "verbose": st.booleans(),
@@ -96,8 +123,9 @@ def _train_step(model, opt) -> None:
         opt.step()
         opt.zero_grad()
     opt.synchronize()
-    assert all(torch.isfinite(p).all() or not math.isfinite(opt.param_groups[0]["lr"])
-               for p in model.parameters())
+    assert all(
+        torch.isfinite(p).all() or not math.isfinite(opt.param_groups[0]["lr"]) for p in model.parameters()
+    )
 
 
 def _expect_clean(fn, names) -> bool:
@@ -133,7 +161,8 @@ def _skip_real_cuda(kwargs) -> None:
 def _option_values():
     names = st.sampled_from(WrapOptions.names())
     return st.dictionaries(names, st.just(None), min_size=1, max_size=3).flatmap(
-        lambda d: st.fixed_dictionaries({k: st.one_of(VALID[k], WEIRD) for k in d}))
+        lambda d: st.fixed_dictionaries({k: st.one_of(VALID[k], WEIRD) for k in d})
+    )
 
 
 @SETTINGS
@@ -159,7 +188,7 @@ def test_wrap_options_fuzz(options):
         # an accepted value is one the option table accepts too
         WrapOptions.parse(**options)
     else:
-        assert not wrapped or "opt" in state   # a refused wrap() leaves the model as it was
+        assert not wrapped or "opt" in state  # a refused wrap() leaves the model as it was
 
 
 def test_wrap_unknown_option_names_it():
@@ -194,7 +223,8 @@ GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 def _adamw_values():
     names = st.sampled_from(sorted(OPT_VALID))
     return st.dictionaries(names, st.just(None), min_size=1, max_size=3).flatmap(
-        lambda d: st.fixed_dictionaries({k: st.one_of(OPT_VALID[k], WEIRD) for k in d}))
+        lambda d: st.fixed_dictionaries({k: st.one_of(OPT_VALID[k], WEIRD) for k in d})
+    )
 
 
 @SETTINGS
@@ -209,8 +239,7 @@ def test_offload_adamw_arguments_fuzz(kwargs, in_group):
     holder = {}
 
     def run():
-        opt = ramstream.OffloadAdamW([{"params": list(model.parameters()), **group_kw}],
-                                     **ctor_kw)
+        opt = ramstream.OffloadAdamW([{"params": list(model.parameters()), **group_kw}], **ctor_kw)
         holder["opt"] = opt
         _train_step(model, opt)
 
@@ -222,31 +251,37 @@ def test_offload_adamw_arguments_fuzz(kwargs, in_group):
 
 
 # Found by the fuzz above (each raised something else, or was accepted, before the fix).
-@pytest.mark.parametrize("options, name", [
-    (dict(threads=2**40), "threads"),            # TypeError from the binding, no option named
-    (dict(threads=10**6), "threads"),            # would start a million host threads
-    (dict(device=10**30), "device"),             # OverflowError-like ValueError from torch
-    (dict(device=-1), "device"),
-    (dict(distributed=1), "distributed"),        # 1 == True slipped through
-    (dict(distributed=0.0), "distributed"),
-])
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        (dict(threads=2**40), "threads"),  # TypeError from the binding, no option named
+        (dict(threads=10**6), "threads"),  # would start a million host threads
+        (dict(device=10**30), "device"),  # OverflowError-like ValueError from torch
+        (dict(device=-1), "device"),
+        (dict(distributed=1), "distributed"),  # 1 == True slipped through
+        (dict(distributed=0.0), "distributed"),
+    ],
+)
 def test_wrap_regressions(options, name):
     with pytest.raises(ValueError, match=name):
         ramstream.wrap(Net(), **options)
 
 
-@pytest.mark.parametrize("kwargs, group, name", [
-    (dict(distributed=1), {}, "distributed"),    # RuntimeError from the engine
-    (dict(distributed=True), {}, "distributed"),
-    (dict(device=10**30), {}, "device"),
-    (dict(eps=True), {}, "eps"),                 # a bool was taken as 1.0
-    (dict(weight_decay=False), {}, "weight_decay"),
-    (dict(threads=10**6), {}, "threads"),
-    ({}, dict(lr="0.1"), r"param_groups\[0\]\['lr'\]"),   # group values were never checked
-    ({}, dict(betas=(0.9, 1.5)), r"param_groups\[0\]\['betas'\]\[1\]"),
-    ({}, dict(eps=math.nan), r"param_groups\[0\]\['eps'\]"),
-    ({}, dict(weight_decay=-1.0), r"param_groups\[0\]\['weight_decay'\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, group, name",
+    [
+        (dict(distributed=1), {}, "distributed"),  # RuntimeError from the engine
+        (dict(distributed=True), {}, "distributed"),
+        (dict(device=10**30), {}, "device"),
+        (dict(eps=True), {}, "eps"),  # a bool was taken as 1.0
+        (dict(weight_decay=False), {}, "weight_decay"),
+        (dict(threads=10**6), {}, "threads"),
+        ({}, dict(lr="0.1"), r"param_groups\[0\]\['lr'\]"),  # group values were never checked
+        ({}, dict(betas=(0.9, 1.5)), r"param_groups\[0\]\['betas'\]\[1\]"),
+        ({}, dict(eps=math.nan), r"param_groups\[0\]\['eps'\]"),
+        ({}, dict(weight_decay=-1.0), r"param_groups\[0\]\['weight_decay'\]"),
+    ],
+)
 def test_offload_adamw_regressions(kwargs, group, name):
     params = list(Net().parameters())
     with pytest.raises(ValueError, match=name):
@@ -255,6 +290,7 @@ def test_offload_adamw_regressions(kwargs, group, name):
 
 def test_offload_adamw_tensor_hyper_parameters_still_accepted():
     params = list(Net().parameters())
-    opt = ramstream.OffloadAdamW([{"params": params, "lr": torch.tensor(3e-3),
-                                   "betas": (torch.tensor(0.9), 0.99)}])
+    opt = ramstream.OffloadAdamW(
+        [{"params": params, "lr": torch.tensor(3e-3), "betas": (torch.tensor(0.9), 0.99)}]
+    )
     opt.close()

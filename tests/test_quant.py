@@ -1,6 +1,7 @@
 """Blockwise NF4 / int8 quantization: bitsandbytes parity, a pure-torch reference of the spec,
 round-trip error, the CUDA dequantization against the host (every ISA and thread count giving the
 same bytes: test_quant_isa.py; argument checking: test_quant_input.py)."""
+
 from __future__ import annotations
 
 import math
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 import ramstream.functional as rf
-from _quant_helpers import FLOAT_DTYPES, NF4_CODE, NF4_MID, assert_bits_equal, bits
 
 # isa is a fixture: pytest finds it here once imported
 from _isa import isa, supported_isas, using_isa  # noqa: F401
+from _quant_helpers import FLOAT_DTYPES, NF4_CODE, NF4_MID, assert_bits_equal, bits
 
 BNB_BLOCKS = [32, 64, 128, 256, 512, 1024, 2048, 4096]  # what bitsandbytes.quantize_4bit accepts
 
@@ -23,6 +24,7 @@ def bnbf():
 
 
 # ---- pure-torch references of docs/NUMERICS.md rules 4 and 5 -------------------------------------
+
 
 def ref_absmax(xf: torch.Tensor, block: int) -> torch.Tensor:
     n = xf.numel()
@@ -69,6 +71,7 @@ def ref_dequantize_int8(codes, absmax, n, block, dtype):
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
+
 def make_input(kind: str, n: int, block: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
@@ -99,6 +102,7 @@ REF_SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 2001]
 
 
 # ---- NF4 against bitsandbytes --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", CASES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -144,7 +148,8 @@ def test_nf4_dequantize_matches_bitsandbytes(bnbf, isa, dtype):
             out = rf.dequantize_nf4(packed, absmax, shape, dtype, block_size=block)
             with torch.compiler.set_stance("force_eager"):  # bnb's fallback path is compiled
                 ref = torch.ops.bitsandbytes.dequantize_4bit.default(
-                    packed.view(-1, 1), absmax, block, "nf4", list(shape), torch.float32)
+                    packed.view(-1, 1), absmax, block, "nf4", list(shape), torch.float32
+                )
             assert out.shape == shape and out.dtype == dtype
             assert_bits_equal(out, ref.reshape(shape).to(dtype))
 
@@ -158,6 +163,7 @@ def test_nf4_bitsandbytes_roundtrip_through_its_dequantize(bnbf):
 
 
 # ---- NF4 against the pure-torch reference --------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_nf4_matches_reference(isa, dtype):
@@ -232,8 +238,10 @@ def test_nf4_nan_is_ignored_and_coded_as_zero():
             results.append(rf.quantize_nf4(x, block_size=64) + rf.quantize_int8(x, block_size=64))
     for r in results[1:]:
         for a, b in zip(results[0], r):
-            assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else bits(a),
-                               b.view(torch.uint8) if b.dtype != torch.float32 else bits(b))
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype != torch.float32 else bits(a),
+                b.view(torch.uint8) if b.dtype != torch.float32 else bits(b),
+            )
     packed, absmax, codes, absmax8 = results[0]
     clean = torch.nan_to_num(x, nan=0.0)
     ref_packed, ref_absmax = ref_quantize_nf4(clean, 64)
@@ -243,6 +251,7 @@ def test_nf4_nan_is_ignored_and_coded_as_zero():
 
 
 # ---- int8 ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_int8_matches_reference(isa, dtype):
@@ -314,6 +323,7 @@ def test_int8_dequantize_matches_reference(isa, dtype):
 
 # ---- round trip ----------------------------------------------------------------------------------
 
+
 def test_roundtrip_error_bounds(isa):
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3))
     codes, a8 = rf.quantize_int8(x)
@@ -350,6 +360,7 @@ def test_shapes_and_empty():
 
 
 # ---- CUDA (run by the lead on a GPU machine) -----------------------------------------------------
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)

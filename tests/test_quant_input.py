@@ -1,4 +1,5 @@
 """Blockwise NF4 / int8 quantization: argument checking in Python and in the bindings."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ C = lib()
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("block_size", [3, 0, 1, -2, 63, 64.0, "64", True, None])
 def test_bad_block_size(block_size):
@@ -119,6 +121,7 @@ def test_binding_checks():
 
 
 # ---- CUDA (run by the lead on a GPU machine) -----------------------------------------------------
+
 
 @pytest.mark.cuda
 def test_quantize_rejects_cuda_input():

@@ -1,5 +1,6 @@
 """Blockwise NF4 / int8 quantization on every ISA and thread count: the same bytes, and the
 dequantized output rounded by docs/NUMERICS.md rule 1."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,19 +8,24 @@ import torch
 
 import ramstream.functional as rf
 from ramstream._native import lib
-from _quant_helpers import FLOAT_DTYPES, NF4_CODE, assert_bits_equal, bits
 
 # isa is a fixture: pytest finds it here once imported
 from _isa import isa, supported_isas, using_isa  # noqa: F401
+from _quant_helpers import FLOAT_DTYPES, NF4_CODE, assert_bits_equal, bits
 
 C = lib()
 
 
 # ---- every ISA, every thread count: the same bytes -----------------------------------------------
 
+
 def _random_bit_floats(n: int, g: torch.Generator) -> torch.Tensor:
     """Floats from random bit patterns: NaN payloads, infs, subnormals, huge and tiny values."""
-    return torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=g).to(torch.int32).view(torch.float32)
+    return (
+        torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=g)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
 
 
 def _all_outputs(x: torch.Tensor, block: int, absmax_bits: torch.Tensor) -> list[torch.Tensor]:
@@ -59,12 +65,29 @@ def test_every_isa_gives_identical_bytes(dtype):
 def test_output_rounding_rule_1(isa):
     # code 15 is 1.0: the dequantized value is absmax itself, so out == absmax cast (rule 1).
     g = torch.Generator().manual_seed(6)
-    vals = torch.cat([
-        _random_bit_floats(4000, g),
-        torch.tensor([65504.0, 65519.99, 65520.0, 1e6, 6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-45, 0.0, -0.0,
-                      float("inf"), -float("inf")]),
-        torch.randn(2000, generator=g) * 1e-5,  # fp16 subnormal range
-    ])
+    vals = torch.cat(
+        [
+            _random_bit_floats(4000, g),
+            torch.tensor(
+                [
+                    65504.0,
+                    65519.99,
+                    65520.0,
+                    1e6,
+                    6.1e-5,
+                    5.96e-8,
+                    2.98e-8,
+                    2.99e-8,
+                    1e-45,
+                    0.0,
+                    -0.0,
+                    float("inf"),
+                    -float("inf"),
+                ]
+            ),
+            torch.randn(2000, generator=g) * 1e-5,  # fp16 subnormal range
+        ]
+    )
     packed = torch.full((vals.numel(),), 0xF0, dtype=torch.uint8)  # pairs: (+absmax, -absmax)
     for dt in (torch.bfloat16, torch.float16):
         out = rf.dequantize_nf4(packed, vals, (2 * vals.numel(),), dt, block_size=2)

@@ -1,4 +1,5 @@
 """The README's CPU quick start, extracted from README.md and run: it trains as torch AdamW does."""
+
 from __future__ import annotations
 
 import os
@@ -21,19 +22,19 @@ def _cpu_quick_start() -> str:
 
 def _run(code: str) -> dict:
     scope: dict = {}
-    exec(compile(code, "README.md (CPU quick start)", "exec"), scope)   # noqa: S102 - our README
+    exec(compile(code, "README.md (CPU quick start)", "exec"), scope)  # noqa: S102 - our README
     return scope
 
 
 def test_cpu_quick_start_runs_and_trains_like_torch_adamw(capsys):
     code = _cpu_quick_start()
-    assert WRAP_LINE in code and "device=\"cpu\"" in code
+    assert WRAP_LINE in code and 'device="cpu"' in code
     ours = _run(code)
     printed = capsys.readouterr().out
     assert re.fullmatch(r"step 19: loss \d+\.\d{4}\n", printed), printed
     import ramstream
 
-    assert ours["model"]._ramstream is not None                  # it really was wrapped
+    assert ours["model"]._ramstream is not None  # it really was wrapped
     assert isinstance(ours["optimizer"], ramstream.OffloadAdamW)
     # the same code without wrap(): plain torch AdamW, same seed and data
     ref = _run(code.replace(WRAP_LINE, "").replace("optimizer.synchronize()", "pass"))

@@ -8,6 +8,7 @@ can flip a bf16 weight, change the next gradients by about a bf16 ulp, and Adam'
 that into an update difference of order lr * 2**-8 (a few 1e-5 at lr 3e-3). Trajectories of two
 exact-to-rounding optimizers therefore drift apart by rounding, not by error; what must hold is that
 every step is exact to fp32 rounding from its own state, which this file checks."""
+
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ import torch
 
 import ramstream
 import ramstream.engine.resident as resident_mod
+
 from _models import batches, make_model
 
 LR = 3e-3
@@ -32,8 +34,10 @@ def roomy(monkeypatch):
 def _groups(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1},
-            {"params": rest, "weight_decay": 0.0, "lr": 2 * LR, "betas": (0.8, 0.99)}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": rest, "weight_decay": 0.0, "lr": 2 * LR, "betas": (0.8, 0.99)},
+    ]
 
 
 def _grads(plain, wrapped, micro):
@@ -63,7 +67,7 @@ def _f64_step(opt, masters, grads, step, clip):
     out, scale, i = [], [], 0
     for group in sd["param_groups"]:
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        bc1, bc2 = 1 - b1**step, 1 - b2**step
         for idx in group["params"]:
             p, g = masters[i].double().cpu(), grads[i]
             st = sd["state"].get(idx)
@@ -84,7 +88,7 @@ def _ulps(got, ref):
     """The largest |got - ref| over all parameters, in fp32 rounding units (eps x scale)."""
     worst = 0.0
     for a, r, sc in zip(got, *ref):
-        spacing = torch.finfo(torch.float32).eps * sc.clamp_min(2.0 ** -40)
+        spacing = torch.finfo(torch.float32).eps * sc.clamp_min(2.0**-40)
         worst = max(worst, float(((a.double().cpu() - r).abs() / spacing).max()))
     return worst
 
@@ -96,11 +100,12 @@ def _run(device, offload, options, steps):
     data = batches(steps * k, device=device)
     model = make_model(0, dtype=torch.bfloat16, n_blocks=2).to(device)
     plain = make_model(0, dtype=torch.bfloat16, n_blocks=2).to(device)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(_groups(model), lr=LR), offload=offload,
-                                device=device, **options)
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(_groups(model), lr=LR), offload=offload, device=device, **options
+    )
     out = []
     for s in range(steps):
-        micro = data[s * k:(s + 1) * k]
+        micro = data[s * k : (s + 1) * k]
         masters = opt.master_weights()
         grads = _grads(plain, model, micro)
         fused_cuda = opt.resident and device == "cuda"
@@ -110,7 +115,7 @@ def _run(device, offload, options, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append((_ulps(opt.master_weights(), ref), fused_cuda))
-    assert opt.resident == (offload == "auto")     # the switch happened (after two steps)
+    assert opt.resident == (offload == "auto")  # the switch happened (after two steps)
     return out
 
 
@@ -127,15 +132,16 @@ def _check(device, options, bound):
     runs = {off: _run(device, off, options, steps) for off in ("auto", True)}
     assert any(f for _, f in runs["auto"]) == (device == "cuda")
     for off, per_step in runs.items():
-        print(f"offload={off!r}: fp32 units from float64 per step "
-              f"{[round(u, 1) for u, _ in per_step]} (resident: {[f for _, f in per_step]})")
+        print(
+            f"offload={off!r}: fp32 units from float64 per step "
+            f"{[round(u, 1) for u, _ in per_step]} (resident: {[f for _, f in per_step]})"
+        )
         for u, fused in per_step:
             assert u <= (TORCH_FUSED_CUDA_UNITS if fused else bound), (off, per_step)
     return runs
 
 
-_CASES = [(dict(accumulation_steps=2, max_grad_norm=MAX_NORM), 8.0),
-          (dict(max_grad_norm=MAX_NORM), 8.0)]
+_CASES = [(dict(accumulation_steps=2, max_grad_norm=MAX_NORM), 8.0), (dict(max_grad_norm=MAX_NORM), 8.0)]
 
 
 @pytest.mark.parametrize("options, bound", _CASES, ids=["accumulate+clip", "clip"])

@@ -1,16 +1,19 @@
 """wrap()'s activation paging options on the CPU engine (the mechanism: test_activations.py)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import ramstream
+
 from _models import batches, clone, make_model, train_torch
 
 
 def _run(model, **options):
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                offload=True, **options)
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3), offload=True, **options
+    )
     losses = train_torch(model, opt, batches(6))
     opt.synchronize()
     return model, losses
@@ -39,24 +42,26 @@ def test_auto_on_the_cpu_engine_pages_nothing():
 
 def test_explicit_blocks_and_unwrap_detaches():
     model = make_model(0)
-    model, opt = ramstream.wrap(model, lr=1e-3, activation_offload=True,
-                                blocks=[model.blocks[2]])
+    model, opt = ramstream.wrap(model, lr=1e-3, activation_offload=True, blocks=[model.blocks[2]])
     train_torch(model, opt, batches(2))
     assert ramstream.memory_report(model)["params"]["paged_blocks"] == [0]
     ramstream.unwrap(model)
     x, y = batches(1)[0]
-    model(x, y).backward()       # no saved-tensor hooks left behind
+    model(x, y).backward()  # no saved-tensor hooks left behind
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(activation_offload="yes"), "activation_offload"),
-    (dict(activation_offload=1.5), "activation_offload"),
-    (dict(prefetch_depth=0), "prefetch_depth"),
-    (dict(min_offload_bytes=-1), "min_offload_bytes"),
-    (dict(max_activation_slowdown=float("nan")), "max_activation_slowdown"),
-    (dict(blocks=[]), "blocks"),
-    (dict(blocks=["layer"]), "blocks"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(activation_offload="yes"), "activation_offload"),
+        (dict(activation_offload=1.5), "activation_offload"),
+        (dict(prefetch_depth=0), "prefetch_depth"),
+        (dict(min_offload_bytes=-1), "min_offload_bytes"),
+        (dict(max_activation_slowdown=float("nan")), "max_activation_slowdown"),
+        (dict(blocks=[]), "blocks"),
+        (dict(blocks=["layer"]), "blocks"),
+    ],
+)
 def test_bad_activation_options(options, match):
     with pytest.raises(ValueError, match=match):
         ramstream.wrap(make_model(0), **options)

@@ -1,4 +1,5 @@
 """wrap() behaviour on the CPU engine: guard, .to(), accumulation errors, unwrap, reports."""
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,8 @@ def test_guard_waits_for_a_weight_read_outside_its_module(slow_updates):
     w = model.blocks[1].fc1.weight
     assert w.grad is None and w.shape == (128, 32) and w.dtype == torch.float32  # no wait
     bucket = w._ramstream_slot.bucket
-    assert bucket.pending                       # metadata reads did not wait
-    total = (w * 1.0).sum()                     # a real read waits for the update
+    assert bucket.pending  # metadata reads did not wait
+    total = (w * 1.0).sum()  # a real read waits for the update
     assert not bucket.pending
     assert abs(float(total) - float(ref.blocks[1].fc1.weight.sum())) < 1e-4
 
@@ -53,10 +54,9 @@ def test_without_guard_metadata_only_and_forward_still_waits(slow_updates):
     ref = clone(model)
     data = batches(3)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False), data)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                guard_params=False)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), guard_params=False)
     assert type(model.blocks[0].fc1.weight) is torch.nn.Parameter
-    train_torch(model, opt, data)          # each forward waits in its modules' pre-hooks
+    train_torch(model, opt, data)  # each forward waits in its modules' pre-hooks
     opt.synchronize()
     assert max_diff(ref, model) < 1e-5
 
@@ -82,7 +82,7 @@ def test_to_half_and_back_keeps_masters_unrounded():
         assert torch.equal(p.detach(), m.half().view_as(p))
     model.float()
     for m, p in zip(opt.master_weights(), model.parameters()):
-        assert torch.equal(p.detach(), m.view_as(p))      # not rounded through fp16
+        assert torch.equal(p.detach(), m.view_as(p))  # not rounded through fp16
     train_torch(model, opt, data[4:])
     opt.synchronize()
     assert max_diff(ref, model) < 1e-5
@@ -107,7 +107,7 @@ def test_unwrap_returns_plain_model():
         assert not p._post_accumulate_grad_hooks
         assert torch.equal(p.detach(), e.view_as(p))
     x, y = batches(1)[0]
-    plain(x, y).backward()                   # no engine hook fires: grads stay on the params
+    plain(x, y).backward()  # no engine hook fires: grads stay on the params
     assert all(p.grad is not None for p in plain.parameters())
     with pytest.raises(ValueError, match="not wrapped"):
         ramstream.unwrap(plain)
@@ -124,7 +124,7 @@ def test_memory_report_and_stats():
     st = opt.stats()
     n = sum(p.numel() for p in model.parameters())
     assert st["steps"] == 3 and st["bytes_d2h"] == 3 * n * 4
-    padded = sum(b.numel for b in opt._engine.buckets)   # parameters start 512-byte aligned
+    padded = sum(b.numel for b in opt._engine.buckets)  # parameters start 512-byte aligned
     assert n <= padded < n + len(list(model.parameters())) * 128
     assert r["optimizer"]["host_state_bytes"] == padded * (4 + 2 + 2)
 
@@ -137,23 +137,26 @@ def test_wrap_twice_and_bad_model():
         ramstream.wrap("model")
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(bogus=1), "unknown option.*bogus"),
-    (dict(optimizer_mode="tpu"), "optimizer_mode"),
-    (dict(offload=False), "offload"),
-    (dict(device="xla"), "device"),
-    (dict(distributed="yes"), "distributed"),
-    (dict(guard_params=1), "guard_params"),
-    (dict(max_grad_norm=-1.0), "max_grad_norm"),
-    (dict(max_grad_norm=float("nan")), "max_grad_norm"),
-    (dict(accumulation_steps=0), "accumulation_steps"),
-    (dict(accumulation_steps=2.0), "accumulation_steps"),
-    (dict(moment_dtype="fp8"), "moment_dtype"),
-    (dict(moment_dtype=torch.float16), "moment_dtype"),
-    (dict(threads=0), "threads"),
-    (dict(lr=float("inf")), "lr"),
-    (dict(verbose="no"), "verbose"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(bogus=1), "unknown option.*bogus"),
+        (dict(optimizer_mode="tpu"), "optimizer_mode"),
+        (dict(offload=False), "offload"),
+        (dict(device="xla"), "device"),
+        (dict(distributed="yes"), "distributed"),
+        (dict(guard_params=1), "guard_params"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+        (dict(accumulation_steps=0), "accumulation_steps"),
+        (dict(accumulation_steps=2.0), "accumulation_steps"),
+        (dict(moment_dtype="fp8"), "moment_dtype"),
+        (dict(moment_dtype=torch.float16), "moment_dtype"),
+        (dict(threads=0), "threads"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(verbose="no"), "verbose"),
+    ],
+)
 def test_bad_options_raise_value_error_naming_them(options, match):
     with pytest.raises(ValueError, match=match):
         ramstream.wrap(make_model(0), **options)
@@ -198,7 +201,7 @@ def test_offload_adamw_standalone_threads_and_thread_safety():
     try:
         opt = ramstream.OffloadAdamW(model.parameters(), lr=1e-3, threads=1)
         assert lib().num_threads() == 1
-        train_torch(model, opt, data)     # no forward hooks: reads go through the guard
+        train_torch(model, opt, data)  # no forward hooks: reads go through the guard
         assert max_diff(ref, model) < 1e-5
     finally:
         lib().set_num_threads(before)
@@ -222,7 +225,7 @@ def test_dropped_optimizers_release_their_engine_thread():
         train_torch(model, opt, batches(1))
         started |= ours() - before
         del model, opt
-    assert len(started) >= 3            # one engine thread per wrap, seen while it was alive
+    assert len(started) >= 3  # one engine thread per wrap, seen while it was alive
     gc.collect()
     deadline = time.time() + 10
     while any(t.is_alive() for t in started) and time.time() < deadline:
@@ -230,12 +233,20 @@ def test_dropped_optimizers_release_their_engine_thread():
     assert not [t.name for t in started if t.is_alive()]
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(bucket_bytes=0), "bucket_bytes"), (dict(seed=-1), "seed"),
-    (dict(max_inflight_bytes=10), "max_inflight_bytes"), (dict(vram_headroom=1.5), "vram_headroom"),
-    (dict(mode="tpu"), "mode"), (dict(offload=False), "offload"), (dict(lr=-1.0), "lr"),
-    (dict(betas=(0.9, 1.0)), "betas"), (dict(moment_dtype="fp8"), "moment_dtype"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(seed=-1), "seed"),
+        (dict(max_inflight_bytes=10), "max_inflight_bytes"),
+        (dict(vram_headroom=1.5), "vram_headroom"),
+        (dict(mode="tpu"), "mode"),
+        (dict(offload=False), "offload"),
+        (dict(lr=-1.0), "lr"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(moment_dtype="fp8"), "moment_dtype"),
+    ],
+)
 def test_offload_adamw_rejects_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         ramstream.OffloadAdamW(make_model(0).parameters(), **kw)
@@ -247,10 +258,15 @@ def test_weights_that_cannot_fit_the_device_raise_memory_error_with_the_arithmet
     gib = 2**30
     mem = {"free": 3 * gib, "cap": 8 * gib, "total": 80 * gib, "reserved": 5 * gib}
     dev = torch.device("cuda", 0)
-    check_weights_fit(3 * gib, mem, dev)                 # exactly fits: no error
+    check_weights_fit(3 * gib, mem, dev)  # exactly fits: no error
     with pytest.raises(MemoryError) as e:
         check_weights_fit(7 * gib, mem, dev)
     msg = str(e.value)
-    for part in ("7.00 GiB on cuda:0", "3.00 GiB more", "cap 8.00 of 80.00 GiB",
-                 "5.00 GiB already reserved", "bfloat16"):
+    for part in (
+        "7.00 GiB on cuda:0",
+        "3.00 GiB more",
+        "cap 8.00 of 80.00 GiB",
+        "5.00 GiB already reserved",
+        "bfloat16",
+    ):
         assert part in msg

@@ -1,10 +1,12 @@
 """wrap() on the CUDA engine: parity with torch, host residency of state, waits, state dicts."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import ramstream
+
 from _models import batches, clone, make_model, max_diff, train_master_reference, train_torch
 
 pytestmark = pytest.mark.cuda
@@ -23,19 +25,22 @@ def _pair(seed=0, **kw):
     return ref, clone(ref)
 
 
-@pytest.mark.parametrize("kw, torch_kw", [
-    ({}, {}),
-    (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
-    (dict(accumulation_steps=3), dict(accumulation=3)),
-    (dict(bucket_bytes=8192), {}),
-])
+@pytest.mark.parametrize(
+    "kw, torch_kw",
+    [
+        ({}, {}),
+        (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
+        (dict(accumulation_steps=3), dict(accumulation=3)),
+        (dict(bucket_bytes=8192), {}),
+    ],
+)
 def test_parity_with_torch(kw, torch_kw):
     ref, model = _pair(n_blocks=4)
     data = batches(24, device=DEV)
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
-                                       foreach=False), data, **torch_kw)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                         weight_decay=0.05), **kw)
+    train_torch(
+        ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05, foreach=False), data, **torch_kw
+    )
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05), **kw)
     assert opt._engine.dev.type == "cuda"
     train_torch(model, opt, data, accumulation=torch_kw.get("accumulation", 1))
     opt.synchronize()
@@ -56,8 +61,7 @@ def test_low_precision_model_fp32_master(dtype, deterministic):
     ref, model = _pair(dtype=dtype)
     data = batches(20, device=DEV)
     masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
-                                                         weight_decay=0.01))
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01))
     train_torch(model, opt, data)
     masters = opt.master_weights()
     assert max(float((a - b.cpu()).abs().max()) for a, b in zip(masters, masters_ref)) < 1e-5
@@ -85,8 +89,9 @@ def test_gradients_and_state_live_in_host_ram():
     model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(16)]).to(DEV)
     weights = sum(p.numel() * 4 for p in model.parameters())
     x = torch.randn(64, d, device=DEV)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                offload=True, bucket_bytes=8 << 20)
+    model, opt = wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), offload=True, bucket_bytes=8 << 20
+    )
     for _ in range(3):
         model(x).square().mean().backward()
         opt.step()
@@ -118,7 +123,7 @@ def test_guard_waits_on_gpu():
     model(x, y).backward()
     opt.step()
     w = model.blocks[1].fc1.weight
-    got = (w * 1.0).detach().cpu()      # waits for the update and its H2D copy
+    got = (w * 1.0).detach().cpu()  # waits for the update and its H2D copy
     assert torch.allclose(got, ref.blocks[1].fc1.weight.detach().cpu(), atol=1e-5, rtol=0)
 
 
@@ -140,19 +145,27 @@ def test_to_cpu_and_back_and_wrong_device_error():
 
 
 @pytest.mark.parametrize("mode", ["gpu", "auto"])
-@pytest.mark.parametrize("kw, torch_kw", [
-    ({}, {}),
-    (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
-    (dict(accumulation_steps=2), dict(accumulation=2)),
-])
+@pytest.mark.parametrize(
+    "kw, torch_kw",
+    [
+        ({}, {}),
+        (dict(max_grad_norm=0.05), dict(max_grad_norm=0.05)),
+        (dict(accumulation_steps=2), dict(accumulation=2)),
+    ],
+)
 def test_gpu_and_auto_modes_match_torch(mode, kw, torch_kw):
     ref, model = _pair(n_blocks=4)
     data = batches(16, device=DEV)
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05,
-                                       foreach=False), data, **torch_kw)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                         weight_decay=0.05),
-                                optimizer_mode=mode, bucket_bytes=8192, **kw)
+    train_torch(
+        ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05, foreach=False), data, **torch_kw
+    )
+    model, opt = wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05),
+        optimizer_mode=mode,
+        bucket_bytes=8192,
+        **kw,
+    )
     if mode == "gpu":
         assert opt._engine.mapped_numel == sum(b.numel for b in opt._engine.buckets)
     train_torch(model, opt, data, accumulation=torch_kw.get("accumulation", 1))
@@ -160,15 +173,16 @@ def test_gpu_and_auto_modes_match_torch(mode, kw, torch_kw):
     assert max_diff(ref, model) < 1e-5
     b = opt._engine.buckets[0]
     if b.placement == "mapped":
-        assert b.exp_avg.is_pinned() and b.master is None     # fp32 weights are the master
+        assert b.exp_avg.is_pinned() and b.master is None  # fp32 weights are the master
 
 
 def test_gpu_mode_low_precision_model_and_conversion(deterministic):
     ref, model = _pair(dtype=torch.bfloat16)
     data = batches(12, device=DEV)
     masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
-                                                         weight_decay=0.01), optimizer_mode="gpu")
+    model, opt = wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01), optimizer_mode="gpu"
+    )
     train_torch(model, opt, data)
     masters = opt.master_weights()
     assert max(float((a - b.cpu()).abs().max()) for a, b in zip(masters, masters_ref)) < 1e-5
@@ -178,14 +192,13 @@ def test_gpu_mode_fp32_master_survives_half_and_back():
     ref, model = _pair()
     data = batches(6, device=DEV)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False), data)
-    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                optimizer_mode="gpu")
+    model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), optimizer_mode="gpu")
     train_torch(model, opt, data[:3])
     before = [m.clone() for m in opt.master_weights()]
     model.half()
     model.float()
     for m, p in zip(before, model.parameters()):
-        assert torch.equal(p.detach().cpu(), m.view_as(p))      # not rounded through fp16
+        assert torch.equal(p.detach().cpu(), m.view_as(p))  # not rounded through fp16
     train_torch(model, opt, data[3:])
     opt.synchronize()
     assert max_diff(ref, model) < 1e-5
@@ -209,8 +222,9 @@ def test_activation_paging_through_wrap_is_exact_and_auto_decides(deterministic)
     runs = []
     for setting in (False, True, "auto"):
         m = clone(base)
-        m, opt = wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3),
-                      activation_offload=setting, min_offload_bytes=0)
+        m, opt = wrap(
+            m, torch.optim.AdamW(m.parameters(), lr=1e-3), activation_offload=setting, min_offload_bytes=0
+        )
         runs.append((m, train_torch(m, opt, data)))
         opt.synchronize()
     (plain, l0), (paged, l1), (auto, _) = runs

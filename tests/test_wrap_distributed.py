@@ -1,4 +1,5 @@
 """Data parallel over gloo with the CPU engine: two ranks equal one process on the full batch."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 gloo reduces and broadcasts CUDA tensors through pinned host copies ordered against the caller's
 current stream, so the engine's CUDA path runs unchanged on it; NCCL would need one GPU per rank.
 """
+
 from __future__ import annotations
 
 import pytest

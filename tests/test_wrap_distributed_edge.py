@@ -5,19 +5,44 @@ all (module fixtures). An fp32 model is compared with torch.optim.AdamW on the f
 bf16/fp16 model (whose ranks' gradients are summed in its own dtype) with the same arithmetic
 done in one process: fp32 masters, torch's fused AdamW on (g_0 + g_1) / 2.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import ramstream
-from _dist_edge_helpers import (ACCUM_MICRO, ACCUM_STEP_AFTER, BRANCH_RUNS, LR, REFROZEN, WD,
-                                Branchy, accum_model, branch_data, branch_extra, groups_of,
-                                params, run_ranks, sched_lambda, shard)
+
+from _dist_edge_helpers import (
+    ACCUM_MICRO,
+    ACCUM_STEP_AFTER,
+    BRANCH_RUNS,
+    LR,
+    REFROZEN,
+    WD,
+    Branchy,
+    accum_model,
+    branch_data,
+    branch_extra,
+    groups_of,
+    params,
+    run_ranks,
+    sched_lambda,
+    shard,
+)
 from _models import batches, make_model
 
-TWO = ["accum", "branch", "resume", "resume_bf16_moments", "torch_state", "lowp", "convert",
-       "unwrap", "refreeze"]
+TWO = [
+    "accum",
+    "branch",
+    "resume",
+    "resume_bf16_moments",
+    "torch_state",
+    "lowp",
+    "convert",
+    "unwrap",
+    "refreeze",
+]
 THREE = ["three", "one_bucket"]
 
 
@@ -63,7 +88,7 @@ def _torch_full_batch(steps, b, *, clip=None, accumulation=1, seed=0):
     norms = []
     data = batches(steps * accumulation, b=b)
     for i in range(steps):
-        for x, y in data[i * accumulation:(i + 1) * accumulation]:
+        for x, y in data[i * accumulation : (i + 1) * accumulation]:
             ref(x, y).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
@@ -105,9 +130,10 @@ def test_accumulation_clipping_groups_scheduler_and_frozen_parameter(two):
     norms = []
     for i, (x, y) in enumerate(batches(ACCUM_MICRO, b=8)):
         ref(x, y).backward()
-        if i in ACCUM_STEP_AFTER:     # the last window is one micro-batch short
-            norms.append(float(torch.nn.utils.clip_grad_norm_(
-                [p for p in ref.parameters() if p.requires_grad], 0.3)))
+        if i in ACCUM_STEP_AFTER:  # the last window is one micro-batch short
+            norms.append(
+                float(torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.3))
+            )
             opt.step()
             opt.zero_grad()
             sched.step()
@@ -135,8 +161,7 @@ def test_gradient_on_one_rank_only_and_on_none(two, run):
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
     k = kw.get("accumulation_steps", 1)
     for i, (x, y) in enumerate(branch_data(4, 2)):
-        sum(ref(shard(x, r, 2), shard(y, r, 2), branch_extra(i, r)) for r in range(2)).div(2) \
-            .backward()
+        sum(ref(shard(x, r, 2), shard(y, r, 2), branch_extra(i, r)) for r in range(2)).div(2).backward()
         if (i + 1) % k == 0:
             for p in ref.parameters():
                 if p.grad is None:
@@ -185,10 +210,14 @@ def test_state_dicts_agree_on_every_rank_and_resume_exactly(two, name):
     # bf16 moments (stochastic rounding): the same arithmetic in one ramstream process, the two
     # halves as micro-batches of half weight, is bit-identical
     model = make_model(0, n_blocks=2)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR,
-                                                         weight_decay=WD),
-                                device="cpu", bucket_bytes=1 << 13, moment_dtype="bfloat16",
-                                accumulation_steps=2)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        device="cpu",
+        bucket_bytes=1 << 13,
+        moment_dtype="bfloat16",
+        accumulation_steps=2,
+    )
     for x, y in batches(5, b=8):
         for r in range(2):
             (model(shard(x, r, 2), shard(y, r, 2)) * 0.5).backward()
@@ -234,7 +263,7 @@ def test_parameters_frozen_after_wrap_then_unfrozen(two):
 
 def test_three_ranks_with_buckets_smaller_than_a_parameter(three):
     res = _get(three, "three")
-    assert max(res[0]["bucket_numel"]) * 4 > 4096           # fc1/fc2 get a bucket each
+    assert max(res[0]["bucket_numel"]) * 4 > 4096  # fc1/fc2 get a bucket each
     assert sorted(n for r in res for n in r["owned"]) == sorted(res[0]["bucket_numel"])
     assert all(r["owned"] for r in res)
     ref, norms, opt = _torch_full_batch(2, 12, clip=0.3, accumulation=2)
@@ -243,8 +272,9 @@ def test_three_ranks_with_buckets_smaller_than_a_parameter(three):
         _same_state(r["state"], res[0]["state"])
         assert r["norms"] == pytest.approx(norms, rel=1e-5)
     _close(res[0]["params"], ref.parameters())
-    model, single = ramstream.wrap(make_model(0, n_blocks=2), device="cpu", bucket_bytes=4096,
-                                   accumulation_steps=2)
+    model, single = ramstream.wrap(
+        make_model(0, n_blocks=2), device="cpu", bucket_bytes=4096, accumulation_steps=2
+    )
     total = ramstream.memory_report(model)["optimizer"]["host_state_bytes"]
     single.close()
     assert sum(r["host_state_bytes"] for r in res) == total

@@ -1,12 +1,14 @@
 """Dtype round trips while wrapped (fp32 -> bf16/fp16 -> fp32, also between micro-batches),
 unwrap() then wrap() again, an unsupported dtype. The reference is torch's fused CPU AdamW on
 fp32 master copies whose working copy is the master cast to the model's dtype: bit-identical."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import ramstream
+
 from _models import batches, clone, make_model
 
 
@@ -15,8 +17,7 @@ class MasterRef:
 
     def __init__(self, model, **kw) -> None:
         self.model = model
-        self.masters = [p.detach().float().clone().requires_grad_(True)
-                        for p in model.parameters()]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
         self.opt = torch.optim.AdamW(self.masters, fused=True, **kw)
 
     def backward(self, x, y) -> None:
@@ -58,9 +59,12 @@ def _check_exact(ref: MasterRef, model, opt) -> None:
 def _pair(**options):
     model = make_model(0, n_blocks=2)
     ref = MasterRef(clone(model), lr=3e-3, weight_decay=0.05)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                         weight_decay=0.05),
-                                bucket_bytes=1 << 13, **options)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05),
+        bucket_bytes=1 << 13,
+        **options,
+    )
     return ref, model, opt
 
 
@@ -94,7 +98,7 @@ def test_conversion_between_micro_batches_is_exact():
     ref, model, opt = _pair(accumulation_steps=2)
     data = batches(8)
     for i in range(0, 8, 2):
-        for j, (x, y) in enumerate(data[i:i + 2]):
+        for j, (x, y) in enumerate(data[i : i + 2]):
             if i == 2 and j == 1:
                 ref.convert(torch.bfloat16)
                 model.bfloat16()
@@ -115,12 +119,12 @@ def test_unwrap_then_wrap_again_continues_exactly():
     _steps(ref, model, opt, data[:3])
     plain = ramstream.unwrap(model)
     x, y = data[3]
-    ref.backward(x, y)                    # one plain torch step in between, the user's own
+    ref.backward(x, y)  # one plain torch step in between, the user's own
     ref.step()
     topt = torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.05, fused=True)
     topt.load_state_dict(opt.state_dict())
     for g in topt.param_groups:
-        assert g["fused"] is None             # as torch.optim.AdamW's defaults save it
+        assert g["fused"] is None  # as torch.optim.AdamW's defaults save it
         g["fused"] = True
     plain(x, y).backward()
     topt.step()
@@ -129,7 +133,7 @@ def test_unwrap_then_wrap_again_continues_exactly():
     _steps(ref, model, opt2, data[4:6])
     _check_exact(ref, model, opt2)
     ramstream.unwrap(model)
-    model, opt3 = ramstream.wrap(model, opt2)     # the closed OffloadAdamW's state migrates
+    model, opt3 = ramstream.wrap(model, opt2)  # the closed OffloadAdamW's state migrates
     _steps(ref, model, opt3, data[6:])
     _check_exact(ref, model, opt3)
 

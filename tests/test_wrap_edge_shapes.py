@@ -1,6 +1,7 @@
 """Parameter shapes and bucket layouts the GPT models do not have: empty, one-element and 0-dim
 parameters, non-contiguous ones, a single parameter, many tiny ones, buckets smaller than one
 parameter. Each host update is bit-identical to torch's fused CPU AdamW."""
+
 from __future__ import annotations
 
 import copy
@@ -17,9 +18,9 @@ class Odd(torch.nn.Module):
         self.empty = torch.nn.Parameter(torch.randn(0, 4))
         self.scalar = torch.nn.Parameter(torch.randn(()))
         self.one = torch.nn.Parameter(torch.randn(1))
-        self.t = torch.nn.Parameter(torch.randn(12, 8).t())          # non-contiguous
+        self.t = torch.nn.Parameter(torch.randn(12, 8).t())  # non-contiguous
         self.tiny = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(3)) for _ in range(40))
-        self.big = torch.nn.Parameter(torch.randn(8, 300) / 10)       # 9600 bytes
+        self.big = torch.nn.Parameter(torch.randn(8, 300) / 10)  # 9600 bytes
 
     def forward(self, x, y):
         h = (x @ self.t) * self.scalar + self.one
@@ -58,14 +59,17 @@ def test_odd_shapes_are_bit_identical_to_fused_torch(bucket_bytes, accumulation)
     ref = _contiguous_copy(model)
     data = _data(8)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2,
-                                                         weight_decay=0.1),
-                                bucket_bytes=bucket_bytes, accumulation_steps=accumulation)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        bucket_bytes=bucket_bytes,
+        accumulation_steps=accumulation,
+    )
     if bucket_bytes == 4096:
         assert len(opt._engine.buckets) > 2
     for m, o in ((ref, ropt), (model, opt)):
         for i in range(0, len(data), accumulation):
-            for x, y in data[i:i + accumulation]:
+            for x, y in data[i : i + accumulation]:
                 (m(x, y) / accumulation).backward()
             o.step()
             o.zero_grad()
@@ -90,14 +94,13 @@ def test_state_dict_round_trip_through_torch_with_odd_shapes():
     ref = _contiguous_copy(model)
     data = _data(8)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                bucket_bytes=4096)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), bucket_bytes=4096)
     _train(ref, ropt, data[:4])
-    opt.load_state_dict(copy.deepcopy(ropt.state_dict()))   # torch's, into ramstream
+    opt.load_state_dict(copy.deepcopy(ropt.state_dict()))  # torch's, into ramstream
     model.load_state_dict(ref.state_dict())
     _train(ref, ropt, data[4:6])
     _train(model, opt, data[4:6])
-    plain = copy.deepcopy(ref)                               # and ramstream's back into torch
+    plain = copy.deepcopy(ref)  # and ramstream's back into torch
     plain.load_state_dict(model.state_dict())
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
     popt.load_state_dict(copy.deepcopy(opt.state_dict()))

@@ -1,6 +1,7 @@
 """State dicts in corner cases: param groups with their own lr/weight_decay, frozen parameters,
 a branch that gets no gradient in some steps, tied weights, accumulation windows, partial
 torch checkpoints, exact resume into a fresh wrap()."""
+
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import ramstream
+
 from _models import TinyGPT, batches, clone, max_diff
 
 TOL = 1e-5
@@ -36,15 +38,17 @@ class Branchy(TinyGPT):
 def _model(seed=0):
     torch.manual_seed(seed)
     m = Branchy()
-    m.blocks[0].fc1.bias.requires_grad_(False)      # frozen, yet in the optimizer's groups
+    m.blocks[0].fc1.bias.requires_grad_(False)  # frozen, yet in the optimizer's groups
     return m
 
 
 def _groups(model):
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     other = [p for n, p in model.named_parameters() if p.ndim != 2]
-    return [{"params": decay, "lr": 3e-3, "weight_decay": 0.1},
-            {"params": other, "lr": 1e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
+    return [
+        {"params": decay, "lr": 3e-3, "weight_decay": 0.1},
+        {"params": other, "lr": 1e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+    ]
 
 
 def _adamw(model, **kw):
@@ -55,7 +59,7 @@ def _run(model, opt, data, start, stop, accumulation=1):
     """Steps start..stop; the aux branch is used in even steps only."""
     for i in range(start, stop):
         model.use_aux = i % 2 == 0
-        for x, y in data[i * accumulation:(i + 1) * accumulation]:
+        for x, y in data[i * accumulation : (i + 1) * accumulation]:
             model(x, y).backward()
         opt.step()
         opt.zero_grad()
@@ -97,7 +101,7 @@ def test_state_dict_mid_accumulation_is_the_last_step_and_resume_is_exact():
     a, aopt = ramstream.wrap(a, _adamw(a), accumulation_steps=2, bucket_bytes=1 << 13)
     _run(a, aopt, data, 0, 3, accumulation=2)
     a.use_aux = False
-    a(*data[6]).backward()                 # micro-batch 1 of 2 of step 3
+    a(*data[6]).backward()  # micro-batch 1 of 2 of step 3
     buf = io.BytesIO()
     torch.save({"model": a.state_dict(), "opt": aopt.state_dict()}, buf)
     a(*data[7]).backward()
@@ -105,14 +109,14 @@ def test_state_dict_mid_accumulation_is_the_last_step_and_resume_is_exact():
     aopt.zero_grad()
     _run(a, aopt, data, 4, 8, accumulation=2)
 
-    ref = _model()                         # torch: the same three steps
+    ref = _model()  # torch: the same three steps
     ropt = _adamw(ref, foreach=False)
     _run(ref, ropt, data, 0, 3, accumulation=2)
     buf.seek(0)
     ck = torch.load(buf)
     _assert_state_close(ck["opt"], ropt.state_dict())
 
-    c = _model(7)                          # fresh weights, replaced by the checkpoint's
+    c = _model(7)  # fresh weights, replaced by the checkpoint's
     c, copt = ramstream.wrap(c, _adamw(c), accumulation_steps=2, bucket_bytes=1 << 13)
     c.load_state_dict(ck["model"])
     copt.load_state_dict(ck["opt"])
@@ -138,8 +142,8 @@ def test_load_state_dict_between_micro_batches_matches_torch():
     for m, o in ((ref, ropt), (model, opt)):
         _run(m, o, data, 0, 2, accumulation=2)
         m.use_aux = True
-        m(*data[4]).backward()             # this micro-batch's gradients are kept
-        o.load_state_dict(copy.deepcopy(other))   # torch steps the loaded tensors in place
+        m(*data[4]).backward()  # this micro-batch's gradients are kept
+        o.load_state_dict(copy.deepcopy(other))  # torch steps the loaded tensors in place
         m(*data[5]).backward()
         o.step()
         o.zero_grad()
@@ -153,19 +157,22 @@ def test_torch_checkpoint_without_state_for_some_params_loads_and_continues():
     data = batches(10)
     ref = _model()
     ropt = _adamw(ref, foreach=False)
-    ref.use_aux = False                    # aux never used: torch has no state for it
+    ref.use_aux = False  # aux never used: torch has no state for it
     for x, y in data[:3]:
         ref(x, y).backward()
         ropt.step()
         ropt.zero_grad()
     sd = ropt.state_dict()
-    aux_ids = {i for i, p in enumerate(p for g in ropt.param_groups for p in g["params"])
-               if p is ref.aux.weight or p is ref.aux.bias}
+    aux_ids = {
+        i
+        for i, p in enumerate(p for g in ropt.param_groups for p in g["params"])
+        if p is ref.aux.weight or p is ref.aux.bias
+    }
     assert aux_ids and not aux_ids & set(sd["state"])
 
     model = clone(ref)
     model, opt = ramstream.wrap(model, _adamw(model))
-    _run(model, opt, data, 0, 2)           # aux now has state that the load must clear
+    _run(model, opt, data, 0, 2)  # aux now has state that the load must clear
     opt.load_state_dict(sd)
     model.load_state_dict(ref.state_dict())
     _assert_state_close(opt.state_dict(), sd, exact=True)
@@ -180,7 +187,7 @@ def test_wrap_migrates_partial_torch_state_with_groups():
     data = batches(9)
     ref = _model()
     ropt = _adamw(ref, foreach=False)
-    _run(ref, ropt, data, 1, 4)            # odd first: aux has fewer steps than the rest
+    _run(ref, ropt, data, 1, 4)  # odd first: aux has fewer steps than the rest
     model = clone(ref)
     topt = _adamw(model)
     topt.load_state_dict(ropt.state_dict())

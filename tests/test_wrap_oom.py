@@ -2,6 +2,7 @@
 injected torch.OutOfMemoryError at each fault point (ramstream._faults); on the GPU a real one
 under a per-process memory cap. Weights and optimizer state must be bit-equal to before the step,
 the step's host and device buffers released, and the next (smaller) step must train as torch."""
+
 from __future__ import annotations
 
 import gc
@@ -12,6 +13,7 @@ import torch
 import ramstream
 import ramstream.engine.resident as resident_mod
 from ramstream import _faults
+
 from _models import batches, clone, make_model, max_diff, train_torch
 
 LR = 3e-3
@@ -21,28 +23,38 @@ def _wrap(device="cpu", **options):
     base = make_model(0, n_blocks=3)
     model = clone(base).to(device)
     options.setdefault("activation_offload", True)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR),
-                                device=device, bucket_bytes=1 << 14, min_offload_bytes=0,
-                                **options)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        device=device,
+        bucket_bytes=1 << 14,
+        min_offload_bytes=0,
+        **options,
+    )
     return base, model, opt
 
 
 def _snapshot(model, opt):
     opt.synchronize()
     sd = opt.state_dict()["state"]
-    return ([m.clone() for m in opt.master_weights()],
-            [p.detach().clone() for p in model.parameters()],
-            {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), float(v["step"]))
-             for k, v in sd.items()})
+    return (
+        [m.clone() for m in opt.master_weights()],
+        [p.detach().clone() for p in model.parameters()],
+        {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), float(v["step"])) for k, v in sd.items()},
+    )
 
 
 def _same(a, b) -> bool:
     if a[2].keys() != b[2].keys():
         return False
-    return (all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-            and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-            and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
-                    for x, y in ((a[2][k], b[2][k]) for k in a[2])))
+    return (
+        all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+        and all(
+            torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
+            for x, y in ((a[2][k], b[2][k]) for k in a[2])
+        )
+    )
 
 
 def _held(model) -> dict:
@@ -51,8 +63,10 @@ def _held(model) -> dict:
     gc.collect()
     w = model._ramstream
     pool = w.activations.off.stats() if w.activations is not None else {}
-    out = {"arena_in_use": ramstream.memory_stats()["bytes_in_use"],
-           "pool_in_use": pool.get("host_bytes_in_use", 0)}
+    out = {
+        "arena_in_use": ramstream.memory_stats()["bytes_in_use"],
+        "pool_in_use": pool.get("host_bytes_in_use", 0),
+    }
     dev = w.optimizer._engine.device
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -87,15 +101,19 @@ CASES = {
     "activations.pack": [({}, 5)],
     "activations.buffer": [({}, 2)],
     "backward.grad_hook": [(dict(max_grad_norm=1.0), 6), (dict(eager_updates=False), 3)],
-    "backward.landing": [(dict(max_grad_norm=1.0), 6),
-                         (dict(eager_updates=False, accumulation_steps=2), 20)],
+    "backward.landing": [(dict(max_grad_norm=1.0), 6), (dict(eager_updates=False, accumulation_steps=2), 20)],
     "activations.unpack": [(dict(max_grad_norm=1.0), 4), (dict(eager_updates=False), 10)],
     "step.begin": [(dict(max_grad_norm=1.0), 0), (dict(eager_updates=False), 0)],
-    "step.updates": [(dict(max_grad_norm=1.0), 0),
-                     (dict(eager_updates=False, accumulation_steps=2, moment_dtype="bf16"), 0)],
+    "step.updates": [
+        (dict(max_grad_norm=1.0), 0),
+        (dict(eager_updates=False, accumulation_steps=2, moment_dtype="bf16"), 0),
+    ],
 }
-PARAMS = [pytest.param(point, opts, skip, id=f"{point}-{i}")
-          for point, cases in CASES.items() for i, (opts, skip) in enumerate(cases)]
+PARAMS = [
+    pytest.param(point, opts, skip, id=f"{point}-{i}")
+    for point, cases in CASES.items()
+    for i, (opts, skip) in enumerate(cases)
+]
 
 
 @pytest.mark.parametrize("point, options, skip", PARAMS)
@@ -103,7 +121,7 @@ def test_oom_at_each_point_leaves_the_step_undone(point, options, skip):
     k = options.get("accumulation_steps", 1)
     small, big = batches(3, b=2), batches(1, b=8, seed=7)[0]
     base, model, opt = _wrap(**options)
-    _step(model, opt, small[0], k)                  # warm: pool buffers and state exist
+    _step(model, opt, small[0], k)  # warm: pool buffers and state exist
     before, held = _snapshot(model, opt), _held(model)
     with _faults.inject(point, skip=skip) as info:
         _fails(model, opt, big, k)
@@ -120,8 +138,13 @@ def test_oom_at_each_point_leaves_the_step_undone(point, options, skip):
     assert _same(_snapshot(ref_model, ref_opt), _snapshot(model, opt))
     ref = clone(base)
     data = [b for b in small for _ in range(k)]
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False), data,
-                accumulation=k, max_grad_norm=options.get("max_grad_norm"))
+    train_torch(
+        ref,
+        torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False),
+        data,
+        accumulation=k,
+        max_grad_norm=options.get("max_grad_norm"),
+    )
     assert max_diff(ref, model) < (1e-2 if options.get("moment_dtype") else 1e-6)
 
 
@@ -175,8 +198,12 @@ def test_oom_in_a_resident_step(roomy, options):
     for b in data[2:]:
         _step(model, opt, b)
     ref = clone(base)
-    train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False), data,
-                max_grad_norm=options.get("max_grad_norm"))
+    train_torch(
+        ref,
+        torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False),
+        data,
+        max_grad_norm=options.get("max_grad_norm"),
+    )
     assert max_diff(ref, model) < 1e-6
 
 
@@ -207,11 +234,17 @@ def _gpu_model():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", [
-    dict(max_grad_norm=1.0, activation_offload=True), dict(eager_updates=False),
-    dict(max_grad_norm=1.0, optimizer_mode="gpu")], ids=["clip+paging", "deferred", "mapped"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_grad_norm=1.0, activation_offload=True),
+        dict(eager_updates=False),
+        dict(max_grad_norm=1.0, optimizer_mode="gpu"),
+    ],
+    ids=["clip+paging", "deferred", "mapped"],
+)
 def test_real_oom_on_the_gpu(options):
-    torch.use_deterministic_algorithms(True, warn_only=True)   # embedding backward: atomics
+    torch.use_deterministic_algorithms(True, warn_only=True)  # embedding backward: atomics
     dev = torch.device("cuda")
     torch.cuda.empty_cache()
     base = _gpu_model()
@@ -220,18 +253,21 @@ def test_real_oom_on_the_gpu(options):
     g = torch.Generator().manual_seed(3)
 
     def batch(b, t=256):
-        return (torch.randint(0, 512, (b, t), generator=g).to(dev),
-                torch.randint(0, 512, (b, t), generator=g).to(dev))
+        return (
+            torch.randint(0, 512, (b, t), generator=g).to(dev),
+            torch.randint(0, 512, (b, t), generator=g).to(dev),
+        )
 
     small = [batch(2) for _ in range(3)]
     _step(model, opt, small[0])
     torch.cuda.synchronize()
     free_cap = (torch.cuda.memory_reserved() + (256 << 20)) / torch.cuda.get_device_properties(
-        dev).total_memory
+        dev
+    ).total_memory
     torch.cuda.set_per_process_memory_fraction(free_cap, dev)
     try:
         before, held = _snapshot(model, opt), _held(model)
-        _fails(model, opt, batch(512))                 # activations of 512 x 256 tokens: OOM
+        _fails(model, opt, batch(512))  # activations of 512 x 256 tokens: OOM
         assert _same(before, _snapshot(model, opt))
         assert _held(model) == held
         for b in small[1:]:
@@ -244,4 +280,4 @@ def test_real_oom_on_the_gpu(options):
     for b in small:
         _step(ref_model, ref_opt, b)
     ref_opt.synchronize()
-    assert max_diff(ref_model, model) < 1e-6      # the same run without the failed step
+    assert max_diff(ref_model, model) < 1e-6  # the same run without the failed step

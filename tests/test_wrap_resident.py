@@ -3,6 +3,7 @@ exercised on the CPU: a patched device_memory() (fixture `roomy`) lets the CPU e
 never does by itself). The resident run must go on bit for bit as the offloaded run
 (offload=True) does, and as torch.optim.AdamW(fused=True) for an fp32 model (the host kernel's
 contract, docs/NUMERICS.md)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,10 @@ def roomy(monkeypatch):
 def _groups(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1},
-            {"params": rest, "weight_decay": 0.0, "lr": 2 * LR, "betas": (0.8, 0.99)}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": rest, "weight_decay": 0.0, "lr": 2 * LR, "betas": (0.8, 0.99)},
+    ]
 
 
 def _wrap(dtype=torch.float32, freeze=False, **options):
@@ -55,16 +58,15 @@ def test_switch_keeps_training_exact_with_scheduler_and_clipping(roomy):
     ropt = torch.optim.AdamW(_groups(ref), lr=3e-3, foreach=False)
     rs = torch.optim.lr_scheduler.StepLR(ropt, step_size=3, gamma=0.5)
     train_torch(ref, ropt, data, scheduler=rs, max_grad_norm=0.1)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(_groups(model), lr=3e-3),
-                                max_grad_norm=0.1)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(_groups(model), lr=3e-3), max_grad_norm=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     train_torch(model, opt, data[:2], scheduler=sched)
     assert opt.resident
     assert any("switching to fused AdamW" in e for e in ramstream.memory_report(model)["events"])
-    assert all(type(p) is torch.nn.Parameter for p in model.parameters())   # no guard needed
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # no guard needed
     train_torch(model, opt, data[2:], scheduler=sched)
     assert max_diff(ref, model) < 1e-5
-    sd = opt.state_dict()      # torch's format from the device-side state
+    sd = opt.state_dict()  # torch's format from the device-side state
     plain = clone(ref)
     topt = torch.optim.AdamW(_groups(plain), lr=3e-3, foreach=False)
     topt.load_state_dict(sd)
@@ -76,8 +78,7 @@ def test_switch_keeps_bf16_model_masters_and_bf16_moments(roomy):
     model = clone(ref)
     data = batches(8)
     masters_ref = train_master_reference(ref, data, lr=2e-3, weight_decay=0.01)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3,
-                                                         weight_decay=0.01))
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01))
     train_torch(model, opt, data)
     assert opt.resident
     got = opt.master_weights()
@@ -95,8 +96,7 @@ def test_bf16_moments_after_switch_against_torch_fp32_moments(roomy):
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
     train_torch(ref, ropt, data)
     model = make_model(0)
-    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                                moment_dtype="bf16")
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr), moment_dtype="bf16")
     train_torch(model, opt, data[:2])
     assert opt.resident
     train_torch(model, opt, data[2:])
@@ -106,7 +106,7 @@ def test_bf16_moments_after_switch_against_torch_fp32_moments(roomy):
         for key in ("exp_avg", "exp_avg_sq"):
             got, want = sd[i][key], rsd[i][key]
             assert got.dtype == torch.float32
-            assert torch.equal(got, got.to(torch.bfloat16).float())          # on the bf16 grid
+            assert torch.equal(got, got.to(torch.bfloat16).float())  # on the bf16 grid
             # relative to the whole tensor (moments cross zero): a bf16 ulp is 2**-7 relative,
             # measured 2**-7.8 here; 2**-6 leaves room for the weights diverging slightly
             rel = float((got - want).norm() / want.norm())
@@ -162,15 +162,22 @@ def test_switch_after_exactly_two_steps_and_report(roomy):
     train_torch(model, opt, data[4:], accumulation=2)
     rep = ramstream.memory_report(model)["optimizer"]
     assert rep["resident"] and rep["stats"]["steps"] == 4
-    assert rep["host_state_bytes"] == 0 and rep["landing_bytes"] == 0   # state left the host
+    assert rep["host_state_bytes"] == 0 and rep["landing_bytes"] == 0  # state left the host
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("options", [
-    {}, dict(moment_dtype="bf16"), dict(accumulation_steps=3), dict(max_grad_norm=0.05),
-    dict(accumulation_steps=2, max_grad_norm=0.05, moment_dtype="bf16")],
-    ids=["plain", "bf16-moments", "accumulate", "clip", "accumulate+clip+bf16-moments"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(moment_dtype="bf16"),
+        dict(accumulation_steps=3),
+        dict(max_grad_norm=0.05),
+        dict(accumulation_steps=2, max_grad_norm=0.05, moment_dtype="bf16"),
+    ],
+    ids=["plain", "bf16-moments", "accumulate", "clip", "accumulate+clip+bf16-moments"],
+)
 def test_resident_goes_on_as_the_offloaded_run(roomy, dtype, options):
     """fp32 masters of low-precision models, fp32 sums of micro-batches, clipping by the norm
     accumulated in double, bf16 moments by ramstream's kernel: nothing changes at the switch."""
@@ -186,8 +193,7 @@ def test_resident_goes_on_as_the_offloaded_run(roomy, dtype, options):
     assert _same(m_a.parameters(), m_b.parameters())
     assert _same(o_a.master_weights(), o_b.master_weights())
     sa, sb = o_a.state_dict(), o_b.state_dict()
-    frozen = [id(p) for g in o_a.param_groups for p in g["params"]].index(
-        id(m_a.blocks[0].ln.weight))
+    frozen = [id(p) for g in o_a.param_groups for p in g["params"]].index(id(m_a.blocks[0].ln.weight))
     assert sa["state"].keys() == sb["state"].keys() and frozen not in sa["state"]
     for i in sa["state"]:
         assert _same(sa["state"][i].values(), sb["state"][i].values())
@@ -202,8 +208,9 @@ def test_fp32_matches_torch_fused_adamw_with_groups_scheduler_frozen(roomy, sche
     model = make_model(0, n_blocks=2)
     model.blocks[0].ln.weight.requires_grad_(False)
     given = torch.optim.AdamW(_groups(model), lr=LR)
-    sched = torch.optim.lr_scheduler.StepLR(given, step_size=2, gamma=0.5) \
-        if scheduler_at == "before" else None
+    sched = (
+        torch.optim.lr_scheduler.StepLR(given, step_size=2, gamma=0.5) if scheduler_at == "before" else None
+    )
     model, opt = ramstream.wrap(model, given, accumulation_steps=k)
     if sched is None:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -215,7 +222,7 @@ def test_fp32_matches_torch_fused_adamw_with_groups_scheduler_frozen(roomy, sche
 
 
 def _fused(topt):
-    for g in topt.param_groups:   # a loaded state dict sets fused=None, as torch's own would
+    for g in topt.param_groups:  # a loaded state dict sets fused=None, as torch's own would
         g["fused"] = True
     return topt
 
@@ -228,18 +235,19 @@ def test_state_dict_round_trip_after_switch_resumes_exactly(roomy):
     train_torch(model, opt, data[:4])
     assert opt.resident
     sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-    assert all(st["exp_avg"].dtype == torch.float32 and float(st["step"]) == 4.0
-               for st in sd["state"].values())
+    assert all(
+        st["exp_avg"].dtype == torch.float32 and float(st["step"]) == 4.0 for st in sd["state"].values()
+    )
     plain = make_model(0, n_blocks=2)
     plain.load_state_dict(msd)
     topt = torch.optim.AdamW(_groups(plain), lr=LR)
-    topt.load_state_dict(copy.deepcopy(sd))     # into torch's AdamW (it keeps what it is given)
+    topt.load_state_dict(copy.deepcopy(sd))  # into torch's AdamW (it keeps what it is given)
     train_torch(plain, _fused(topt), data[4:])
     assert _same(straight.parameters(), plain.parameters())
-    train_torch(model, opt, data[6:])                          # drift, then load both back
+    train_torch(model, opt, data[6:])  # drift, then load both back
     torch_sd = torch.optim.AdamW(_groups(make_model(0, n_blocks=2)), lr=LR)
     torch_sd.load_state_dict(copy.deepcopy(sd))
-    opt.load_state_dict(torch_sd.state_dict())                 # torch's format, from torch
+    opt.load_state_dict(torch_sd.state_dict())  # torch's format, from torch
     model.load_state_dict(msd)
     train_torch(model, opt, data[4:])
     assert _same(straight.parameters(), model.parameters())
@@ -255,8 +263,7 @@ def test_model_load_state_dict_after_switch(roomy, dtype, assign):
     runs = []
     for offload in ("auto", True):
         model = make_model(0, dtype=dtype, n_blocks=2, tied=False)
-        model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR),
-                                    offload=offload)
+        model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), offload=offload)
         train_torch(model, opt, data[:2])
         model.load_state_dict(copy.deepcopy(donor), assign=assign)
         for (name, p), m in zip(model.named_parameters(), opt.master_weights()):
@@ -280,8 +287,8 @@ def test_to_bfloat16_and_back_after_switch(roomy):
         train_torch(model, opt, data[:2])
         before = opt.master_weights()
         model.to(torch.bfloat16)
-        assert _same(before, opt.master_weights())             # the conversion rounds no master
-        train_torch(model, opt, data[2:4])                     # bf16 working copy, fp32 masters
+        assert _same(before, opt.master_weights())  # the conversion rounds no master
+        train_torch(model, opt, data[2:4])  # bf16 working copy, fp32 masters
         model.to(torch.float32)
         assert _same(opt.master_weights(), [p for g in opt.param_groups for p in g["params"]])
         train_torch(model, opt, data[4:])
@@ -296,27 +303,32 @@ def test_to_bfloat16_and_back_after_switch(roomy):
 # the 2e-5 this test had, because torch's fused CUDA AdamW is up to ~80 fp32 units from the exact
 # update (the host AdamW 2.4) and a bf16 model re-rounds every difference (that file's docstring).
 @pytest.mark.cuda
-@pytest.mark.parametrize("options, tol", [
-    (dict(moment_dtype="bf16", max_grad_norm=0.05), 1e-4)],  # ramstream's CUDA kernel, SR
-    ids=["bf16-moments+clip"])
+@pytest.mark.parametrize(
+    "options, tol",
+    [(dict(moment_dtype="bf16", max_grad_norm=0.05), 1e-4)],  # ramstream's CUDA kernel, SR
+    ids=["bf16-moments+clip"],
+)
 def test_resident_goes_on_as_the_offloaded_run_on_the_gpu(roomy, options, tol):
     """On the GPU (norm by cuda_sq_norm): the CUDA updates differ from the host's in last bits."""
     k = options.get("accumulation_steps", 1)
     data = batches(6 * k, device="cuda")
-    torch.use_deterministic_algorithms(True, warn_only=True)   # embedding backward: atomics
+    torch.use_deterministic_algorithms(True, warn_only=True)  # embedding backward: atomics
     try:
         runs = []
         for offload in ("auto", True):
             model = make_model(0, dtype=torch.bfloat16, n_blocks=2).cuda()
-            model, opt = ramstream.wrap(model, torch.optim.AdamW(_groups(model), lr=LR),
-                                        offload=offload, **options)
+            model, opt = ramstream.wrap(
+                model, torch.optim.AdamW(_groups(model), lr=LR), offload=offload, **options
+            )
             train_torch(model, opt, data, accumulation=k)
             runs.append(opt)
     finally:
         torch.use_deterministic_algorithms(False)
     assert runs[0].resident and not runs[1].resident
-    assert max(float((a - b).abs().max()) for a, b in
-               zip(runs[0].master_weights(), runs[1].master_weights())) < tol
+    assert (
+        max(float((a - b).abs().max()) for a, b in zip(runs[0].master_weights(), runs[1].master_weights()))
+        < tol
+    )
 
 
 def test_unwrap_after_switch_leaves_a_plain_model(roomy):
@@ -332,7 +344,7 @@ def test_unwrap_after_switch_leaves_a_plain_model(roomy):
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
-    model(*data[3]).backward()                                 # gradients stay in .grad again
+    model(*data[3]).backward()  # gradients stay in .grad again
     assert all(p.grad is not None for p in model.parameters())
     model.zero_grad()
     topt = torch.optim.AdamW(_groups(model), lr=LR)
@@ -407,7 +419,7 @@ def test_zero_grad_between_backward_and_step_after_switch_skips_the_batch(roomy)
         assert opt.resident
         if skip:
             model(*data[2]).backward()
-            opt.zero_grad()                           # the batch is dropped, as torch drops it
+            opt.zero_grad()  # the batch is dropped, as torch drops it
         train_torch(model, opt, data[3:])
         runs.append(model)
     assert _same(runs[0].parameters(), runs[1].parameters())

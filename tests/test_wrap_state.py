@@ -1,4 +1,5 @@
 """State dicts while wrapped: torch's AdamW format both ways, exact resume, model.state_dict()."""
+
 from __future__ import annotations
 
 import io
@@ -6,12 +7,12 @@ import io
 import torch
 
 import ramstream
+
 from _models import batches, clone, make_model, max_diff, train_torch
 
 
 def _wrapped(model, lr=2e-3, **kw):
-    return ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.02),
-                          **kw)
+    return ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.02), **kw)
 
 
 def test_state_dict_loads_into_torch_adamw_and_continues_identically():
@@ -47,7 +48,7 @@ def test_torch_state_dict_migrates_into_wrap():
     model = clone(ref)
     topt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.02)
     topt.load_state_dict(ropt.state_dict())
-    model, opt = ramstream.wrap(model, topt)     # state migrated at wrap()
+    model, opt = ramstream.wrap(model, topt)  # state migrated at wrap()
     assert float(opt.state_dict()["state"][0]["step"]) == 5.0
     train_torch(model, opt, data[5:])
     train_torch(ref, ropt, data[5:])
@@ -84,9 +85,9 @@ def test_resume_is_bit_exact():
     ramstream.unwrap(b)
     buf.seek(0)
     ck = torch.load(buf)
-    c = make_model(5)                     # different initial weights, overwritten by the load
+    c = make_model(5)  # different initial weights, overwritten by the load
     c, copt = _wrapped(c, max_grad_norm=0.5)
-    c.load_state_dict(ck["model"])        # masters follow the loaded weights
+    c.load_state_dict(ck["model"])  # masters follow the loaded weights
     copt.load_state_dict(ck["opt"])
     train_torch(c, copt, data[4:])
     copt.synchronize()
@@ -101,7 +102,7 @@ def test_model_state_dict_waits_for_pending_updates():
     train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False), data)
     model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     train_torch(model, opt, data)
-    sd = model.state_dict()               # no explicit synchronize
+    sd = model.state_dict()  # no explicit synchronize
     for k, v in ref.state_dict().items():
         assert (sd[k] - v).abs().max() < 1e-5
 

@@ -2,6 +2,7 @@
 
 Usage: python .github/scripts/set_dist_name.py cu12   (both wheels still import as `ramstream`)
 """
+
 from __future__ import annotations
 
 import pathlib

@@ -20,6 +20,7 @@ configuration that runs out of memory reports error "oom" and the next one still
 
 Prints one JSON line per configuration and a table; --out writes the JSON list.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,14 +69,21 @@ def run_config(args, cfg: dict) -> dict:
     cfg["batch"] with cfg["paged"] blocks paged ("all" or a list), returns the measurements."""
     import torch
 
-    base = {"variant": cfg["variant"], "mode": cfg["mode"], "batch": cfg["batch"],
-            "model": args.model, "seq": args.seq, "cap_gib": args.cap_gib, "loss_fn": args.loss,
-            "pid": os.getpid()}
+    base = {
+        "variant": cfg["variant"],
+        "mode": cfg["mode"],
+        "batch": cfg["batch"],
+        "model": args.model,
+        "seq": args.seq,
+        "cap_gib": args.cap_gib,
+        "loss_fn": args.loss,
+        "pid": os.getpid(),
+    }
     try:
         return dict(base, **_train(args, cfg, base))
     except torch.OutOfMemoryError as e:
         return dict(base, ok=False, error="oom", detail=str(e).split("\n")[0][:200])
-    except MemoryError as e:                     # host RAM or the page-lock budget
+    except MemoryError as e:  # host RAM or the page-lock budget
         return dict(base, ok=False, error="host oom", detail=str(e).split("\n")[0][:200])
 
 
@@ -97,8 +105,7 @@ def _train(args, cfg: dict, base: dict) -> dict:
     base["params"] = sum(p.numel() for p in model.parameters())
     off = None
     if cfg["variant"] == "stock":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                fused=dev.type == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=dev.type == "cuda")
     else:
         import ramstream
         from ramstream.activations import ActivationOffloader, find_blocks
@@ -107,8 +114,12 @@ def _train(args, cfg: dict, base: dict) -> dict:
         t0 = time.perf_counter()
         model, opt = ramstream.wrap(model, opt)
         base["wrap_s"] = time.perf_counter() - t0
-        off = ActivationOffloader(find_blocks(model), dev, prefetch_depth=args.prefetch_depth,
-                                  min_offload_bytes=args.min_offload_bytes).attach()
+        off = ActivationOffloader(
+            find_blocks(model),
+            dev,
+            prefetch_depth=args.prefetch_depth,
+            min_offload_bytes=args.min_offload_bytes,
+        ).attach()
         d2h, h2d = _measure_bandwidth(dev)
         base.update(d2h_gbps=d2h, h2d_gbps=h2d)
         paged = cfg.get("paged") or []
@@ -132,7 +143,7 @@ def _train(args, cfg: dict, base: dict) -> dict:
     for i in range(args.warmup + args.steps):
         _sync(dev)
         t0 = time.perf_counter()
-        if inject:                               # test-only: --inject-oom MODE@BATCH
+        if inject:  # test-only: --inject-oom MODE@BATCH
             raise torch.OutOfMemoryError("injected by --inject-oom")
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = loss_fn(x, y)
@@ -146,22 +157,38 @@ def _train(args, cfg: dict, base: dict) -> dict:
             times.append(time.perf_counter() - t0)
     times.sort()
     s = times[len(times) // 2]
-    out = {"ok": True, "s_per_step": s, "tokens_per_s": batch * args.seq / s, "loss": loss_v,
-           "peak_vram_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
-                             if dev.type == "cuda" else None)}
+    out = {
+        "ok": True,
+        "s_per_step": s,
+        "tokens_per_s": batch * args.seq / s,
+        "loss": loss_v,
+        "peak_vram_gib": (torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None),
+    }
     if off is not None:
         st = off.stats()
-        out.update(h2d_stall_s_per_step=st["h2d_stall_s"] / (args.warmup + args.steps),
-                   paged_blocks=len(st["paged_blocks"]),
-                   paged_gib=st["bytes_paged_last_pass"] / 2**30,
-                   host_act_gib=st["host_bytes_held"] / 2**30,
-                   block_bytes=st["block_bytes"])
+        out.update(
+            h2d_stall_s_per_step=st["h2d_stall_s"] / (args.warmup + args.steps),
+            paged_blocks=len(st["paged_blocks"]),
+            paged_gib=st["bytes_paged_last_pass"] / 2**30,
+            host_act_gib=st["host_bytes_held"] / 2**30,
+            block_bytes=st["block_bytes"],
+        )
     return out
 
 
 # ---- the walk, in the parent process (which never touches the device) ---------------------------
-_PASS = ("model", "seq", "cap_gib", "steps", "warmup", "device", "loss", "prefetch_depth",
-         "min_offload_bytes", "inject_oom")
+_PASS = (
+    "model",
+    "seq",
+    "cap_gib",
+    "steps",
+    "warmup",
+    "device",
+    "loss",
+    "prefetch_depth",
+    "min_offload_bytes",
+    "inject_oom",
+)
 
 
 def _spawn(args, cfg: dict) -> dict:
@@ -171,8 +198,14 @@ def _spawn(args, cfg: dict) -> dict:
         v = getattr(args, k)
         if v is not None:
             cmd += ["--" + k.replace("_", "-"), str(v)]
-    base = {"variant": cfg["variant"], "mode": cfg["mode"], "batch": cfg["batch"],
-            "model": args.model, "seq": args.seq, "ok": False}
+    base = {
+        "variant": cfg["variant"],
+        "mode": cfg["mode"],
+        "batch": cfg["batch"],
+        "model": args.model,
+        "seq": args.seq,
+        "ok": False,
+    }
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired as e:
@@ -193,9 +226,14 @@ def _planner(args, unpaged: dict, all_paged: dict) -> tuple[list[int], dict]:
     d2h, h2d = unpaged["d2h_gbps"], unpaged["h2d_gbps"]
     copy_all = sum(copy_seconds(b, d2h, h2d) for b in bb)
     overlap = estimate_overlap(unpaged["s_per_step"], all_paged["s_per_step"], copy_all)
-    idx, info = choose_paged_blocks(bb, unpaged_step_s=unpaged["s_per_step"], d2h_gbps=d2h,
-                                    h2d_gbps=h2d, compute_overlap=overlap,
-                                    max_slowdown=args.max_slowdown)
+    idx, info = choose_paged_blocks(
+        bb,
+        unpaged_step_s=unpaged["s_per_step"],
+        d2h_gbps=d2h,
+        h2d_gbps=h2d,
+        compute_overlap=overlap,
+        max_slowdown=args.max_slowdown,
+    )
     return idx, dict(info, overlap=overlap)
 
 
@@ -214,25 +252,30 @@ def walk(args, emit) -> None:
             if not unpaged["ok"]:
                 continue
             idx, info = _planner(args, unpaged, all_paged)
-            planned = (_spawn(args, dict(cfg, mode="planner", paged=idx)) if idx
-                       else dict(unpaged))
-            planned.update(mode="planner", overlap=info["overlap"],
-                           expected_slowdown=info["expected_slowdown"], reason=info["reason"])
+            planned = _spawn(args, dict(cfg, mode="planner", paged=idx)) if idx else dict(unpaged)
+            planned.update(
+                mode="planner",
+                overlap=info["overlap"],
+                expected_slowdown=info["expected_slowdown"],
+                reason=info["reason"],
+            )
             if planned.get("ok"):
                 planned["slowdown"] = planned["s_per_step"] / unpaged["s_per_step"] - 1
-                planned["slowdown_all_paged"] = (all_paged["s_per_step"] / unpaged["s_per_step"]
-                                                 - 1)
+                planned["slowdown_all_paged"] = all_paged["s_per_step"] / unpaged["s_per_step"] - 1
             emit(planned)
 
 
 def _table(results: list[dict]) -> str:
-    lines = [f"{'variant':10s} {'mode':10s} {'batch':>5s} {'tok/s':>9s} {'s/step':>7s} "
-             f"{'peak GiB':>8s} {'paged':>5s} {'host GiB':>8s} {'slowdown':>8s}"]
+    lines = [
+        f"{'variant':10s} {'mode':10s} {'batch':>5s} {'tok/s':>9s} {'s/step':>7s} "
+        f"{'peak GiB':>8s} {'paged':>5s} {'host GiB':>8s} {'slowdown':>8s}"
+    ]
     for r in results:
         if not r.get("ok"):
             why = r.get("error", "") + (f": {r['detail']}" if r.get("detail") else "")
-            lines.append(f"{r['variant']:10s} {r.get('mode', '-'):10s} {r.get('batch', 0):5d} "
-                         f"{'-':>9s}  {why[:70]}")
+            lines.append(
+                f"{r['variant']:10s} {r.get('mode', '-'):10s} {r.get('batch', 0):5d} {'-':>9s}  {why[:70]}"
+            )
             continue
         pv = r.get("peak_vram_gib")
         sd = r.get("slowdown")
@@ -240,15 +283,18 @@ def _table(results: list[dict]) -> str:
             f"{r['variant']:10s} {r['mode']:10s} {r['batch']:5d} {r['tokens_per_s']:9.0f} "
             f"{r['s_per_step']:7.3f} {'-' if pv is None else f'{pv:.2f}':>8s} "
             f"{r.get('paged_blocks', 0):5d} {r.get('host_act_gib', 0):8.2f} "
-            f"{'' if sd is None else f'{sd:+.1%}':>8s}")
+            f"{'' if sd is None else f'{sd:+.1%}':>8s}"
+        )
     best = {}
     for r in results:
         if r.get("ok"):
-            key = (r["variant"], r["mode"] if r["variant"] == "stock" or r["mode"] == "unpaged"
-                   else "paged")
+            key = (r["variant"], r["mode"] if r["variant"] == "stock" or r["mode"] == "unpaged" else "paged")
             best[key] = max(best.get(key, 0), r["batch"])
-    lines.append("largest batch: " + ", ".join(f"{v}/{m}={b}" for (v, m), b in sorted(best.items()))
-                 if best else "largest batch: none fits")
+    lines.append(
+        "largest batch: " + ", ".join(f"{v}/{m}={b}" for (v, m), b in sorted(best.items()))
+        if best
+        else "largest batch: none fits"
+    )
     return "\n".join(lines)
 
 
@@ -266,10 +312,14 @@ def main() -> int:
     ap.add_argument("--prefetch-depth", type=int, default=1)
     ap.add_argument("--min-offload-bytes", type=int, default=1 << 20)
     ap.add_argument("--max-slowdown", type=float, default=0.15)
-    ap.add_argument("--timeout", type=int, default=280,
-                    help="seconds per configuration (each runs in a process of its own)")
-    ap.add_argument("--config", help=argparse.SUPPRESS)       # set by the parent for a child
-    ap.add_argument("--inject-oom", help=argparse.SUPPRESS)   # tests: MODE@BATCH[,...] raise OOM
+    ap.add_argument(
+        "--timeout",
+        type=int,
+        default=280,
+        help="seconds per configuration (each runs in a process of its own)",
+    )
+    ap.add_argument("--config", help=argparse.SUPPRESS)  # set by the parent for a child
+    ap.add_argument("--inject-oom", help=argparse.SUPPRESS)  # tests: MODE@BATCH[,...] raise OOM
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.config:

@@ -23,6 +23,7 @@ throughput ratio, host bytes per rank against one process, parity); --out writes
     python bench/train/bench_dp.py --nproc 2 --model 1.8b --batch 8 --seq 512 --steps 10 \
         --check --out dp.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,14 @@ import json
 import os
 import resource
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from dp_launch import _launch, _launch_ranks, _table, summarize  # noqa: E402
+
 # what a reference must share with the run it is compared against
 REF_KEYS = ("model", "global_batch", "seq", "trained_steps", "seed", "lr", "amp", "device_type")
 
@@ -81,9 +83,10 @@ def _load_reference(path: str, meta: dict) -> dict:
     ref = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     bad = {k: (ref["meta"].get(k), meta[k]) for k in REF_KEYS if ref["meta"].get(k) != meta[k]}
     if bad:
-        raise SystemExit(f"bench_dp: reference {path} was made for another run: "
-                         + ", ".join(f"{k}: reference {a!r} != this run {b!r}"
-                                     for k, (a, b) in bad.items()))
+        raise SystemExit(
+            f"bench_dp: reference {path} was made for another run: "
+            + ", ".join(f"{k}: reference {a!r} != this run {b!r}" for k, (a, b) in bad.items())
+        )
     return ref
 
 
@@ -128,12 +131,14 @@ def run_worker(args) -> dict | None:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         backend = args.backend or ("nccl" if cuda else "gloo")
         if backend == "nccl" and local_world > torch.cuda.device_count():
-            raise SystemExit(f"bench_dp: {local_world} ranks per node but "
-                             f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank "
-                             "(--backend gloo shares a GPU)")
+            raise SystemExit(
+                f"bench_dp: {local_world} ranks per node but "
+                f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank "
+                "(--backend gloo shares a GPU)"
+            )
         extra = {"device_id": dev} if backend == "nccl" else {}
         init_file = os.environ.get("RAMSTREAM_DP_INIT_FILE")
-        if init_file:   # --rendezvous file: the ranks meet in a file, no port to race for
+        if init_file:  # --rendezvous file: the ranks meet in a file, no port to race for
             extra.update(init_method=f"file://{init_file}", rank=rank, world_size=world)
         dist.init_process_group(backend, **extra)
 
@@ -148,24 +153,39 @@ def run_worker(args) -> dict | None:
     options = {"offload": True, **json.loads(args.options)}
     options.setdefault("threads", max(1, _cores() // local_world))
     amp = args.amp if cuda else "off"
-    out = {"bench": "dp", "world": world, "backend": backend, "device": str(dev),
-           "model": args.model, "batch_per_rank": args.batch, "global_batch": args.batch * world,
-           "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-           "trained_steps": args.warmup + args.steps, "seed": args.seed, "lr": args.lr,
-           "amp": amp, "device_type": dev.type, "options": options}
+    out = {
+        "bench": "dp",
+        "world": world,
+        "backend": backend,
+        "device": str(dev),
+        "model": args.model,
+        "batch_per_rank": args.batch,
+        "global_batch": args.batch * world,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "trained_steps": args.warmup + args.steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "amp": amp,
+        "device_type": dev.type,
+        "options": options,
+    }
     try:
         if args.ref_file and rank == 0:
-            _load_reference(args.ref_file, out)      # fail before training, not after
-        torch.manual_seed(args.seed)                 # the same initial model on every rank
+            _load_reference(args.ref_file, out)  # fail before training, not after
+        torch.manual_seed(args.seed)  # the same initial model on every rank
         model = GPT(**cfg).to(dev)
         out["params"] = sum(p.numel() for p in model.parameters())
         t0 = time.perf_counter()
-        model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                                             weight_decay=0.1), **options)
+        model, opt = ramstream.wrap(
+            model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1), **options
+        )
         out["wrap_s"] = time.perf_counter() - t0
         out["data_parallel"] = opt._engine.dp is not None
-        data = _global_batches(args.warmup + args.steps, args.batch * world, args.seq,
-                               cfg["vocab"], args.seed)
+        data = _global_batches(
+            args.warmup + args.steps, args.batch * world, args.seq, cfg["vocab"], args.seed
+        )
         lo, hi = rank * args.batch, (rank + 1) * args.batch
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda:
@@ -187,18 +207,24 @@ def run_worker(args) -> dict | None:
         opt.synchronize()
         times.sort()
         report = ramstream.memory_report(model)["optimizer"]
-        mine = {"s_per_step": times[len(times) // 2] if times else None,
-                "min_s": times[0] if times else None, "losses": losses,
-                "host_state_bytes": report["host_state_bytes"],
-                "landing_bytes": report["landing_bytes"], "moment_dtype": report["moment_dtype"],
-                "peak_vram_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
-                "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                "digest": _param_digest(model) if args.check else None}
+        mine = {
+            "s_per_step": times[len(times) // 2] if times else None,
+            "min_s": times[0] if times else None,
+            "losses": losses,
+            "host_state_bytes": report["host_state_bytes"],
+            "landing_bytes": report["landing_bytes"],
+            "moment_dtype": report["moment_dtype"],
+            "peak_vram_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "digest": _param_digest(model) if args.check else None,
+        }
         ranks = gather(mine)
         if rank == 0:
             step = max(r["s_per_step"] for r in ranks) if times else None
             out.update(
-                ok=True, s_per_step=step, min_s=max(r["min_s"] for r in ranks) if times else None,
+                ok=True,
+                s_per_step=step,
+                min_s=max(r["min_s"] for r in ranks) if times else None,
                 s_per_step_by_rank=[r["s_per_step"] for r in ranks],
                 tokens_per_s=world * args.batch * args.seq / step if step else None,
                 loss=sum(r["losses"][-1] for r in ranks) / world,
@@ -208,7 +234,8 @@ def run_worker(args) -> dict | None:
                 moment_dtype=ranks[0]["moment_dtype"],
                 peak_vram_gib=max(r["peak_vram_gib"] for r in ranks) if cuda else None,
                 peak_vram_gib_by_rank=[r["peak_vram_gib"] for r in ranks],
-                host_rss_gib_by_rank=[r["host_rss_gib"] for r in ranks])
+                host_rss_gib_by_rank=[r["host_rss_gib"] for r in ranks],
+            )
             if args.check:
                 digests = [r["digest"] for r in ranks]
                 out["param_sha256_by_rank"] = [d[:16] for d in digests]
@@ -239,81 +266,31 @@ def _save_reference(model, path: str, meta: dict) -> None:
 
 
 def _common_args(args, batch: int) -> list[str]:
-    a = ["--model", args.model, "--batch", str(batch), "--seq", str(args.seq),
-         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-         "--options", args.options, "--lr", repr(args.lr), "--seed", str(args.seed),
-         "--amp", args.amp, "--tol", repr(args.tol)]
+    a = [
+        "--model",
+        args.model,
+        "--batch",
+        str(batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+        "--options",
+        args.options,
+        "--lr",
+        repr(args.lr),
+        "--seed",
+        str(args.seed),
+        "--amp",
+        args.amp,
+        "--tol",
+        repr(args.tol),
+    ]
     return a + (["--backend", args.backend] if args.backend else [])
-
-
-def _launch(name: str, cmd: list[str], out_file: str, timeout: float) -> dict:
-    """Runs one worker (or torchrun) in its own session, its output in a log file. On timeout
-    it gets SIGTERM first (torchrun then stops its workers, which run in sessions of their
-    own), its whole group SIGKILL 30 s later."""
-    t0 = time.perf_counter()
-    log = out_file + ".log"
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            rc = f"timeout after {timeout:.0f} s"
-    if rc == 0 and os.path.exists(out_file):
-        with open(out_file) as f:
-            r = json.load(f)
-    else:
-        with open(log, errors="replace") as f:
-            r = {"ok": False, "error": f"rc={rc}: {f.read()[-3000:]}"}
-    r.update(name=name, wall_s=time.perf_counter() - t0, cmd=" ".join(cmd), log=log)
-    print(json.dumps(r), flush=True)
-    return r
-
-
-def _launch_ranks(name: str, cmd: list[str], n: int, init_file: str, out_file: str,
-                  timeout: float) -> dict:
-    """--rendezvous file: starts the n ranks itself (RANK, WORLD_SIZE, LOCAL_RANK set as torchrun
-    would), meeting through a FileStore in `init_file`; each rank logs to its own file. A rank
-    that fails or a timeout stops the others."""
-    t0 = time.perf_counter()
-    procs, logs = [], []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(n), RAMSTREAM_DP_INIT_FILE=init_file)
-        logs.append(f"{out_file}.rank{r}.log")
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
-    deadline, rc = time.monotonic() + timeout, 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            rc = failed[0] if failed else f"timeout after {timeout:.0f} s"
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            break
-        time.sleep(0.1)
-    for p in procs:
-        p.wait()
-    rc = rc or next((p.returncode for p in procs if p.returncode), 0)
-    if rc == 0 and os.path.exists(out_file):
-        with open(out_file) as f:
-            r = json.load(f)
-    else:
-        tails = []
-        for log in logs:
-            with open(log, errors="replace") as f:
-                tails.append(f"{log}: {f.read()[-1500:]}")
-        r = {"ok": False, "error": f"rc={rc}: " + "\n".join(tails)}
-    r.update(name=name, wall_s=time.perf_counter() - t0, cmd=" ".join(cmd), log=logs[0])
-    print(json.dumps(r), flush=True)
-    return r
 
 
 def drive(args) -> dict:
@@ -324,100 +301,98 @@ def drive(args) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
     runs = {}
     try:
-        runs["single"] = _launch("single", me + _common_args(args, args.batch)
-                                 + ["--out", f"{work}/single.json"], f"{work}/single.json",
-                                 args.timeout)
+        runs["single"] = _launch(
+            "single",
+            me + _common_args(args, args.batch) + ["--out", f"{work}/single.json"],
+            f"{work}/single.json",
+            args.timeout,
+        )
         dp_extra = []
         if args.check:
             ref = f"{work}/ref.pt"
             runs["reference"] = _launch(
-                "reference", me + _common_args(args, args.batch * n)
+                "reference",
+                me
+                + _common_args(args, args.batch * n)
                 + ["--save-ref", ref, "--out", f"{work}/reference.json"],
-                f"{work}/reference.json", args.timeout)
+                f"{work}/reference.json",
+                args.timeout,
+            )
             dp_extra = ["--check", "--ref-file", ref]
         worker_args = _common_args(args, args.batch) + dp_extra + ["--out", f"{work}/dp.json"]
         if args.rendezvous == "file":
             init_file = f"{work}/rendezvous"
             if os.path.exists(init_file):
-                os.remove(init_file)     # a FileStore file left by an earlier run would be joined
-            runs["dp"] = _launch_ranks("dp", me + worker_args, n, init_file, f"{work}/dp.json",
-                                       args.timeout)
+                os.remove(init_file)  # a FileStore file left by an earlier run would be joined
+            runs["dp"] = _launch_ranks("dp", me + worker_args, n, init_file, f"{work}/dp.json", args.timeout)
         else:
             runs["dp"] = _launch(
-                "dp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(n), os.path.abspath(__file__)] + worker_args,
-                f"{work}/dp.json", args.timeout)
+                "dp",
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(n),
+                    os.path.abspath(__file__),
+                ]
+                + worker_args,
+                f"{work}/dp.json",
+                args.timeout,
+            )
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     return {"runs": list(runs.values()), "summary": summarize(runs, n)}
 
 
-def summarize(runs: dict, n: int) -> dict:
-    one, dp = runs.get("single", {}), runs.get("dp", {})
-    s = {"nproc": n}
-    if one.get("ok") and dp.get("ok"):
-        single_bytes = one["host_state_bytes_by_rank"][0]
-        per_rank = dp["host_state_bytes_by_rank"]
-        s.update(tokens_per_s_single=one["tokens_per_s"], tokens_per_s_dp=dp["tokens_per_s"],
-                 scaling=dp["tokens_per_s"] / one["tokens_per_s"], scaling_target=0.85 * n,
-                 host_state_bytes_single=single_bytes, host_state_bytes_by_rank=per_rank,
-                 host_state_sum_equals_single=sum(per_rank) == single_bytes,
-                 host_state_max_rank_fraction=max(per_rank) / single_bytes,
-                 host_state_fraction_target=1.0 / n,
-                 peak_vram_gib_single=one.get("peak_vram_gib"),
-                 peak_vram_gib_dp=dp.get("peak_vram_gib"))
-        s["scaling_ok"] = s["scaling"] >= s["scaling_target"]
-    if dp.get("ok") and "parity_max_abs_diff" in dp:
-        s.update(parity_max_abs_diff=dp["parity_max_abs_diff"], parity_tol=dp["parity_tol"],
-                 parity_ok=dp["parity_ok"], replicas_identical=dp.get("replicas_identical"))
-    return s
-
-
-def _table(res: dict) -> None:
-    print(f"\n{'run':10s} {'world':>5s} {'global batch':>12s} {'s/step':>8s} {'tokens/s':>10s} "
-          f"{'peak VRAM GiB':>14s} {'host state GiB/rank':>20s}")
-    for r in res["runs"]:
-        if not r.get("ok"):
-            print(f"{r['name']:10s} failed: {r.get('error', '')[-300:]}")
-            continue
-        vram = f"{r['peak_vram_gib']:.2f}" if r.get("peak_vram_gib") is not None else "-"
-        host = "/".join(f"{b / 2**30:.3f}" for b in r["host_state_bytes_by_rank"])
-        print(f"{r['name']:10s} {r['world']:5d} {r['global_batch']:12d} {r['s_per_step']:8.4f} "
-              f"{r['tokens_per_s']:10.0f} {vram:>14s} {host:>20s}")
-    print("summary " + json.dumps(res["summary"]), flush=True)
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="1.8b", help="a key of gpt.CONFIGS")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--backend", choices=("nccl", "gloo"),
-                    help="default: nccl with --device cuda, gloo with --device cpu")
-    ap.add_argument("--amp", choices=("bf16", "off"), default="bf16",
-                    help="bf16 autocast on cuda (the CPU always runs fp32)")
-    ap.add_argument("--options", default="{}", help="extra wrap() options as JSON "
-                    "(offload=True is set; threads defaults to the cores / ranks per node)")
+    ap.add_argument(
+        "--backend", choices=("nccl", "gloo"), help="default: nccl with --device cuda, gloo with --device cpu"
+    )
+    ap.add_argument(
+        "--amp",
+        choices=("bf16", "off"),
+        default="bf16",
+        help="bf16 autocast on cuda (the CPU always runs fp32)",
+    )
+    ap.add_argument(
+        "--options",
+        default="{}",
+        help="extra wrap() options as JSON "
+        "(offload=True is set; threads defaults to the cores / ranks per node)",
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true",
-                    help="hash every rank's parameters (bit-identical replicas); with --nproc "
-                    "also train and compare against the single-process reference")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="hash every rank's parameters (bit-identical replicas); with --nproc "
+        "also train and compare against the single-process reference",
+    )
     ap.add_argument("--save-ref", metavar="FILE", help="save the final parameters (reference)")
-    ap.add_argument("--ref-file", metavar="FILE",
-                    help="rank 0 compares its final parameters with this reference")
+    ap.add_argument(
+        "--ref-file", metavar="FILE", help="rank 0 compares its final parameters with this reference"
+    )
     ap.add_argument("--tol", type=float, default=1e-5, help="parity target (max abs difference)")
     ap.add_argument("--nproc", type=int, help="driver: single process, reference, N ranks")
     ap.add_argument("--workdir", help="driver: keep the runs' files (reference) here")
     ap.add_argument("--timeout", type=float, default=1800, help="driver: seconds per run")
-    ap.add_argument("--rendezvous", choices=("torchrun", "file"), default="torchrun",
-                    help="driver: the N ranks under torchrun --standalone, or started by the "
-                    "driver and meeting in a file (no TCP port; what the tests use)")
+    ap.add_argument(
+        "--rendezvous",
+        choices=("torchrun", "file"),
+        default="torchrun",
+        help="driver: the N ranks under torchrun --standalone, or started by the "
+        "driver and meeting in a file (no TCP port; what the tests use)",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     json.loads(args.options)

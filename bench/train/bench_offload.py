@@ -10,6 +10,7 @@ the loss: "dense" builds the [tokens, vocab] logits (GPT.forward), "chunked" use
 ramstream.chunked_cross_entropy, which never does. `--device cpu` runs every variant on the CPU
 (no cap, no VRAM figures): a smoke test of this script, not a measurement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,22 @@ VARIANTS = {
     "ramstream_cpu": (True, {"optimizer_mode": "cpu", "offload": True}, "dense"),
     "ramstream_auto": (True, {"optimizer_mode": "auto", "offload": True}, "dense"),
     "ramstream_gpu": (True, {"optimizer_mode": "gpu", "offload": True}, "dense"),
-    "ramstream_auto_act": (True, {"optimizer_mode": "auto", "offload": True,
-                                  "activation_offload": 0.25}, "dense"),
+    "ramstream_auto_act": (
+        True,
+        {"optimizer_mode": "auto", "offload": True, "activation_offload": 0.25},
+        "dense",
+    ),
     # the levers for the 21 GiB target: fewer paged blocks (2 or 4 of 32), no full logits
-    "ramstream_auto_act2": (True, {"optimizer_mode": "auto", "offload": True,
-                                   "activation_offload": 0.0625}, "dense"),
-    "ramstream_auto_act4": (True, {"optimizer_mode": "auto", "offload": True,
-                                   "activation_offload": 0.125}, "dense"),
+    "ramstream_auto_act2": (
+        True,
+        {"optimizer_mode": "auto", "offload": True, "activation_offload": 0.0625},
+        "dense",
+    ),
+    "ramstream_auto_act4": (
+        True,
+        {"optimizer_mode": "auto", "offload": True, "activation_offload": 0.125},
+        "dense",
+    ),
     "ramstream_auto_chunked": (True, {"optimizer_mode": "auto", "offload": True}, "chunked"),
     "ramstream_resident_uncapped": (False, {}, "dense"),
 }
@@ -47,12 +57,18 @@ def _rss_gib() -> float:
 def time_split(before: dict, after: dict, steps: int) -> dict:
     """Per timed step, from OffloadAdamW.stats(): host AdamW and landing time (engine thread),
     forward waits for weights, backward throttling, bytes each way over PCIe."""
+
     def d(k):
         return (after[k] - before.get(k, 0)) / steps
 
-    return {"host_adamw_s": d("host_update_s"), "host_land_s": d("host_land_s"),
-            "forward_wait_s": d("wait_s"), "backward_throttle_s": d("throttle_s"),
-            "d2h_gb": d("bytes_d2h") / 1e9, "h2d_gb": d("bytes_h2d") / 1e9}
+    return {
+        "host_adamw_s": d("host_update_s"),
+        "host_land_s": d("host_land_s"),
+        "forward_wait_s": d("wait_s"),
+        "backward_throttle_s": d("throttle_s"),
+        "d2h_gb": d("bytes_d2h") / 1e9,
+        "h2d_gb": d("bytes_h2d") / 1e9,
+    }
 
 
 def _sync(dev) -> None:
@@ -77,13 +93,21 @@ def run_variant(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
     torch.manual_seed(0)
     cfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
-    out = {"variant": args.variant, "model": args.model, "batch": args.batch, "seq": args.seq,
-           "cap_gib": args.cap_gib if cuda else 0.0, "loss_fn": args.loss, "device": dev.type}
+    out = {
+        "variant": args.variant,
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "cap_gib": args.cap_gib if cuda else 0.0,
+        "loss_fn": args.loss,
+        "device": dev.type,
+    }
     try:
         model = GPT(**cfg).to(dev)
         out["params"] = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                fused=cuda and args.variant != "ramstream")
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda and args.variant != "ramstream"
+        )
         if args.variant == "ramstream":
             import ramstream
 
@@ -127,9 +151,14 @@ def run_variant(args) -> dict:
             out["split"] = opt.split_info
             out["report_events"] = ramstream.memory_report(model)["events"][-5:]
         times.sort()
-        out.update(ok=True, s_per_step=times[len(times) // 2], min_s=times[0], loss=loss_v,
-                   peak_vram_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
-                   host_rss_gib=_rss_gib())
+        out.update(
+            ok=True,
+            s_per_step=times[len(times) // 2],
+            min_s=times[0],
+            loss=loss_v,
+            peak_vram_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+            host_rss_gib=_rss_gib(),
+        )
     except torch.OutOfMemoryError as e:
         out.update(ok=False, error="OOM: " + str(e).split("\n")[0][:200])
     return out
@@ -161,10 +190,30 @@ def main() -> int:
         capped, options, loss = VARIANTS[v]
         cap = args.cap_gib if capped else 0.0
         variant = "torch" if options is None else "ramstream"
-        cmd = [sys.executable, __file__, "--variant", variant, "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib", str(cap),
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--device", args.device, "--loss", loss, "--options", json.dumps(options or {})]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--cap-gib",
+            str(cap),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            "--loss",
+            loss,
+            "--options",
+            json.dumps(options or {}),
+        ]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -174,8 +223,10 @@ def main() -> int:
         r["name"] = v
         results.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n{'variant':28s} {'s/step':>8s} {'peak VRAM GiB':>14s} {'host RSS GiB':>13s} "
-          f"{'host AdamW':>10s} {'waits':>7s} {'D2H GB':>7s} {'H2D GB':>7s}")
+    print(
+        f"\n{'variant':28s} {'s/step':>8s} {'peak VRAM GiB':>14s} {'host RSS GiB':>13s} "
+        f"{'host AdamW':>10s} {'waits':>7s} {'D2H GB':>7s} {'H2D GB':>7s}"
+    )
     for r in results:
         if r.get("ok"):
             vram = r["peak_vram_gib"]
@@ -184,13 +235,14 @@ def main() -> int:
             t = r.get("time_split")
             if t:
                 waits = t["forward_wait_s"] + t["backward_throttle_s"]
-                line += (f" {t['host_adamw_s']:10.3f} {waits:7.3f} {t['d2h_gb']:7.2f}"
-                         f" {t['h2d_gb']:7.2f}")
+                line += f" {t['host_adamw_s']:10.3f} {waits:7.3f} {t['d2h_gb']:7.2f} {t['h2d_gb']:7.2f}"
             print(line)
         else:
             print(f"{r['name']:28s} {'-':>8s}  {r.get('error', '')[:90]}")
-    print("host AdamW, waits (forward waits + backward throttling): seconds per timed step; "
-          "GB crossing PCIe per timed step. GPU compute: the fused_uncapped step.")
+    print(
+        "host AdamW, waits (forward waits + backward throttling): seconds per timed step; "
+        "GB crossing PCIe per timed step. GPU compute: the fused_uncapped step."
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -2,6 +2,7 @@
 setup of bench_activations.py (1.8B GPT, VRAM cap, ActivationOffloader in measuring mode).
 Prints memory_allocated() before/after and, for the largest live CUDA tensors, who refers to them.
     python bench/train/diag_act_oom.py --model 1.8b --seq 1024 --batch 8 --cap-gib 24"""
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,24 @@ def live_cuda(limit=6):
         try:
             if isinstance(o, torch.Tensor) and o.is_cuda:
                 seen.append(o)
-        except Exception:       # noqa: BLE001 - objects that fail isinstance probes
+        except Exception:  # noqa: BLE001 - objects that fail isinstance probes
             pass
     seen.sort(key=lambda t: -t.untyped_storage().nbytes())
     total = sum(t.untyped_storage().nbytes() for t in seen)
-    print(f"  live CUDA tensors reachable by gc: {len(seen)}, {total / 2**30:.2f} GiB "
-          "(storage bytes, shared storages counted per tensor)")
+    print(
+        f"  live CUDA tensors reachable by gc: {len(seen)}, {total / 2**30:.2f} GiB "
+        "(storage bytes, shared storages counted per tensor)"
+    )
     for t in seen[:limit]:
-        refs = [type(r).__name__ + (f"({r.__class__.__module__})" if hasattr(r, "__class__") else "")
-                for r in gc.get_referrers(t) if r is not seen]
-        print(f"   {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB "
-              f"param={isinstance(t, torch.nn.Parameter)} referrers={refs[:5]}")
+        refs = [
+            type(r).__name__ + (f"({r.__class__.__module__})" if hasattr(r, "__class__") else "")
+            for r in gc.get_referrers(t)
+            if r is not seen
+        ]
+        print(
+            f"   {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB "
+            f"param={isinstance(t, torch.nn.Parameter)} referrers={refs[:5]}"
+        )
 
 
 def main():
@@ -82,32 +90,50 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
         after = torch.cuda.memory_allocated(dev)
-        print(f"batch {batch} paged {len(paged)} measuring {measuring}: {res}; allocated "
-              f"{before / 2**30:.2f} -> {after / 2**30:.2f} GiB, peak "
-              f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f}", flush=True)
+        print(
+            f"batch {batch} paged {len(paged)} measuring {measuring}: {res}; allocated "
+            f"{before / 2**30:.2f} -> {after / 2**30:.2f} GiB, peak "
+            f"{torch.cuda.max_memory_allocated(dev) / 2**30:.2f}",
+            flush=True,
+        )
         torch.cuda.reset_peak_memory_stats(dev)
         return after - before
 
     allp = list(range(len(off.blocks)))
     step(2, [], False)
-    print("baseline after a small step:"); live_cuda(3)
-    before = {b["address"] for seg in torch.cuda.memory._snapshot()["segments"]
-              for b in seg["blocks"] if b["state"] == "active_allocated"}
+    print("baseline after a small step:")
+    live_cuda(3)
+    before = {
+        b["address"]
+        for seg in torch.cuda.memory._snapshot()["segments"]
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
     torch.cuda.memory._record_memory_history(max_entries=200000)
     leak = step(a.batch, [], bool(a.measuring))
     if leak > 2**26:
-        print("LEAK after the OOM step:"); live_cuda()
-        new = [b for seg in torch.cuda.memory._snapshot()["segments"] for b in seg["blocks"]
-               if b["state"] == "active_allocated" and b["address"] not in before]
+        print("LEAK after the OOM step:")
+        live_cuda()
+        new = [
+            b
+            for seg in torch.cuda.memory._snapshot()["segments"]
+            for b in seg["blocks"]
+            if b["state"] == "active_allocated" and b["address"] not in before
+        ]
         new.sort(key=lambda b: -b["size"])
-        print(f"  {len(new)} blocks allocated in the failed step still live, "
-              f"{sum(b['size'] for b in new) / 2**30:.2f} GiB; the largest, where allocated:")
+        print(
+            f"  {len(new)} blocks allocated in the failed step still live, "
+            f"{sum(b['size'] for b in new) / 2**30:.2f} GiB; the largest, where allocated:"
+        )
         for b in new[:5]:
-            frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}"
-                      for f in b.get("frames", []) if f["filename"].endswith(".py")][:9]
+            frames = [
+                f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}"
+                for f in b.get("frames", [])
+                if f["filename"].endswith(".py")
+            ][:9]
             print(f"   {b['size'] / 2**20:.0f} MiB <- {' <- '.join(frames)}")
     torch.cuda.memory._record_memory_history(enabled=None)
-    step(a.batch, [], False)   # the same batch, unpaged, not measuring: does it fit now?
+    step(a.batch, [], False)  # the same batch, unpaged, not measuring: does it fit now?
     step(a.batch, allp, False)
     step(a.batch, allp, False)
 

@@ -8,6 +8,7 @@ prints one JSON line per checkpoint (steps 10, 50, 100, 200 and the last): ramst
 bytes in use and held, memory_allocated / memory_reserved, the process RSS; then a summary
 line saying whether each stayed flat after the first checkpoint (growth at most 2 % + 64 MiB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ def sample(dev) -> dict:
     import ramstream
 
     ms = ramstream.memory_stats()
-    out = {"pinned_in_use": ms["bytes_in_use"], "pinned_held": ms["bytes_pinned"],
-           "vram_allocated": 0, "vram_reserved": 0, "rss": rss_bytes()}
+    out = {
+        "pinned_in_use": ms["bytes_in_use"],
+        "pinned_held": ms["bytes_pinned"],
+        "vram_allocated": 0,
+        "vram_reserved": 0,
+        "rss": rss_bytes(),
+    }
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         out["vram_allocated"] = torch.cuda.memory_allocated(dev)
@@ -47,8 +53,7 @@ def sample(dev) -> dict:
     return out
 
 
-def flat(first: dict, later: list[dict], slack_bytes: int = 64 << 20,
-         slack: float = 0.02) -> dict:
+def flat(first: dict, later: list[dict], slack_bytes: int = 64 << 20, slack: float = 0.02) -> dict:
     """Per key: True when no later sample exceeds the first by more than slack + slack_bytes."""
     return {k: all(s[k] <= first[k] * (1 + slack) + slack_bytes for s in later) for k in KEYS}
 
@@ -60,10 +65,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda[:N] or cpu")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--cap-gib", type=float, default=24.0,
-                    help="torch.cuda.set_per_process_memory_fraction cap (0: none)")
-    ap.add_argument("--activation-offload", type=float, default=0.125,
-                    help="share of blocks whose activations are paged")
+    ap.add_argument(
+        "--cap-gib", type=float, default=24.0, help="torch.cuda.set_per_process_memory_fraction cap (0: none)"
+    )
+    ap.add_argument(
+        "--activation-offload", type=float, default=0.125, help="share of blocks whose activations are paged"
+    )
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--out", help="also write the samples and the verdict as JSON here")
     args = ap.parse_args(argv)
@@ -90,9 +97,15 @@ def main(argv=None) -> int:
     cfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
     model = GPT(**cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    model, opt = ramstream.wrap(model, opt, device=str(dev), optimizer_mode="auto",
-                                offload=True, activation_offload=args.activation_offload,
-                                max_grad_norm=args.max_grad_norm)
+    model, opt = ramstream.wrap(
+        model,
+        opt,
+        device=str(dev),
+        optimizer_mode="auto",
+        offload=True,
+        activation_offload=args.activation_offload,
+        max_grad_norm=args.max_grad_norm,
+    )
     g = torch.Generator().manual_seed(1)
     marks = sorted({c for c in CHECKPOINTS if c <= args.steps} | {args.steps})
     samples, t0 = [], time.perf_counter()
@@ -106,15 +119,22 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         if step in marks:
             opt.synchronize()
-            s = dict(step=step, loss=round(loss.item(), 4), s=round(time.perf_counter() - t0, 1),
-                     **sample(dev))
+            s = dict(
+                step=step, loss=round(loss.item(), 4), s=round(time.perf_counter() - t0, 1), **sample(dev)
+            )
             samples.append(s)
             print(json.dumps(s), flush=True)
     verdict = flat(samples[0], samples[1:])
-    summary = {"model": args.model, "device": str(dev), "steps": args.steps,
-               "params": sum(p.numel() for p in model.parameters()),
-               "flat_after_step": samples[0]["step"], "flat": verdict,
-               "all_flat": all(verdict.values()), "resident": opt.resident}
+    summary = {
+        "model": args.model,
+        "device": str(dev),
+        "steps": args.steps,
+        "params": sum(p.numel() for p in model.parameters()),
+        "flat_after_step": samples[0]["step"],
+        "flat": verdict,
+        "all_flat": all(verdict.values()),
+        "resident": opt.resident,
+    }
     print(json.dumps(summary), flush=True)
     if args.out:
         tmp = args.out + ".tmp"

@@ -1,7 +1,8 @@
 """ramstream: train PyTorch models larger than GPU memory by streaming state from host RAM.
 
-    model, optimizer = ramstream.wrap(model, optimizer)
+model, optimizer = ramstream.wrap(model, optimizer)
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -23,10 +24,21 @@ from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
 __all__ = [
     "__version__",
-    "OffloadAdamW", "wrap", "unwrap", "memory_report", "functional",
+    "OffloadAdamW",
+    "wrap",
+    "unwrap",
+    "memory_report",
+    "functional",
     # pinned host memory
-    "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
-    "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",
+    "pinned_empty",
+    "memory_stats",
+    "set_pin_budget",
+    "pin_budget",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "register_host_memory",
+    "unregister_host_memory",
     # losses that never build the full logits
-    "chunked_cross_entropy", "causal_lm_loss",
+    "chunked_cross_entropy",
+    "causal_lm_loss",
 ]

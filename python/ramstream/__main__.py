@@ -1,4 +1,5 @@
 """python -m ramstream: the command line (see ramstream.cli)."""
+
 import sys
 
 from .cli import main

@@ -11,17 +11,27 @@ activations.pack / activations.unpack (activations.py, saved-tensor hooks), acti
 step.updates (engine/core.py, step() before anything and between queued buckets),
 resident.switch (engine/resident.py, building the device-side state) and resident.step.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-POINTS = ("forward.pre_hook", "activations.pack", "activations.unpack", "activations.buffer",
-          "backward.grad_hook", "backward.landing", "step.begin", "step.updates",
-          "resident.switch", "resident.step")
+POINTS = (
+    "forward.pre_hook",
+    "activations.pack",
+    "activations.unpack",
+    "activations.buffer",
+    "backward.grad_hook",
+    "backward.landing",
+    "step.begin",
+    "step.updates",
+    "resident.switch",
+    "resident.step",
+)
 
-_armed: dict[str, list[int]] = {}     # name -> [calls to let pass, times to raise]
+_armed: dict[str, list[int]] = {}  # name -> [calls to let pass, times to raise]
 
 
 def fault_point(name: str) -> None:

@@ -1,11 +1,12 @@
 """Loads the compiled core, ``ramstream._C``, with an error that says what to do when it is missing."""
+
 from __future__ import annotations
 
 import functools
 import warnings
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lib():
     """The compiled module. Raises ImportError with a fix when the package was not built."""
     try:
@@ -17,9 +18,8 @@ def lib():
             f"it from the source tree ({e})"
         ) from e
     bad_env = _C.isa_env_error()
-    if bad_env:                 # a typo in RAMSTREAM_FORCE_ISA must not pass unnoticed
-        warnings.warn(f"ramstream: {bad_env}; ignored, using {_C.active_isa()}", RuntimeWarning,
-                      stacklevel=2)
+    if bad_env:  # a typo in RAMSTREAM_FORCE_ISA must not pass unnoticed
+        warnings.warn(f"ramstream: {bad_env}; ignored, using {_C.active_isa()}", RuntimeWarning, stacklevel=2)
     return _C
 
 

@@ -6,6 +6,7 @@
     ramstream bench [--params N] [--repeat R]
     ramstream demo  [--device cpu|cuda|cuda:N] [--steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,22 @@ def _cmd_info(args) -> int:
     print(f"ramstream {__import__('ramstream').__version__}  torch {d['torch']}")
     if d.get("isa_env_error"):
         print(f"warning: {d['isa_env_error']} (ignored)")
-    print(f"host: ISA {d['isa']} (best {d['best_isa']}), {d['threads']} threads, "
-          f"RAM {ram['total'] / 2**30:.1f} GiB total / {ram['available'] / 2**30:.1f} GiB available")
+    print(
+        f"host: ISA {d['isa']} (best {d['best_isa']}), {d['threads']} threads, "
+        f"RAM {ram['total'] / 2**30:.1f} GiB total / {ram['available'] / 2**30:.1f} GiB available"
+    )
     rt = d["cuda_runtime"]
-    cuda = (f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}" if d["built_with_cuda"]
-            else "no CUDA kernels in this build")
-    print(f"build: {cuda}; GPUs seen by ramstream: {d['cuda_devices']}"
-          + (f" ({d['cuda_unavailable_reason']})" if d["cuda_devices"] == 0 else ""))
+    cuda = (
+        f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}"
+        if d["built_with_cuda"]
+        else "no CUDA kernels in this build"
+    )
+    print(
+        f"build: {cuda}; GPUs seen by ramstream: {d['cuda_devices']}"
+        + (f" ({d['cuda_unavailable_reason']})" if d["cuda_devices"] == 0 else "")
+    )
     for i, g in enumerate(d["gpus"]):
-        print(f"  cuda:{i} {g['name']}: {g['total'] / 2**30:.1f} GiB, usable now "
-              f"{g['free'] / 2**30:.1f} GiB")
+        print(f"  cuda:{i} {g['name']}: {g['total'] / 2**30:.1f} GiB, usable now {g['free'] / 2**30:.1f} GiB")
     return 0
 
 
@@ -95,25 +102,32 @@ def _cmd_doctor(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ramstream", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="ramstream", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="print the hardware ramstream sees")
     p.add_argument("--json", action="store_true", help="print the same as JSON")
     p.set_defaults(fn=_cmd_info)
-    p = sub.add_parser("doctor", help="check GPU, driver, build, pinned memory, copy and AdamW "
-                       "rates, RAM, RAMSTREAM_* variables; OK/WARN/FAIL with what to do")
+    p = sub.add_parser(
+        "doctor",
+        help="check GPU, driver, build, pinned memory, copy and AdamW "
+        "rates, RAM, RAMSTREAM_* variables; OK/WARN/FAIL with what to do",
+    )
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(fn=_cmd_doctor)
     p = sub.add_parser("bench", help="host AdamW against torch's fused CPU AdamW")
-    p.add_argument("--params", type=int, default=16_000_000,
-                   help="fp32 parameters updated per step (default: 16000000)")
-    p.add_argument("--repeat", type=int, default=5,
-                   help="timed steps of each; the fastest counts (default: 5)")
+    p.add_argument(
+        "--params", type=int, default=16_000_000, help="fp32 parameters updated per step (default: 16000000)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=5, help="timed steps of each; the fastest counts (default: 5)"
+    )
     p.set_defaults(fn=_cmd_bench)
     p = sub.add_parser("demo", help="train a small GPT wrapped by ramstream next to plain torch")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)"
+    )
     p.add_argument("--steps", type=int, default=20, help="training steps of each run (default: 20)")
     p.set_defaults(fn=_cmd_demo)
     args = ap.parse_args(argv)

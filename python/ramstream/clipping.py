@@ -15,6 +15,7 @@ time) keeps torch's: call optimizer.clip_grad_norm_ there. Accelerate 1.x and tr
 look the name up at each call (Trainer -> accelerator.clip_grad_norm_ ->
 torch.nn.utils.clip_grad_norm_), so the guard sees them.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,8 @@ import weakref
 
 import torch
 
-_optimizers: "weakref.WeakSet" = weakref.WeakSet()     # live OffloadAdamW instances
-_originals: dict = {}                                  # name -> torch's function
+_optimizers: "weakref.WeakSet" = weakref.WeakSet()  # live OffloadAdamW instances
+_originals: dict = {}  # name -> torch's function
 
 DEFERRED = (
     "gradients leave the device during backward and, with eager_updates=True (the default) and "
@@ -31,7 +32,8 @@ DEFERRED = (
     "clipping could apply. Pass max_grad_norm=<float> to ramstream.wrap() (it clips by the "
     "global norm itself; optimizer.clip_grad_norm_ then returns that norm and sets the limit "
     "for the step), or eager_updates=False (updates wait for step(), so "
-    "optimizer.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ can clip them)")
+    "optimizer.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ can clip them)"
+)
 
 
 def register(opt) -> None:
@@ -44,14 +46,22 @@ def check_max_norm(max_norm, norm_type) -> float:
     """max_norm as a float; ValueError naming the argument otherwise."""
     if torch.is_tensor(max_norm) and max_norm.numel() == 1:
         max_norm = float(max_norm)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-            or math.isnan(max_norm) or max_norm < 0:
-        raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r}; accepted: a number >= 0 "
-                         "(float('inf') returns the norm without clipping)")
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or math.isnan(max_norm)
+        or max_norm < 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm_: max_norm={max_norm!r}; accepted: a number >= 0 "
+            "(float('inf') returns the norm without clipping)"
+        )
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type != 2:
-        raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not supported for a "
-                         "ramstream-wrapped model; accepted: 2.0 (the engine sums squared norms "
-                         "on the host)")
+        raise ValueError(
+            f"clip_grad_norm_: norm_type={norm_type!r} is not supported for a "
+            "ramstream-wrapped model; accepted: 2.0 (the engine sums squared norms "
+            "on the host)"
+        )
     return float(max_norm)
 
 
@@ -59,8 +69,9 @@ def engine_norm(e, max_norm: float) -> float:
     """The global L2 norm of the gradients gathered since the last step (0.0 when none); this
     step's clip limit becomes max_norm. Waits for the gradients still landing."""
     if e.max_grad_norm is None and e.eager_updates:
-        raise RuntimeError("ramstream: clip_grad_norm_ cannot clip a wrapped model's gradients "
-                           "here: " + DEFERRED)
+        raise RuntimeError(
+            "ramstream: clip_grad_norm_ cannot clip a wrapped model's gradients here: " + DEFERRED
+        )
     e.recover_if_abandoned()
     intake, updater = e.intake, e.updater
     if intake.in_backward:
@@ -68,12 +79,12 @@ def engine_norm(e, max_norm: float) -> float:
     if intake.micro == 0:
         return 0.0
     if updater.clip_now is not None and updater.clip_now[2] == intake.micro:
-        norm = updater.clip_now[1]      # called again (Trainer logs the norm it clipped by)
+        norm = updater.clip_now[1]  # called again (Trainer logs the norm it clipped by)
     else:
         todo = [s for s in e.slots if s.arrivals > 0 and not s.updated]
         if e.max_grad_norm is not None and intake.micro < e.accumulation_steps:
-            updater.norms_now(todo)     # the landings take norms in the last micro-batch only
-        elif e.max_grad_norm is None:   # eager_updates=False: no norm taken while landing
+            updater.norms_now(todo)  # the landings take norms in the last micro-batch only
+        elif e.max_grad_norm is None:  # eager_updates=False: no norm taken while landing
             updater.norms_now(todo, accumulated=e.accumulation_steps > 1)
         norm = updater.total_norm()
     updater.clip_now = (max_norm, norm, intake.micro)
@@ -120,23 +131,26 @@ def _check_whole(params: list, ids: set) -> None:
             f"but the parameters given leave out {missing} of its trainable parameters and add "
             f"{others} others that have gradients: pass exactly the wrapped model's parameters "
             "(model.parameters()) and clip any others separately, or call "
-            "optimizer.clip_grad_norm_(max_norm)")
+            "optimizer.clip_grad_norm_(max_norm)"
+        )
 
 
 def _guarded_norm(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     params = _as_list(parameters)
     opt, ids = _owner(params)
     if opt is None:
-        return _originals["clip_grad_norm_"](params, max_norm, norm_type=norm_type,
-                                             error_if_nonfinite=error_if_nonfinite,
-                                             foreach=foreach)
+        return _originals["clip_grad_norm_"](
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
     _check_whole(params, ids)
     norm = opt.clip_grad_norm_(max_norm, norm_type=norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
-        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
-                           "`parameters` is non-finite, so it cannot be clipped. To disable this "
-                           "error and scale the gradients by the non-finite norm anyway, set "
-                           "`error_if_nonfinite=False`")
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from "
+            "`parameters` is non-finite, so it cannot be clipped. To disable this "
+            "error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
     return norm
 
 
@@ -149,7 +163,8 @@ def _guarded_value(parameters, clip_value, foreach=None):
         "torch.nn.utils.clip_grad_value_ cannot clip a ramstream-wrapped model's gradients: they "
         "leave the device during backward (p.grad is None afterwards) and ramstream clips by the "
         "global norm only. Clip by norm instead: pass max_grad_norm=<float> to ramstream.wrap(), "
-        "or call optimizer.clip_grad_norm_(max_norm) (with max_grad_norm= or eager_updates=False)")
+        "or call optimizer.clip_grad_norm_(max_norm) (with max_grad_norm= or eager_updates=False)"
+    )
 
 
 def install() -> None:
@@ -164,8 +179,10 @@ def install() -> None:
     _originals["clip_grad_norm_"] = clip_grad.clip_grad_norm_
     _originals["clip_grad_value_"] = clip_grad.clip_grad_value_
     for name, fn in (("clip_grad_norm_", _guarded_norm), ("clip_grad_value_", _guarded_value)):
-        fn.__doc__ = (f"ramstream's guard on torch's {name}: the parameters of a model wrapped by "
-                      "ramstream go to ramstream (ramstream/clipping.py), others to torch's "
-                      f"function, documented below.\n\n{_originals[name].__doc__ or ''}")
+        fn.__doc__ = (
+            f"ramstream's guard on torch's {name}: the parameters of a model wrapped by "
+            "ramstream go to ramstream (ramstream/clipping.py), others to torch's "
+            f"function, documented below.\n\n{_originals[name].__doc__ or ''}"
+        )
         for mod in (utils, clip_grad):
             setattr(mod, name, fn)

@@ -1,5 +1,6 @@
 """The demo behind `ramstream demo`: a small GPT trained twice on the same data, once with plain
 torch AdamW and once wrapped by ramstream; prints losses, parity and step times."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,9 @@ class _Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -61,7 +63,7 @@ def run_demo(device: str | None = None, steps: int = 20) -> int:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         if name == "ramstream":
-            model, opt = ramstream.wrap(model, opt, offload=True)   # keep offloading: the demo
+            model, opt = ramstream.wrap(model, opt, offload=True)  # keep offloading: the demo
         losses, t0 = [], time.perf_counter()
         for x, y in data:
             loss = model(x, y)
@@ -85,6 +87,8 @@ def run_demo(device: str | None = None, steps: int = 20) -> int:
         den += float(a.detach().double().pow(2).sum())
     rel = (num / den) ** 0.5
     ok = rel < 1e-5
-    print(f"  relative L2 difference of all weights after {steps} steps: {rel:.2e} "
-          f"({'OK' if ok else 'MISMATCH'}; torch.optim.AdamW(fused=True) is the reference)")
+    print(
+        f"  relative L2 difference of all weights after {steps} steps: {rel:.2e} "
+        f"({'OK' if ok else 'MISMATCH'}; torch.optim.AdamW(fused=True) is the reference)"
+    )
     return 0 if ok else 1

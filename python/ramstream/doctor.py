@@ -1,5 +1,6 @@
 """`ramstream doctor`: one screen of OK/WARN/FAIL checks of what this machine offers ramstream, each
 problem with what to do; the exit code is 1 only when something is broken (FAIL)."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,22 @@ from dataclasses import asdict, dataclass
 import torch
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
-KNOWN_ENV = ("RAMSTREAM_NUM_THREADS", "RAMSTREAM_FORCE_ISA", "RAMSTREAM_PIN_BUDGET",
-             "RAMSTREAM_POOL_SPIN_US", "RAMSTREAM_CUDA", "RAMSTREAM_CUDA_ARCHS",
-             "RAMSTREAM_REQUIRE_CUDA")
+KNOWN_ENV = (
+    "RAMSTREAM_NUM_THREADS",
+    "RAMSTREAM_FORCE_ISA",
+    "RAMSTREAM_PIN_BUDGET",
+    "RAMSTREAM_POOL_SPIN_US",
+    "RAMSTREAM_CUDA",
+    "RAMSTREAM_CUDA_ARCHS",
+    "RAMSTREAM_REQUIRE_CUDA",
+)
 _GIB = 2**30
 
 
 @dataclass
 class Check:
     name: str
-    status: str          # OK, WARN or FAIL
+    status: str  # OK, WARN or FAIL
     detail: str
     fix: str = ""
 
@@ -49,9 +56,12 @@ def check_torch() -> Check:
     if torch.version.cuda:
         return Check("torch", OK, f"torch {v}, CUDA {torch.version.cuda}")
     if nvidia_driver()["found"]:
-        return Check("torch", WARN, f"torch {v} is a CPU-only build on a machine with an NVIDIA "
-                     "driver",
-                     "install a CUDA build of torch: https://pytorch.org/get-started/locally")
+        return Check(
+            "torch",
+            WARN,
+            f"torch {v} is a CPU-only build on a machine with an NVIDIA driver",
+            "install a CUDA build of torch: https://pytorch.org/get-started/locally",
+        )
     return Check("torch", OK, f"torch {v} (CPU-only build, as this machine has no NVIDIA driver)")
 
 
@@ -61,8 +71,12 @@ def check_driver() -> Check:
     d = nvidia_driver()
     if d["found"]:
         return Check("driver", OK, f"NVIDIA driver found, supports CUDA {d['cuda'] or '?'}")
-    return Check("driver", WARN, "no NVIDIA driver or GPU was found (libcuda.so.1 does not load)",
-                 "the CPU engine works (device='cpu'); for a GPU install the NVIDIA driver")
+    return Check(
+        "driver",
+        WARN,
+        "no NVIDIA driver or GPU was found (libcuda.so.1 does not load)",
+        "the CPU engine works (device='cpu'); for a GPU install the NVIDIA driver",
+    )
 
 
 def check_gpu() -> Check:
@@ -74,8 +88,10 @@ def check_gpu() -> Check:
     parts = []
     for i in range(torch.cuda.device_count()):
         m = gpu_memory(torch.device("cuda", i))
-        parts.append(f"cuda:{i} {torch.cuda.get_device_name(i)} {m['total'] / _GIB:.0f} GiB "
-                     f"({m['free'] / _GIB:.0f} free)")
+        parts.append(
+            f"cuda:{i} {torch.cuda.get_device_name(i)} {m['total'] / _GIB:.0f} GiB "
+            f"({m['free'] / _GIB:.0f} free)"
+        )
     return Check("gpu", OK, "; ".join(parts))
 
 
@@ -86,9 +102,13 @@ def check_build() -> Check:
     C = lib()
     if not C.built_with_cuda():
         if _gpu_usable():
-            return Check("build", WARN, "this ramstream build has no CUDA kernels",
-                         "optimizer_mode='gpu' and the CUDA functional ops need them: reinstall "
-                         "with nvcc on PATH (RAMSTREAM_CUDA=ON pip install .) or use a CUDA wheel")
+            return Check(
+                "build",
+                WARN,
+                "this ramstream build has no CUDA kernels",
+                "optimizer_mode='gpu' and the CUDA functional ops need them: reinstall "
+                "with nvcc on PATH (RAMSTREAM_CUDA=ON pip install .) or use a CUDA wheel",
+            )
         return Check("build", OK, "CPU-only build (no CUDA kernels; none needed without a GPU)")
     rt = C.cuda_runtime_version()
     text = f"CUDA kernels, static CUDA runtime {rt // 1000}.{rt % 1000 // 10}"
@@ -103,13 +123,17 @@ def check_build() -> Check:
 def check_pinned() -> Check:
     from . import functional as F
 
-    with warnings.catch_warnings():     # the check reports what the warning would say
+    with warnings.catch_warnings():  # the check reports what the warning would say
         warnings.simplefilter("ignore", RuntimeWarning)
         budget, st = F.pin_budget(), F.memory_stats()
     text = f"budget {budget / _GIB:.1f} GiB ({st['budget_source']})"
     if st.get("budget_error"):
-        return Check("pinned", WARN, f"{text}; {st['budget_error']}",
-                     "RAMSTREAM_PIN_BUDGET takes bytes ('64G', '512M') or a share of RAM ('60%')")
+        return Check(
+            "pinned",
+            WARN,
+            f"{text}; {st['budget_error']}",
+            "RAMSTREAM_PIN_BUDGET takes bytes ('64G', '512M') or a share of RAM ('60%')",
+        )
     t = F.pinned_empty((16 << 20,), dtype=torch.uint8)
     pinned = t.is_pinned()
     del t
@@ -117,9 +141,13 @@ def check_pinned() -> Check:
         return Check("pinned", OK, f"{text}; a 16 MiB buffer was page-locked")
     why = F.memory_stats()["fallback_reason"] or "unknown"
     if _gpu_usable():
-        return Check("pinned", FAIL, f"{text}; pinning failed: {why}",
-                     "raise the budget (RAMSTREAM_PIN_BUDGET) or free host memory; copies to the "
-                     "GPU are synchronous and slow without page-locked buffers")
+        return Check(
+            "pinned",
+            FAIL,
+            f"{text}; pinning failed: {why}",
+            "raise the budget (RAMSTREAM_PIN_BUDGET) or free host memory; copies to the "
+            "GPU are synchronous and slow without page-locked buffers",
+        )
     return Check("pinned", OK, f"{text}; no GPU, so buffers are ordinary memory ({why})")
 
 
@@ -129,8 +157,7 @@ def check_copy(nbytes: int = 64 << 20) -> Check:
     if not _gpu_usable():
         a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         dt = _best(lambda: b.copy_(a))
-        return Check("copy", OK, f"no GPU; host memcpy {nbytes / dt / 1e9:.1f} GB/s "
-                     f"({nbytes >> 20} MiB)")
+        return Check("copy", OK, f"no GPU; host memcpy {nbytes / dt / 1e9:.1f} GB/s ({nbytes >> 20} MiB)")
     host = F.pinned_empty((nbytes,), dtype=torch.uint8)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
@@ -145,9 +172,14 @@ def check_copy(nbytes: int = 64 << 20) -> Check:
     up, down = nbytes / _best(h2d) / 1e9, nbytes / _best(d2h) / 1e9
     text = f"cuda:0 H2D {up:.1f} GB/s, D2H {down:.1f} GB/s ({nbytes >> 20} MiB, pinned)"
     if min(up, down) < 5:
-        return Check("copy", WARN, text, "below a PCIe 3.0 x16 link: check the link width and "
-                     "speed (nvidia-smi -q | grep -A3 'Link Width'); host buffers may not be "
-                     "pinned")
+        return Check(
+            "copy",
+            WARN,
+            text,
+            "below a PCIe 3.0 x16 link: check the link width and "
+            "speed (nvidia-smi -q | grep -A3 'Link Width'); host buffers may not be "
+            "pinned",
+        )
     return Check("copy", OK, text)
 
 
@@ -164,8 +196,12 @@ def check_adamw(n: int = 2_000_000) -> Check:
     topt.step()
     if not torch.equal(p, tp.detach()):
         bad = int((p != tp.detach()).sum())
-        return Check("adamw", FAIL, f"host AdamW differs from torch's fused AdamW in {bad} of {n} "
-                     "values after one step", "report this with `ramstream info --json`")
+        return Check(
+            "adamw",
+            FAIL,
+            f"host AdamW differs from torch's fused AdamW in {bad} of {n} values after one step",
+            "report this with `ramstream info --json`",
+        )
     step = [1]
 
     def ours():
@@ -174,11 +210,18 @@ def check_adamw(n: int = 2_000_000) -> Check:
 
     t_ours, t_torch = _best(ours), _best(topt.step)
     ratio = t_torch / t_ours
-    text = (f"host AdamW {n / t_ours / 1e9:.2f} G params/s, {ratio:.2f}x torch's fused CPU "
-            f"AdamW ({n / 1e6:.0f}M fp32, {torch.get_num_threads()} torch threads); bit-identical")
+    text = (
+        f"host AdamW {n / t_ours / 1e9:.2f} G params/s, {ratio:.2f}x torch's fused CPU "
+        f"AdamW ({n / 1e6:.0f}M fp32, {torch.get_num_threads()} torch threads); bit-identical"
+    )
     if ratio < 0.9:
-        return Check("adamw", WARN, text, "other processes may be using the cores; set "
-                     "RAMSTREAM_NUM_THREADS to the physical cores free for training")
+        return Check(
+            "adamw",
+            WARN,
+            text,
+            "other processes may be using the cores; set "
+            "RAMSTREAM_NUM_THREADS to the physical cores free for training",
+        )
     return Check("adamw", OK, text)
 
 
@@ -188,11 +231,19 @@ def check_isa() -> Check:
     C = lib()
     text = f"{C.active_isa()} (best {C.best_isa()}), {C.num_threads()} threads"
     if C.isa_env_error():
-        return Check("isa", WARN, f"{text}; {C.isa_env_error()}",
-                     "RAMSTREAM_FORCE_ISA takes scalar, avx2 or avx512; unset it to use the best")
+        return Check(
+            "isa",
+            WARN,
+            f"{text}; {C.isa_env_error()}",
+            "RAMSTREAM_FORCE_ISA takes scalar, avx2 or avx512; unset it to use the best",
+        )
     if C.active_isa() != C.best_isa():
-        return Check("isa", WARN, f"{text}: RAMSTREAM_FORCE_ISA picks a slower ISA",
-                     "unset RAMSTREAM_FORCE_ISA unless you are testing")
+        return Check(
+            "isa",
+            WARN,
+            f"{text}: RAMSTREAM_FORCE_ISA picks a slower ISA",
+            "unset RAMSTREAM_FORCE_ISA unless you are testing",
+        )
     if C.best_isa() == "scalar" and os.uname().machine == "x86_64":
         return Check("isa", WARN, f"{text}: this CPU has no AVX2", "the host AdamW is slow here")
     return Check("isa", OK, text)
@@ -223,9 +274,13 @@ def check_ram() -> Check:
     from . import functional as F
 
     if F.pin_budget() > limit:
-        return Check("ram", WARN, f"{text} is below the pin budget {F.pin_budget() / _GIB:.1f} GiB",
-                     f"set RAMSTREAM_PIN_BUDGET below {limit / _GIB:.0f}G: past the limit the "
-                     "kernel kills the process")
+        return Check(
+            "ram",
+            WARN,
+            f"{text} is below the pin budget {F.pin_budget() / _GIB:.1f} GiB",
+            f"set RAMSTREAM_PIN_BUDGET below {limit / _GIB:.0f}G: past the limit the "
+            "kernel kills the process",
+        )
     return Check("ram", OK, text)
 
 
@@ -236,13 +291,24 @@ def check_env() -> Check:
     text = ", ".join(f"{k}={v}" for k, v in found.items())
     unknown = [k for k in found if k not in KNOWN_ENV]
     if unknown:
-        return Check("env", WARN, text, f"unknown, ignored: {', '.join(unknown)} (known: "
-                     f"{', '.join(KNOWN_ENV)})")
+        return Check(
+            "env", WARN, text, f"unknown, ignored: {', '.join(unknown)} (known: {', '.join(KNOWN_ENV)})"
+        )
     return Check("env", OK, text)
 
 
-CHECKS = (check_torch, check_driver, check_gpu, check_build, check_pinned, check_copy,
-          check_adamw, check_isa, check_ram, check_env)
+CHECKS = (
+    check_torch,
+    check_driver,
+    check_gpu,
+    check_build,
+    check_pinned,
+    check_copy,
+    check_adamw,
+    check_isa,
+    check_ram,
+    check_env,
+)
 
 
 def run_checks() -> list[Check]:
@@ -253,8 +319,9 @@ def run_checks() -> list[Check]:
         try:
             out.append(fn())
         except Exception as e:  # noqa: BLE001 - a broken check is itself the finding
-            out.append(Check(name, FAIL, f"{type(e).__name__}: {e}",
-                             "report this with `ramstream info --json`"))
+            out.append(
+                Check(name, FAIL, f"{type(e).__name__}: {e}", "report this with `ramstream info --json`")
+            )
     return out
 
 

@@ -3,6 +3,7 @@
 Every function validates its arguments and raises ValueError/TypeError naming the bad one;
 in-place arguments are never copied silently.
 """
+
 from __future__ import annotations
 
 from .ops.adamw import accumulate_, adamw_, sq_norm
@@ -20,10 +21,21 @@ from .ops.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_
 
 __all__: list[str] = [
     # host AdamW and norms (ops/adamw.py)
-    "adamw_", "sq_norm", "accumulate_",
+    "adamw_",
+    "sq_norm",
+    "accumulate_",
     # pinned host memory (ops/memory.py)
-    "pinned_empty", "memory_stats", "set_pin_budget", "pin_budget", "empty_cache",
-    "reset_peak_memory_stats", "register_host_memory", "unregister_host_memory",
+    "pinned_empty",
+    "memory_stats",
+    "set_pin_budget",
+    "pin_budget",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "register_host_memory",
+    "unregister_host_memory",
     # blockwise quantization (ops/quant.py)
-    "quantize_nf4", "dequantize_nf4", "quantize_int8", "dequantize_int8",
+    "quantize_nf4",
+    "dequantize_nf4",
+    "quantize_int8",
+    "dequantize_int8",
 ]

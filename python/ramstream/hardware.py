@@ -1,5 +1,6 @@
 """What the machine offers: host RAM, CPU ISA and threads, NVIDIA driver, GPUs (free memory under
 any cap), and why a CUDA device cannot be used, in words that say what to do."""
+
 from __future__ import annotations
 
 import ctypes
@@ -34,8 +35,13 @@ def gpu_memory(device: torch.device) -> dict:
         cap = int(total * frac(device))
     reserved = torch.cuda.memory_reserved(device)
     usable = min(free + reserved, cap) - reserved
-    return {"total": total, "cap": cap, "free": max(0, usable), "reserved": reserved,
-            "allocated": torch.cuda.memory_allocated(device)}
+    return {
+        "total": total,
+        "cap": cap,
+        "free": max(0, usable),
+        "reserved": reserved,
+        "allocated": torch.cuda.memory_allocated(device),
+    }
 
 
 def _version(v: int) -> str:
@@ -59,8 +65,10 @@ def nvidia_driver() -> dict:
     return {"found": True, "cuda": _version(v.value) if ok and v.value else None}
 
 
-NO_DRIVER = ("no NVIDIA driver or GPU was found (libcuda.so.1 does not load); ramstream runs "
-             "on the CPU with device='cpu'")
+NO_DRIVER = (
+    "no NVIDIA driver or GPU was found (libcuda.so.1 does not load); ramstream runs "
+    "on the CPU with device='cpu'"
+)
 
 
 def torch_cuda_problem(device: torch.device | str = "cuda") -> str | None:
@@ -69,13 +77,17 @@ def torch_cuda_problem(device: torch.device | str = "cuda") -> str | None:
     if not nvidia_driver()["found"]:
         return NO_DRIVER
     if torch.version.cuda is None:
-        return (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
-                "torch (https://pytorch.org/get-started/locally) or use device='cpu'")
+        return (
+            f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
+            "torch (https://pytorch.org/get-started/locally) or use device='cpu'"
+        )
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         drv = nvidia_driver()["cuda"]
-        return (f"torch (CUDA {torch.version.cuda}) sees no GPU with this NVIDIA driver "
-                f"(supports CUDA {drv or '?'}): check nvidia-smi and CUDA_VISIBLE_DEVICES, or "
-                "use device='cpu'")
+        return (
+            f"torch (CUDA {torch.version.cuda}) sees no GPU with this NVIDIA driver "
+            f"(supports CUDA {drv or '?'}): check nvidia-smi and CUDA_VISIBLE_DEVICES, or "
+            "use device='cpu'"
+        )
     n = torch.cuda.device_count()
     if device.index is not None and device.index >= n:
         return f"{device} does not exist: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}"
@@ -89,18 +101,22 @@ def kernels_problem() -> str | None:
 
     C = lib()
     if not C.built_with_cuda():
-        return ("this build of ramstream has no CUDA kernels (compiled without a CUDA toolkit "
-                "or with RAMSTREAM_CUDA=OFF): reinstall with nvcc on PATH "
-                "(RAMSTREAM_CUDA=ON pip install .) or use optimizer_mode='cpu'")
+        return (
+            "this build of ramstream has no CUDA kernels (compiled without a CUDA toolkit "
+            "or with RAMSTREAM_CUDA=OFF): reinstall with nvcc on PATH "
+            "(RAMSTREAM_CUDA=ON pip install .) or use optimizer_mode='cpu'"
+        )
     if C.cuda_device_count() > 0:
         return None
     drv = nvidia_driver()
     if not drv["found"]:
         return NO_DRIVER
     rt = _version(C.cuda_runtime_version())
-    return (f"the NVIDIA driver (supports CUDA {drv['cuda'] or '?'}) cannot run this build's "
-            f"CUDA runtime {rt} ({C.cuda_unavailable_reason()}): update the driver, or check "
-            "nvidia-smi and CUDA_VISIBLE_DEVICES")
+    return (
+        f"the NVIDIA driver (supports CUDA {drv['cuda'] or '?'}) cannot run this build's "
+        f"CUDA runtime {rt} ({C.cuda_unavailable_reason()}): update the driver, or check "
+        "nvidia-smi and CUDA_VISIBLE_DEVICES"
+    )
 
 
 def describe() -> dict:

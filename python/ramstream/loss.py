@@ -7,6 +7,7 @@ backward, adding up when several losses are computed before one backward (or whe
 comes); recomputing keeps one float per row (the log-sum-exp) between the two. The price is one
 more chunk matmul.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,10 +38,12 @@ def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
     return torch.float64 if cdtype == torch.float64 else torch.float32
 
 
-_TWICE = ("chunked_cross_entropy: double backward is not supported: backward recomputes the "
-          "logits chunk by chunk without a graph, so its gradients cannot be differentiated "
-          "again (create_graph=True); use F.cross_entropy(F.linear(hidden, weight, bias), "
-          "targets) for higher-order gradients")
+_TWICE = (
+    "chunked_cross_entropy: double backward is not supported: backward recomputes the "
+    "logits chunk by chunk without a graph, so its gradients cannot be differentiated "
+    "again (create_graph=True); use F.cross_entropy(F.linear(hidden, weight, bias), "
+    "targets) for higher-order gradients"
+)
 
 
 def _no_double_backward(grads: tuple, inputs: tuple) -> tuple:
@@ -100,13 +103,14 @@ class _ChunkedCE(torch.autograd.Function):
                 lse[s:e] = lse_c
                 total += torch.where(valid[s:e], lse_c - tgt, 0.0).sum()
                 del logits
-            if denom is None:          # reduction="mean": over the rows not ignored
+            if denom is None:  # reduction="mean": over the rows not ignored
                 denom = valid.sum().to(acc)
             elif torch.is_tensor(denom):
                 denom = denom.to(acc)
             loss = total / denom
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse,
-                              denom if torch.is_tensor(denom) else None)
+        ctx.save_for_backward(
+            hidden, weight, bias, safe, valid, lse, denom if torch.is_tensor(denom) else None
+        )
         ctx.denom = None if torch.is_tensor(denom) else denom
         ctx.chunk, ctx.cdtype = chunk, cdtype
         return loss
@@ -115,7 +119,7 @@ class _ChunkedCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         if not torch.is_grad_enabled():
             return _ChunkedCE._grads(ctx, grad_out)
-        with torch.no_grad():                  # create_graph=True
+        with torch.no_grad():  # create_graph=True
             grads = _ChunkedCE._grads(ctx, grad_out)
         return _no_double_backward(grads, ctx.saved_tensors[:3])
 
@@ -142,9 +146,10 @@ class _ChunkedCE(torch.autograd.Function):
             for s, e in _chunks(n, chunk, cdtype):
                 h = hidden[s:e].to(cdtype)
                 p = F.linear(h, w, b).to(acc)
-                p.sub_(lse[s:e, None]).exp_()                      # softmax
-                p.scatter_add_(1, safe[s:e, None],
-                               torch.full((e - s, 1), -1.0, dtype=p.dtype, device=p.device))
+                p.sub_(lse[s:e, None]).exp_()  # softmax
+                p.scatter_add_(
+                    1, safe[s:e, None], torch.full((e - s, 1), -1.0, dtype=p.dtype, device=p.device)
+                )
                 p.mul_(torch.where(valid[s:e], scale, zero)[:, None])  # d loss / d logits
                 if need_b:
                     db += p.sum(0)
@@ -155,14 +160,14 @@ class _ChunkedCE(torch.autograd.Function):
                         dh[s:e].copy_(p @ w)
                     if need_w:
                         dw.addmm_(p.t(), h)
-                    del p          # before the next chunk's logits exist
+                    del p  # before the next chunk's logits exist
                 else:
                     p_lp = p.to(cdtype)
                     del p
                     if need_h:
                         dh[s:e].copy_(p_lp @ w)
                     if need_w:
-                        dw += p_lp.t() @ h          # per-chunk product in cdtype, sum in fp32
+                        dw += p_lp.t() @ h  # per-chunk product in cdtype, sum in fp32
                     del p_lp
         if dw is not None:
             dw = dw.to(weight.dtype)
@@ -171,36 +176,42 @@ class _ChunkedCE(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, reduction,
-           num_items):
+def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items):
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"{where}: hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if not hidden.is_floating_point():
         raise TypeError(f"{where}: hidden must be a floating-point tensor, got {hidden.dtype}")
     if hidden.dim() < 2:
-        raise ValueError(f"{where}: hidden must have shape [..., hidden_size] with at least 2 "
-                         f"dims, got {tuple(hidden.shape)}")
+        raise ValueError(
+            f"{where}: hidden must have shape [..., hidden_size] with at least 2 "
+            f"dims, got {tuple(hidden.shape)}"
+        )
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{where}: weight must be a torch.Tensor, got {type(weight).__name__}")
     if not weight.is_floating_point():
         raise TypeError(f"{where}: weight must be a floating-point tensor, got {weight.dtype}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{where}: weight must have shape [vocab, {hidden.shape[-1]}] (hidden's "
-                         f"last dim), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"{where}: weight must have shape [vocab, {hidden.shape[-1]}] (hidden's "
+            f"last dim), got {tuple(weight.shape)}"
+        )
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"{where}: targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"{where}: targets must be an integer tensor, got {targets.dtype}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{where}: targets must have shape {tuple(hidden.shape[:-1])} (hidden's "
-                         f"leading dims), got {tuple(targets.shape)}")
+        raise ValueError(
+            f"{where}: targets must have shape {tuple(hidden.shape[:-1])} (hidden's "
+            f"leading dims), got {tuple(targets.shape)}"
+        )
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"{where}: bias must be a torch.Tensor or None, got "
-                            f"{type(bias).__name__}")
+            raise TypeError(f"{where}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"{where}: bias must have shape ({weight.shape[0]},) (weight's "
-                             f"vocab), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"{where}: bias must have shape ({weight.shape[0]},) (weight's "
+                f"vocab), got {tuple(bias.shape)}"
+            )
     for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {hidden.device}")
@@ -209,22 +220,32 @@ def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, 
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"{where}: ignore_index must be an int, got {ignore_index!r}")
     if reduction not in _REDUCTIONS or not isinstance(reduction, str):
-        raise ValueError(f"{where}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, "
-                         f"got {reduction!r}")
+        raise ValueError(
+            f"{where}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}"
+        )
     if num_items is None:
         return
     if reduction != "mean":
-        raise ValueError(f"{where}: num_items divides the summed loss (Hugging Face's "
-                         f"num_items_in_batch) and needs reduction='mean', got {reduction!r}")
+        raise ValueError(
+            f"{where}: num_items divides the summed loss (Hugging Face's "
+            f"num_items_in_batch) and needs reduction='mean', got {reduction!r}"
+        )
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
-            raise ValueError(f"{where}: num_items must be a number > 0 or a one-element real "
-                             f"tensor, got a {num_items.dtype} tensor of shape "
-                             f"{tuple(num_items.shape)}")
-    elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)) \
-            or not math.isfinite(num_items) or num_items <= 0:
-        raise ValueError(f"{where}: num_items must be a number > 0 or a one-element real tensor, "
-                         f"got {num_items!r}")
+            raise ValueError(
+                f"{where}: num_items must be a number > 0 or a one-element real "
+                f"tensor, got a {num_items.dtype} tensor of shape "
+                f"{tuple(num_items.shape)}"
+            )
+    elif (
+        isinstance(num_items, bool)
+        or not isinstance(num_items, (int, float))
+        or not math.isfinite(num_items)
+        or num_items <= 0
+    ):
+        raise ValueError(
+            f"{where}: num_items must be a number > 0 or a one-element real tensor, got {num_items!r}"
+        )
 
 
 def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items):
@@ -237,8 +258,11 @@ def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num
     else:
         cdtype = torch.promote_types(hidden.dtype, weight.dtype)
     if num_items is not None:
-        denom = num_items.reshape(()).to(hidden.device) \
-            if isinstance(num_items, torch.Tensor) else float(num_items)
+        denom = (
+            num_items.reshape(()).to(hidden.device)
+            if isinstance(num_items, torch.Tensor)
+            else float(num_items)
+        )
     elif reduction == "sum":
         denom = 1.0
     else:
@@ -246,10 +270,17 @@ def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num
     return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, cdtype, denom)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          bias: torch.Tensor | None = None, *, chunk_size: int = 1024,
-                          ignore_index: int = -100, reduction: str = "mean",
-                          num_items=None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items=None,
+) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), targets)`` without the full logits.
 
     Args:
@@ -275,20 +306,27 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     chunk_size, reduction, ignore_index or num_items; TypeError for non-tensor or wrong-dtype
     inputs.
     """
-    _check("chunked_cross_entropy", hidden, weight, targets, bias, chunk_size, ignore_index,
-           reduction, num_items)
+    _check(
+        "chunked_cross_entropy", hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items
+    )
     return _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items)
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                   bias: torch.Tensor | None = None, *, chunk_size: int = 1024,
-                   ignore_index: int = -100, reduction: str = "mean",
-                   num_items=None) -> torch.Tensor:
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items=None,
+) -> torch.Tensor:
     """Causal-LM loss as Hugging Face computes it, without the full logits: position t of
     ``hidden`` ([..., T, d]) predicts ``labels[..., t + 1]`` ([..., T]); the last position of each
     sequence predicts nothing (its label is ``ignore_index``). Arguments and result as
     chunked_cross_entropy; ``num_items`` is HF's ``num_items_in_batch``."""
-    _check("causal_lm_loss", hidden, weight, labels, bias, chunk_size, ignore_index, reduction,
-           num_items)
+    _check("causal_lm_loss", hidden, weight, labels, bias, chunk_size, ignore_index, reduction, num_items)
     shifted = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
     return _run(hidden, weight, shifted, bias, chunk_size, ignore_index, reduction, num_items)

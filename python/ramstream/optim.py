@@ -4,6 +4,7 @@ A torch.optim.Optimizer, so LR schedulers, param groups and state dicts work as 
 torch.optim.AdamW. Numerics: each parameter's host update is bit-identical to
 torch.optim.AdamW(fused=True) on the CPU (fp32 master weights on the host).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -20,17 +21,31 @@ from .options import (
     parse_threads,
 )
 
-_GROUP_EXTRAS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
-                     differentiable=False, fused=None, decoupled_weight_decay=True)
+_GROUP_EXTRAS = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+)
 SWITCH_AFTER_STEPS = 2
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     """The rules of ramstream.ops._adamw_rules; ValueError naming the bad one."""
     b1, b2 = _rules.check_betas("OffloadAdamW", betas)
-    _rules.check_hypers("OffloadAdamW", lr=lr, beta1=b1, beta2=b2, eps=eps,
-                        weight_decay=weight_decay, names={"beta1": "betas[0]", "beta2": "betas[1]"},
-                        type_error=ValueError)
+    _rules.check_hypers(
+        "OffloadAdamW",
+        lr=lr,
+        beta1=b1,
+        beta2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        names={"beta1": "betas[0]", "beta2": "betas[1]"},
+        type_error=ValueError,
+    )
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -67,17 +82,34 @@ class OffloadAdamW(torch.optim.Optimizer):
             updates wait for step() either way.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, mode: str = "cpu", max_grad_norm=None,
-                 accumulation_steps: int = 1, moment_dtype: Any = "float32", threads=None,
-                 device=None, offload: Any = True, vram_headroom: float = 0.10,
-                 guard_params: bool = True, bucket_bytes: int = 32 << 20,
-                 max_inflight_bytes: int | None = None, distributed: bool = False, seed: int = 0,
-                 eager_updates: bool = True, _order=None, _log=None) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        mode: str = "cpu",
+        max_grad_norm=None,
+        accumulation_steps: int = 1,
+        moment_dtype: Any = "float32",
+        threads=None,
+        device=None,
+        offload: Any = True,
+        vram_headroom: float = 0.10,
+        guard_params: bool = True,
+        bucket_bytes: int = 32 << 20,
+        max_inflight_bytes: int | None = None,
+        distributed: bool = False,
+        seed: int = 0,
+        eager_updates: bool = True,
+        _order=None,
+        _log=None,
+    ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
-            raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', "
-                             "'gpu', 'auto'")
+            raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
         if not (offload is True or (isinstance(offload, str) and offload == "auto")):
             raise ValueError(f"OffloadAdamW: offload={offload!r}; accepted: True, 'auto'")
         self._max_grad_norm = parse_max_grad_norm(max_grad_norm, "OffloadAdamW:")
@@ -85,28 +117,39 @@ class OffloadAdamW(torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        for name, value in (("guard_params", guard_params), ("eager_updates", eager_updates),
-                            ("distributed", distributed)):
+        for name, value in (
+            ("guard_params", guard_params),
+            ("eager_updates", eager_updates),
+            ("distributed", distributed),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
         for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: an integer >= {lo}")
-        if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not
-                                               isinstance(max_inflight_bytes, int)
-                                               or max_inflight_bytes < (1 << 20)):
-            raise ValueError(f"OffloadAdamW: max_inflight_bytes={max_inflight_bytes!r}; accepted: "
-                             "None or an integer >= 1 MiB")
-        if isinstance(vram_headroom, bool) or not isinstance(vram_headroom, (int, float)) \
-                or not 0.0 <= vram_headroom < 1.0:
-            raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number "
-                             "in [0, 1)")
+        if max_inflight_bytes is not None and (
+            isinstance(max_inflight_bytes, bool)
+            or not isinstance(max_inflight_bytes, int)
+            or max_inflight_bytes < (1 << 20)
+        ):
+            raise ValueError(
+                f"OffloadAdamW: max_inflight_bytes={max_inflight_bytes!r}; accepted: "
+                "None or an integer >= 1 MiB"
+            )
+        if (
+            isinstance(vram_headroom, bool)
+            or not isinstance(vram_headroom, (int, float))
+            or not 0.0 <= vram_headroom < 1.0
+        ):
+            raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number in [0, 1)")
         if distributed:
             import torch.distributed as dist
 
             if not dist.is_available() or not dist.is_initialized():
-                raise ValueError("OffloadAdamW: distributed=True needs torch.distributed "
-                                 "initialised (torch.distributed.init_process_group) first")
+                raise ValueError(
+                    "OffloadAdamW: distributed=True needs torch.distributed "
+                    "initialised (torch.distributed.init_process_group) first"
+                )
         device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None
@@ -114,7 +157,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._step_callbacks: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
-        for i, g in enumerate(self.param_groups):   # a group may set its own hyper-parameters
+        for i, g in enumerate(self.param_groups):  # a group may set its own hyper-parameters
             _rules.check_group("OffloadAdamW", g, i)
         if self._threads is not None:
             from ._native import lib
@@ -123,8 +166,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if device is None:
             if len(devices) != 1:
-                raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; "
-                                 "pass device=")
+                raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; pass device=")
             device = devices.pop()
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
         self._distributed = bool(distributed)
@@ -133,23 +175,35 @@ class OffloadAdamW(torch.optim.Optimizer):
         from .engine.core import Engine
 
         self._engine = Engine(
-            self.param_groups, order=_order, device=device, moment_dtype=self._moment_dtype,
-            mapped_fraction=self._mapped_fraction(mode, device), max_grad_norm=self._max_grad_norm,
-            accumulation_steps=self._accumulation_steps, bucket_bytes=bucket_bytes,
-            guard_params=guard_params, max_inflight_bytes=max_inflight_bytes,
-            distributed=distributed, seed=seed, log=_log, eager_updates=eager_updates)
+            self.param_groups,
+            order=_order,
+            device=device,
+            moment_dtype=self._moment_dtype,
+            mapped_fraction=self._mapped_fraction(mode, device),
+            max_grad_norm=self._max_grad_norm,
+            accumulation_steps=self._accumulation_steps,
+            bucket_bytes=bucket_bytes,
+            guard_params=guard_params,
+            max_inflight_bytes=max_inflight_bytes,
+            distributed=distributed,
+            seed=seed,
+            log=_log,
+            eager_updates=eager_updates,
+        )
         self._had_grads = False
         from .clipping import register
 
-        register(self)        # torch.nn.utils.clip_grad_norm_ on these parameters comes here
+        register(self)  # torch.nn.utils.clip_grad_norm_ on these parameters comes here
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
         if mode == "cpu" or self._distributed:
             return 0.0
         if device.type != "cuda":
             if mode == "gpu":
-                raise ValueError("OffloadAdamW: mode='gpu' needs a CUDA device (the GPU updates "
-                                 "state kept in pinned host memory)")
+                raise ValueError(
+                    "OffloadAdamW: mode='gpu' needs a CUDA device (the GPU updates "
+                    "state kept in pinned host memory)"
+                )
             return 0.0
         if mode == "gpu":
             return 1.0
@@ -158,22 +212,30 @@ class OffloadAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         rates = measure(device)
         f, info = choose_mapped_fraction(
-            numel=sum(p.numel() for p in params), host_params_per_s=rates["host_params_per_s"],
-            pcie_bytes_per_s=rates["pcie_bytes_per_s"], working_bytes=params[0].element_size(),
-            moment_bytes=self._moment_dtype.itemsize, master_on_host=params[0].dtype != torch.float32)
+            numel=sum(p.numel() for p in params),
+            host_params_per_s=rates["host_params_per_s"],
+            pcie_bytes_per_s=rates["pcie_bytes_per_s"],
+            working_bytes=params[0].element_size(),
+            moment_bytes=self._moment_dtype.itemsize,
+            master_on_host=params[0].dtype != torch.float32,
+        )
         self.split_info = info
-        self._log(f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
-                  f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
-                  f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
-                  f"{info['t_estimate_s'] * 1e3:.0f} ms instead of "
-                  f"{info['t_host_only_s'] * 1e3:.0f} ms)")
+        self._log(
+            f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
+            f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
+            f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
+            f"{info['t_estimate_s'] * 1e3:.0f} ms instead of "
+            f"{info['t_host_only_s'] * 1e3:.0f} ms)"
+        )
         return f
 
     # ---- torch.optim.Optimizer API --------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is not None:
-            raise RuntimeError("OffloadAdamW.add_param_group: param groups are fixed once the "
-                               "engine is built; create the optimizer with every group")
+            raise RuntimeError(
+                "OffloadAdamW.add_param_group: param groups are fixed once the "
+                "engine is built; create the optimizer with every group"
+            )
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -183,9 +245,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         parameters without .grad (the step still counts for stats() and LR schedulers); the
         first such call before any backward pass warns once (RuntimeWarning)."""
         if self._closed:
-            raise RuntimeError("OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
-                               "wrap() took its model): gradients no longer reach it; step the "
-                               "optimizer returned by the latest wrap()")
+            raise RuntimeError(
+                "OffloadAdamW.step: this optimizer is closed (unwrap() or a later "
+                "wrap() took its model): gradients no longer reach it; step the "
+                "optimizer returned by the latest wrap()"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -216,10 +280,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._had_grads = True
             return
         self._had_grads = True
-        warnings.warn("ramstream: optimizer.step() before any backward pass: there are no "
-                      "gradients, so nothing is updated (weights, moments and step counts stay "
-                      "as they are, as with torch.optim.AdamW); call loss.backward() before "
-                      "optimizer.step()", RuntimeWarning, stacklevel=5)
+        warnings.warn(
+            "ramstream: optimizer.step() before any backward pass: there are no "
+            "gradients, so nothing is updated (weights, moments and step counts stay "
+            "as they are, as with torch.optim.AdamW); call loss.backward() before "
+            "optimizer.step()",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def clip_grad_norm_(self, max_norm, norm_type: float = 2.0) -> torch.Tensor:
         """Clips this step's gradients by their global L2 norm, as
@@ -251,8 +319,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._closed:
             target = self._resident or self._engine
-            target.recover_if_abandoned()        # after a failed backward: start clean
-            target.discard_if_gathered()         # between backward and step: drop, as torch
+            target.recover_if_abandoned()  # after a failed backward: start clean
+            target.discard_if_gathered()  # between backward and step: drop, as torch
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
@@ -295,8 +363,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     out.append(self._resident.masters[i].detach().float().cpu().clone())
                 else:
                     master = master_flat(s.bucket) if gathered is None else gathered[s.bucket.index][0]
-                    out.append(master[s.offset:s.offset + s.numel].view(p.shape).to(
-                        "cpu", copy=True))
+                    out.append(master[s.offset : s.offset + s.numel].view(p.shape).to("cpu", copy=True))
                 i += 1
         return out
 
@@ -322,23 +389,27 @@ class OffloadAdamW(torch.optim.Optimizer):
         need = resident_bytes(self._engine)
         room = mem["usable"] * (1 - self.vram_headroom) - mem["peak"]
         verdict = need <= room
-        self._log(f"offload=auto after {SWITCH_AFTER_STEPS} steps: resident state needs "
-                  f"{need / 2**30:.2f} GiB; usable {mem['usable'] / 2**30:.2f} GiB x "
-                  f"(1 - {self.vram_headroom:g}) - peak {mem['peak'] / 2**30:.2f} GiB = "
-                  f"{room / 2**30:.2f} GiB free -> "
-                  + ("switching to fused AdamW on the device" if verdict else "keep offloading"))
+        self._log(
+            f"offload=auto after {SWITCH_AFTER_STEPS} steps: resident state needs "
+            f"{need / 2**30:.2f} GiB; usable {mem['usable'] / 2**30:.2f} GiB x "
+            f"(1 - {self.vram_headroom:g}) - peak {mem['peak'] / 2**30:.2f} GiB = "
+            f"{room / 2**30:.2f} GiB free -> "
+            + ("switching to fused AdamW on the device" if verdict else "keep offloading")
+        )
         if verdict:
             try:
                 resident = Resident(self._engine, self.param_groups)
-            except torch.OutOfMemoryError as exc:   # the step itself is done: keep offloading
-                msg = (f"offload=auto: the device ran out of memory building the resident state "
-                       f"({exc}); the partial copies are freed and the optimizer keeps offloading")
+            except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
+                msg = (
+                    f"offload=auto: the device ran out of memory building the resident state "
+                    f"({exc}); the partial copies are freed and the optimizer keeps offloading"
+                )
                 self._log(msg)
                 warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=3)
                 return
             self._resident = resident
             self._engine.close()
-            for b in self._engine.buckets:      # the state lives on the device now
+            for b in self._engine.buckets:  # the state lives on the device now
                 b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None
 
     def _before_apply(self) -> None:

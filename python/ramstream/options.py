@@ -1,4 +1,5 @@
 """wrap() options: names, accepted values, defaults, and validation with errors that list them."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,13 @@ from typing import Any
 
 import torch
 
-_MOMENT_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32",
-                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_MOMENT_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 def _fail(name: str, value: Any, accepted: str) -> ValueError:
@@ -32,29 +38,35 @@ def parse_moment_dtype(value: Any, *, allow_auto: bool = True, where: str = "wra
 def parse_max_grad_norm(value: Any, where: str = "wrap(): option") -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{where} max_grad_norm={value!r} is not accepted; accepted: None or a "
-                         "finite number > 0")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{where} max_grad_norm={value!r} is not accepted; accepted: None or a finite number > 0"
+        )
     return float(value)
 
 
 def parse_accumulation_steps(value: Any, where: str = "wrap(): option") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where} accumulation_steps={value!r} is not accepted; accepted: an "
-                         "integer >= 1")
+        raise ValueError(f"{where} accumulation_steps={value!r} is not accepted; accepted: an integer >= 1")
     return int(value)
 
 
-MAX_THREADS = 4096      # the bound RAMSTREAM_NUM_THREADS has in the core
+MAX_THREADS = 4096  # the bound RAMSTREAM_NUM_THREADS has in the core
 
 
 def parse_threads(value: Any, where: str = "wrap(): option") -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
-        raise ValueError(f"{where} threads={value!r} is not accepted; accepted: None (all cores) "
-                         f"or an integer in [1, {MAX_THREADS}]")
+        raise ValueError(
+            f"{where} threads={value!r} is not accepted; accepted: None (all cores) "
+            f"or an integer in [1, {MAX_THREADS}]"
+        )
     return int(value)
 
 
@@ -100,14 +112,16 @@ class WrapOptions:
         known = set(cls.names())
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"wrap(): unknown option(s) {', '.join(unknown)}; accepted options: "
-                             f"{', '.join(sorted(known))}")
+            raise ValueError(
+                f"wrap(): unknown option(s) {', '.join(unknown)}; accepted options: "
+                f"{', '.join(sorted(known))}"
+            )
         o = cls(**options)
         o.optimizer_mode = parse_mode(o.optimizer_mode)
         if not (isinstance(o.offload, str) and o.offload == "auto") and o.offload is not True:
             raise _fail("offload", o.offload, "'auto', True")
         o.device = parse_device(o.device)
-        if not any(o.distributed is v for v in (None, True, False)):   # 1 == True: not accepted
+        if not any(o.distributed is v for v in (None, True, False)):  # 1 == True: not accepted
             raise _fail("distributed", o.distributed, "None (auto), True, False")
         for name in ("guard_params", "verbose", "eager_updates"):
             if not isinstance(getattr(o, name), bool):
@@ -116,16 +130,21 @@ class WrapOptions:
         o.accumulation_steps = parse_accumulation_steps(o.accumulation_steps)
         o.moment_dtype = parse_moment_dtype(o.moment_dtype)
         o.threads = parse_threads(o.threads)
-        if isinstance(o.lr, bool) or not isinstance(o.lr, (int, float)) or not math.isfinite(o.lr) \
-                or o.lr < 0:
+        if (
+            isinstance(o.lr, bool)
+            or not isinstance(o.lr, (int, float))
+            or not math.isfinite(o.lr)
+            or o.lr < 0
+        ):
             raise _fail("lr", o.lr, "a finite number >= 0")
         o.lr = float(o.lr)
-        if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, int) \
-                or o.bucket_bytes < 4096:
+        if isinstance(o.bucket_bytes, bool) or not isinstance(o.bucket_bytes, int) or o.bucket_bytes < 4096:
             raise _fail("bucket_bytes", o.bucket_bytes, "an integer >= 4096")
         if o.max_inflight_bytes is not None and (
-                isinstance(o.max_inflight_bytes, bool) or not isinstance(o.max_inflight_bytes, int)
-                or o.max_inflight_bytes < (1 << 20)):
+            isinstance(o.max_inflight_bytes, bool)
+            or not isinstance(o.max_inflight_bytes, int)
+            or o.max_inflight_bytes < (1 << 20)
+        ):
             raise _fail("max_inflight_bytes", o.max_inflight_bytes, "None or an integer >= 1 MiB")
         o.activation_offload = parse_activation_offload(o.activation_offload)
         for name, lo in (("prefetch_depth", 1), ("min_offload_bytes", 0)):
@@ -137,24 +156,33 @@ class WrapOptions:
             raise _fail("max_activation_slowdown", v, "a finite number >= 0")
         o.max_activation_slowdown = float(v)
         if o.blocks is not None:
-            if (not isinstance(o.blocks, (list, tuple)) or not o.blocks
-                    or not all(isinstance(m, torch.nn.Module) for m in o.blocks)):
-                raise _fail("blocks", o.blocks, "None (auto-detect) or a non-empty list of "
-                            "nn.Module")
-        if isinstance(o.vram_headroom, bool) or not isinstance(o.vram_headroom, (int, float)) \
-                or not 0.0 <= o.vram_headroom < 1.0:
+            if (
+                not isinstance(o.blocks, (list, tuple))
+                or not o.blocks
+                or not all(isinstance(m, torch.nn.Module) for m in o.blocks)
+            ):
+                raise _fail("blocks", o.blocks, "None (auto-detect) or a non-empty list of nn.Module")
+        if (
+            isinstance(o.vram_headroom, bool)
+            or not isinstance(o.vram_headroom, (int, float))
+            or not 0.0 <= o.vram_headroom < 1.0
+        ):
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")
         return o
 
 
 def parse_activation_offload(value: Any):
-    """"auto", True, False, or a fraction in [0, 1] of the block stack."""
+    """ "auto", True, False, or a fraction in [0, 1] of the block stack."""
     if value is True or value is False:
         return value
     if isinstance(value, str) and value == "auto":
         return "auto"
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and 0.0 <= value <= 1.0:
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0.0 <= value <= 1.0
+    ):
         return float(value)
     raise _fail("activation_offload", value, "'auto', True, False, or a fraction in [0, 1]")
 
@@ -165,8 +193,11 @@ def parse_device(value: Any, where: str = "wrap(): option") -> torch.device | No
     if value is None:
         return None
     accepted = "None, 'cpu', 'cuda', 'cuda:N', a torch.device"
-    if isinstance(value, bool) or not isinstance(value, (str, torch.device, int)) \
-            or (isinstance(value, int) and value < 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (str, torch.device, int))
+        or (isinstance(value, int) and value < 0)
+    ):
         raise ValueError(f"{where} device={value!r} is not accepted; accepted: {accepted}")
     try:
         # an integer is a CUDA index (torch.device(int) would pick whichever accelerator exists)
@@ -177,12 +208,16 @@ def parse_device(value: Any, where: str = "wrap(): option") -> torch.device | No
         raise ValueError(f"{where} device={value!r} is not accepted; accepted: {accepted}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{where} device={value!r}: torch sees no CUDA GPU; pass "
-                               "device='cpu' to run the engine on the CPU")
+            raise RuntimeError(
+                f"{where} device={value!r}: torch sees no CUDA GPU; pass "
+                "device='cpu' to run the engine on the CPU"
+            )
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{where} device={value!r} is not accepted: torch sees "
-                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
-                             f"cuda:{torch.cuda.device_count() - 1}")
+            raise ValueError(
+                f"{where} device={value!r} is not accepted: torch sees "
+                f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
     return dev

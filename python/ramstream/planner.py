@@ -13,6 +13,7 @@ stream and come back in backward on the H2D stream):
     added_s(k) = copy_s(k) - hidden_s
     slowdown(k) = added_s(k) / unpaged_step_s
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,9 @@ import math
 __all__ = ["choose_paged_blocks", "fraction_to_blocks", "copy_seconds", "estimate_overlap"]
 
 
-def _number(name: str, value, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, where: str) -> float:
+def _number(
+    name: str, value, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False, where: str
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
     v = float(value)
@@ -41,9 +43,16 @@ def _added(copy_s: float, unpaged_step_s: float, overlap: float) -> float:
     return copy_s - min(overlap * copy_s, unpaged_step_s)
 
 
-def choose_paged_blocks(block_bytes: list[int], *, unpaged_step_s: float, d2h_gbps: float,
-                        h2d_gbps: float, compute_overlap: float, max_slowdown: float,
-                        must_free_bytes: int = 0) -> tuple[list[int], dict]:
+def choose_paged_blocks(
+    block_bytes: list[int],
+    *,
+    unpaged_step_s: float,
+    d2h_gbps: float,
+    h2d_gbps: float,
+    compute_overlap: float,
+    max_slowdown: float,
+    must_free_bytes: int = 0,
+) -> tuple[list[int], dict]:
     """Which blocks page their activations, chosen from the front of the stack.
 
     Front blocks go first: their activations wait longest between forward and backward, so their
@@ -78,8 +87,7 @@ def choose_paged_blocks(block_bytes: list[int], *, unpaged_step_s: float, d2h_gb
     h2d = _number("h2d_gbps", h2d_gbps, lo=0.0, lo_open=True, where=where)
     overlap = _number("compute_overlap", compute_overlap, lo=0.0, hi=1.0, where=where)
     max_sd = _number("max_slowdown", max_slowdown, lo=0.0, where=where)
-    if isinstance(must_free_bytes, bool) or not isinstance(must_free_bytes, int) \
-            or must_free_bytes < 0:
+    if isinstance(must_free_bytes, bool) or not isinstance(must_free_bytes, int) or must_free_bytes < 0:
         raise ValueError(f"{where}: must_free_bytes must be an int >= 0, got {must_free_bytes!r}")
 
     per_block = [copy_seconds(b, d2h, h2d) for b in sizes]
@@ -109,16 +117,22 @@ def choose_paged_blocks(block_bytes: list[int], *, unpaged_step_s: float, d2h_gb
     paged_bytes = sum(sizes[:k])
     slowdown = added / step
     if not fits:
-        reason = (f"paging all {n} blocks frees {paged_bytes / 2**30:.2f} GiB < the "
-                  f"{must_free_bytes / 2**30:.2f} GiB needed to fit; expected slowdown "
-                  f"{slowdown:.1%}")
+        reason = (
+            f"paging all {n} blocks frees {paged_bytes / 2**30:.2f} GiB < the "
+            f"{must_free_bytes / 2**30:.2f} GiB needed to fit; expected slowdown "
+            f"{slowdown:.1%}"
+        )
     elif k_fit > k_time:
-        reason = (f"paging {k} of {n} blocks to free {must_free_bytes / 2**30:.2f} GiB (needed to "
-                  f"fit); expected slowdown {slowdown:.1%} > max {max_sd:.1%}")
+        reason = (
+            f"paging {k} of {n} blocks to free {must_free_bytes / 2**30:.2f} GiB (needed to "
+            f"fit); expected slowdown {slowdown:.1%} > max {max_sd:.1%}"
+        )
     else:
-        reason = (f"paging {k} of {n} blocks ({paged_bytes / 2**30:.2f} GiB): expected slowdown "
-                  f"{slowdown:.1%} <= max {max_sd:.1%} (copies {copy_s * 1e3:.1f} ms, "
-                  f"{overlap:.0%} hidden behind a {step * 1e3:.1f} ms step)")
+        reason = (
+            f"paging {k} of {n} blocks ({paged_bytes / 2**30:.2f} GiB): expected slowdown "
+            f"{slowdown:.1%} <= max {max_sd:.1%} (copies {copy_s * 1e3:.1f} ms, "
+            f"{overlap:.0%} hidden behind a {step * 1e3:.1f} ms step)"
+        )
     info = {
         "n_blocks": n,
         "block_bytes": sizes,
@@ -157,10 +171,13 @@ def estimate_overlap(unpaged_step_s: float, paged_step_s: float, copy_s: float) 
 def fraction_to_blocks(fraction: float, n_blocks: int) -> list[int]:
     """The first round(fraction * n_blocks) block indices (halves round up), for
     ``activation_offload=<fraction>``. fraction in [0, 1]; n_blocks an int >= 0."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction_to_blocks: fraction must be a number in [0, 1], got "
-                         f"{fraction!r}")
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not math.isfinite(fraction)
+        or not 0.0 <= fraction <= 1.0
+    ):
+        raise ValueError(f"fraction_to_blocks: fraction must be a number in [0, 1], got {fraction!r}")
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
         raise ValueError(f"fraction_to_blocks: n_blocks must be an int >= 0, got {n_blocks!r}")
     k = min(n_blocks, int(math.floor(fraction * n_blocks + 0.5 + 1e-9)))

@@ -1,4 +1,5 @@
 """The decision log behind memory_report(model)["events"]: timestamped plain-text lines."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """wrap(model, optimizer) -> (model, optimizer): one line to offload; unwrap(); memory_report()."""
+
 from __future__ import annotations
 
 import types
@@ -46,16 +47,23 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
         for g in optimizer.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
                 raise ValueError(f"wrap(): {name} with amsgrad or maximize is not supported")
-            if name == "Adam" and g.get("weight_decay", 0) != 0 \
-                    and not g.get("decoupled_weight_decay", False):
-                raise ValueError("wrap(): torch.optim.Adam with weight_decay != 0 adds L2 decay to "
-                                 "the gradient, which ramstream's AdamW does not do; use "
-                                 "torch.optim.AdamW, or Adam with weight_decay=0")
+            if (
+                name == "Adam"
+                and g.get("weight_decay", 0) != 0
+                and not g.get("decoupled_weight_decay", False)
+            ):
+                raise ValueError(
+                    "wrap(): torch.optim.Adam with weight_decay != 0 adds L2 decay to "
+                    "the gradient, which ramstream's AdamW does not do; use "
+                    "torch.optim.AdamW, or Adam with weight_decay=0"
+                )
         sd = optimizer.state_dict() if optimizer.state else None
         # the same group dicts: what an LR scheduler of the given optimizer writes, we read
         return list(optimizer.param_groups), sd, {}
-    raise ValueError(f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
-                     "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None")
+    raise ValueError(
+        f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
+        "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None"
+    )
 
 
 def _bytes_to_move(model: torch.nn.Module, device: torch.device) -> int:
@@ -89,7 +97,8 @@ def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
         f"of {mem['total'] / gib:.2f} GiB, {mem['reserved'] / gib:.2f} GiB already reserved). "
         "Optimizer state and gradients live in host RAM, but the weights must fit on the device "
         "(weight paging is not available yet): train in bf16 (model.bfloat16(); the fp32 masters "
-        "stay in host RAM, half the device bytes), or use a smaller model or a larger GPU")
+        "stay in host RAM, half the device bytes), or use a smaller model or a larger GPU"
+    )
 
 
 def _hand_over(old: torch.optim.Optimizer, new: OffloadAdamW) -> None:
@@ -116,8 +125,10 @@ def _use_data_parallel(option) -> bool:
 
     ready = dist.is_available() and dist.is_initialized()
     if option is True and not ready:
-        raise ValueError("wrap(): option distributed=True needs torch.distributed initialised "
-                         "(torch.distributed.init_process_group) before wrap()")
+        raise ValueError(
+            "wrap(): option distributed=True needs torch.distributed initialised "
+            "(torch.distributed.init_process_group) before wrap()"
+        )
     if option is None:
         return ready and dist.get_world_size() > 1
     return bool(option)
@@ -129,20 +140,25 @@ def _pick_moment_dtype(opts: WrapOptions, numel: int, log: EventLog) -> torch.dt
     if opts.moment_dtype == "bfloat16":
         return torch.bfloat16
     avail = host_memory()["available"]
-    need32 = numel * (4 + 8 + 4)   # master + two fp32 moments + landing
+    need32 = numel * (4 + 8 + 4)  # master + two fp32 moments + landing
     need16 = numel * (4 + 4 + 4)
     if need32 <= 0.9 * avail:
-        log(f"moment_dtype=auto -> float32 ({need32 / 2**30:.2f} GiB of host state <= 90% of "
-            f"{avail / 2**30:.2f} GiB available)")
+        log(
+            f"moment_dtype=auto -> float32 ({need32 / 2**30:.2f} GiB of host state <= 90% of "
+            f"{avail / 2**30:.2f} GiB available)"
+        )
         return torch.float32
     if need16 <= 0.9 * avail:
-        log(f"moment_dtype=auto -> bfloat16 (float32 needs {need32 / 2**30:.2f} GiB > 90% of "
-            f"{avail / 2**30:.2f} GiB available; bfloat16 needs {need16 / 2**30:.2f} GiB)")
+        log(
+            f"moment_dtype=auto -> bfloat16 (float32 needs {need32 / 2**30:.2f} GiB > 90% of "
+            f"{avail / 2**30:.2f} GiB available; bfloat16 needs {need16 / 2**30:.2f} GiB)"
+        )
         return torch.bfloat16
     raise MemoryError(
         f"wrap(): host state does not fit: {numel:,} trained parameters x 12 bytes (fp32 master + "
         f"bf16 moments + landing buffer) = {need16 / 2**30:.2f} GiB > 90% of "
-        f"{avail / 2**30:.2f} GiB available RAM")
+        f"{avail / 2**30:.2f} GiB available RAM"
+    )
 
 
 def wrap(model: torch.nn.Module, optimizer=None, **options):
@@ -163,8 +179,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     device = opts.device
     if device is None:
         if len(devices) != 1:
-            raise ValueError(f"wrap(): the model's parameters are on {sorted(map(str, devices))}; "
-                             "pass device=")
+            raise ValueError(
+                f"wrap(): the model's parameters are on {sorted(map(str, devices))}; pass device="
+            )
         device = devices.pop()
     if device.type == "cuda":
         _check_cuda_device(device, opts.optimizer_mode)
@@ -182,25 +199,42 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         broadcast_model(model, src=0)
         import torch.distributed as dist
 
-        log(f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()} "
-            f"({dist.get_backend()}); rank 0's weights broadcast")
+        log(
+            f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()} "
+            f"({dist.get_backend()}); rank 0's weights broadcast"
+        )
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
     # frozen parameters (a LoRA model's base) get no host state: see Engine._make_slots
     numel = sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)
     if not any(p.requires_grad for g in groups for p in g["params"]):
-        raise ValueError("wrap(): none of the optimizer's parameters requires grad; set "
-                         "requires_grad on the parameters to train before wrap()")
+        raise ValueError(
+            "wrap(): none of the optimizer's parameters requires grad; set "
+            "requires_grad on the parameters to train before wrap()"
+        )
     moment_dtype = _pick_moment_dtype(opts, numel, log)
     g0 = groups[0]
-    opt = OffloadAdamW(groups, lr=g0.get("lr", opts.lr), betas=g0.get("betas", (0.9, 0.999)),
-                       eps=g0.get("eps", 1e-8), weight_decay=g0.get("weight_decay", 1e-2),
-                       max_grad_norm=opts.max_grad_norm, accumulation_steps=opts.accumulation_steps,
-                       moment_dtype=moment_dtype, threads=opts.threads, device=device,
-                       guard_params=opts.guard_params, bucket_bytes=opts.bucket_bytes,
-                       mode=opts.optimizer_mode, offload=opts.offload,
-                       vram_headroom=opts.vram_headroom,
-                       max_inflight_bytes=opts.max_inflight_bytes, distributed=use_dp,
-                       eager_updates=opts.eager_updates, _order=_forward_order(model), _log=log)
+    opt = OffloadAdamW(
+        groups,
+        lr=g0.get("lr", opts.lr),
+        betas=g0.get("betas", (0.9, 0.999)),
+        eps=g0.get("eps", 1e-8),
+        weight_decay=g0.get("weight_decay", 1e-2),
+        max_grad_norm=opts.max_grad_norm,
+        accumulation_steps=opts.accumulation_steps,
+        moment_dtype=moment_dtype,
+        threads=opts.threads,
+        device=device,
+        guard_params=opts.guard_params,
+        bucket_bytes=opts.bucket_bytes,
+        mode=opts.optimizer_mode,
+        offload=opts.offload,
+        vram_headroom=opts.vram_headroom,
+        max_inflight_bytes=opts.max_inflight_bytes,
+        distributed=use_dp,
+        eager_updates=opts.eager_updates,
+        _order=_forward_order(model),
+        _log=log,
+    )
     if old_state is not None:
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")
@@ -214,10 +248,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         opt._step_callbacks.append(w.activations.on_step)
         engine.on_abandon.append(w.activations.off.release_abandoned)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
-    w.handles.append(model.register_load_state_dict_pre_hook(
-        lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)))
-    w.handles.append(model.register_load_state_dict_post_hook(
-        lambda module, keys: opt._model_loaded(module)))
+    w.handles.append(
+        model.register_load_state_dict_pre_hook(
+            lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)
+        )
+    )
+    w.handles.append(model.register_load_state_dict_post_hook(lambda module, keys: opt._model_loaded(module)))
     w.orig_apply = model.__dict__.get("_apply")
 
     def _apply(self, fn, *args, **kwargs):
@@ -230,10 +266,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     model._ramstream = w
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
-    log(f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
+    log(
+        f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
         f"buckets on {device} ({len(engine.frozen)} frozen ones left as they are); moments "
         f"{str(moment_dtype).replace('torch.', '')}; "
-        f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}")
+        f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}"
+    )
     return model, opt
 
 
@@ -262,8 +300,9 @@ def memory_report(model: torch.nn.Module) -> dict:
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
     e = w.optimizer._engine
-    host_state = sum(t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc)
-                     if t is not None)
+    host_state = sum(
+        t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
+    )
     landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
     return {
         "events": list(w.log.lines),
@@ -285,6 +324,9 @@ def memory_report(model: torch.nn.Module) -> dict:
             "landing_bytes": landing,
             "stats": w.optimizer.stats(),
         },
-        "plan": {**w.plan, "history": list(w.plan.get("history", [])),
-                 "activations": w.activations.report() if w.activations is not None else None},
+        "plan": {
+            **w.plan,
+            "history": list(w.plan.get("history", [])),
+            "activations": w.activations.report() if w.activations is not None else None,
+        },
     }

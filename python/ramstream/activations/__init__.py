@@ -6,6 +6,7 @@ of backward.
     policy.py   ActivationPolicy: wrap()'s choice of blocks (fixed, a fraction, or "auto")
     blocks.py   find_blocks(): a model's repeated layer stack
 """
+
 from __future__ import annotations
 
 from .blocks import find_blocks

@@ -1,4 +1,5 @@
 """find_blocks(): a model's repeated layer stack, the unit activation paging works in (and ranges_text for logs)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -23,8 +24,9 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         children = list(dict.fromkeys(m))  # unique, in order
         classes = sorted({type(c).__name__ for c in children})
-        seen.append(f"{name or '<root>'} ({type(m).__name__} of {len(children)}: "
-                     f"{', '.join(classes) or 'empty'})")
+        seen.append(
+            f"{name or '<root>'} ({type(m).__name__} of {len(children)}: {', '.join(classes) or 'empty'})"
+        )
         if len(children) < 2 or len(classes) != 1 or len({type(c) for c in children}) != 1:
             continue
         numel = sum(p.numel() for p in m.parameters())
@@ -39,7 +41,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             f"find_blocks: no repeated layer stack found in {type(model).__name__}: expected an "
             "nn.ModuleList or nn.Sequential holding >= 2 modules of one class with parameters "
             f"(such as model.layers or transformer.h); containers seen: {found}. Pass the blocks "
-            "explicitly (blocks=[...]).")
+            "explicitly (blocks=[...])."
+        )
     return best[1]
 
 

@@ -8,6 +8,7 @@ dtype) before the copy, so bytes that a missing wait lets through are never righ
 ``_TEST_SKIP_WAIT`` names one wait of the CUDA engine to leave out (one of ``SKIPPABLE_WAITS``),
 so the GPU tests can show that they fail without it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,19 @@ _TEST_POISON = False
 _TEST_SKIP_WAIT: str | None = None
 SKIPPABLE_WAITS = ("d2h_after_compute", "h2d_after_d2h", "compute_after_h2d")
 
-__all__ = ["HostBuf", "HostPool", "byte_view", "CpuCopies", "CudaCopies", "Call", "Entry", "Saved",
-           "Kept", "version_probe", "check_version"]
+__all__ = [
+    "HostBuf",
+    "HostPool",
+    "byte_view",
+    "CpuCopies",
+    "CudaCopies",
+    "Call",
+    "Entry",
+    "Saved",
+    "Kept",
+    "version_probe",
+    "check_version",
+]
 
 
 # ---- host buffer pool --------------------------------------------------------------------------
@@ -41,10 +53,10 @@ class HostBuf:
     __slots__ = ("t", "size", "event", "tick")
 
     def __init__(self, t: torch.Tensor, size: int) -> None:
-        self.t = t          # uint8 host tensor of `size` bytes
+        self.t = t  # uint8 host tensor of `size` bytes
         self.size = size
-        self.event = None   # the last copy reading from it (CUDA event) or None
-        self.tick = 0       # when it was last given back (HostPool.seq): least recently used first
+        self.event = None  # the last copy reading from it (CUDA event) or None
+        self.tick = 0  # when it was last given back (HostPool.seq): least recently used first
 
 
 def _drop(bufs: list[HostBuf]) -> None:
@@ -82,10 +94,24 @@ class HostPool:
         self.peak_held = 0
         self.allocations = 0
         self.reuses = 0
-        self.step_peak = 0                  # the highest bytes_in_use since the last new_pass
-        self.needs: deque[int] = deque(maxlen=window)   # step_peak of the last `window` steps
+        self.step_peak = 0  # the highest bytes_in_use since the last new_pass
+        self.needs: deque[int] = deque(maxlen=window)  # step_peak of the last `window` steps
         self.bytes_dropped = 0
         self.trims = 0
+
+    def stats(self) -> dict:
+        """The pool's byte counts (ActivationOffloader.stats() documents them)."""
+        with self.lock:
+            return {
+                "host_bytes_held": self.bytes_held,
+                "host_bytes_in_use": self.bytes_in_use,
+                "host_bytes_peak": self.peak_held,
+                "host_allocations": self.allocations,
+                "host_reuses": self.reuses,
+                "host_bytes_high_water": self.high_water,
+                "host_bytes_given_back": self.bytes_dropped,
+                "host_trims": self.trims,
+            }
 
     @property
     def high_water(self) -> int:
@@ -112,7 +138,7 @@ class HostPool:
                     t = pinned_empty(size, torch.uint8)
                 else:
                     t = torch.empty(size, dtype=torch.uint8)
-            except BaseException:     # out of memory: the buffer was never handed out
+            except BaseException:  # out of memory: the buffer was never handed out
                 with self.lock:
                     self.bytes_in_use -= size
                 raise
@@ -122,8 +148,8 @@ class HostPool:
                 self.peak_held = max(self.peak_held, self.bytes_held)
             buf = HostBuf(t, size)
         if _TEST_POISON:
-            _drop([buf])                    # its last H2D has run: the fill cannot corrupt it
-            buf.t.fill_(0xFF)               # NaN in every float dtype
+            _drop([buf])  # its last H2D has run: the fill cannot corrupt it
+            buf.t.fill_(0xFF)  # NaN in every float dtype
         return buf
 
     def give(self, buf: HostBuf, event) -> None:
@@ -148,8 +174,7 @@ class HostPool:
             excess = self.bytes_held - keep
             dropped: list[HostBuf] = []
             if excess > 0 and self.free:
-                lru = sorted((b for lst in self.free.values() for b in lst),
-                             key=lambda b: (b.tick, -b.size))
+                lru = sorted((b for lst in self.free.values() for b in lst), key=lambda b: (b.tick, -b.size))
                 for b in lru:
                     if excess <= 0:
                         break
@@ -189,8 +214,7 @@ class HostPool:
 
 
 # ---- copies: CUDA streams or plain CPU copies ---------------------------------------------------
-def byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int,
-               n: int) -> torch.Tensor:
+def byte_view(storage: torch.UntypedStorage, device: torch.device, lo: int, n: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (n,), (1,))
 
 
@@ -203,7 +227,7 @@ class CpuCopies:
         self.device = device
 
     def to_host(self, buf: HostBuf, src: torch.Tensor) -> None:
-        buf.t[:src.numel()].copy_(src)
+        buf.t[: src.numel()].copy_(src)
 
     def d2h_event(self):
         return None
@@ -242,11 +266,11 @@ class CudaCopies:
         is not reused by the caching allocator before the copy has run (record_stream)."""
         if _TEST_SKIP_WAIT != "d2h_after_compute":
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        if buf.event is not None:              # the last H2D out of this buffer
+        if buf.event is not None:  # the last H2D out of this buffer
             self.d2h.wait_event(buf.event)
             buf.event = None
         with torch.cuda.stream(self.d2h):
-            buf.t[:src.numel()].copy_(src, non_blocking=True)
+            buf.t[: src.numel()].copy_(src, non_blocking=True)
         src.record_stream(self.d2h)
 
     def d2h_event(self):
@@ -285,7 +309,7 @@ class CudaCopies:
         end.record(cur)
         with self._lock:
             self._timed.append((start, end))
-            if len(self._timed) > 100_000:       # never polled: keep the newest
+            if len(self._timed) > 100_000:  # never polled: keep the newest
                 del self._timed[:50_000]
         entry.gpu.record_stream(cur)
         entry.used_on = sid
@@ -318,14 +342,23 @@ class Call:
     """One forward call of one block: the entries it paged (weakly), the calls before it (strong)
     and after it (weak), its last D2H event and the event marking that backward reached it."""
 
-    __slots__ = ("index", "pass_id", "prev", "next", "entries", "fetched", "d2h_event",
-                 "bwd_event", "__weakref__")
+    __slots__ = (
+        "index",
+        "pass_id",
+        "prev",
+        "next",
+        "entries",
+        "fetched",
+        "d2h_event",
+        "bwd_event",
+        "__weakref__",
+    )
 
     def __init__(self, index: int, pass_id: int, prev) -> None:
         self.index = index
         self.pass_id = pass_id
         self.prev = prev
-        self.next = None          # weakref to the next call of the pass
+        self.next = None  # weakref to the next call of the pass
         self.entries: list[weakref.ref] = []
         self.fetched = False
         self.d2h_event = None
@@ -339,8 +372,18 @@ class Entry:
     backward used it, or when the graph dies) the host buffer returns to the pool.
     """
 
-    __slots__ = ("owner", "call", "buf", "lo", "nbytes", "d2h_event", "gpu", "h2d_event",
-                 "used_on", "__weakref__")
+    __slots__ = (
+        "owner",
+        "call",
+        "buf",
+        "lo",
+        "nbytes",
+        "d2h_event",
+        "gpu",
+        "h2d_event",
+        "used_on",
+        "__weakref__",
+    )
 
     def __init__(self, owner, call: Call, buf: HostBuf, lo: int, nbytes: int) -> None:
         self.owner = owner
@@ -370,8 +413,9 @@ class Saved:
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "probe", "version", "index")
 
-    def __init__(self, entry: Entry, dtype, size, stride, offset: int, probe: torch.Tensor,
-                 version: int, index: int) -> None:
+    def __init__(
+        self, entry: Entry, dtype, size, stride, offset: int, probe: torch.Tensor, version: int, index: int
+    ) -> None:
         self.entry = entry
         self.dtype = dtype
         self.size = size
@@ -379,7 +423,7 @@ class Saved:
         self.offset = offset  # in elements of dtype, from the start of the entry's bytes
         self.probe = probe
         self.version = version
-        self.index = index    # the block that saved it (for the error message)
+        self.index = index  # the block that saved it (for the error message)
 
 
 class Kept:
@@ -390,7 +434,7 @@ class Kept:
     __slots__ = ("t", "version", "index")
 
     def __init__(self, t: torch.Tensor, index: int) -> None:
-        self.t = t.detach()    # not t: its grad_fn may be the node holding this (a cycle)
+        self.t = t.detach()  # not t: its grad_fn may be the node holding this (a cycle)
         self.version = t._version
         self.index = index
 
@@ -413,4 +457,5 @@ def check_version(current: int, x) -> None:
             f"inplace operation: [{t.dtype} {list(t.size() if type(x) is Kept else t.size)}], "
             f"saved for backward in block {x.index}, is at version {current}; expected version "
             f"{x.version} instead. (ActivationOffloader checks the versions that torch does "
-            "not check behind saved-tensor hooks; without paging torch raises the same error.)")
+            "not check behind saved-tensor hooks; without paging torch raises the same error.)"
+        )

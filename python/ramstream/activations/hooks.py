@@ -11,6 +11,7 @@ The host buffers, the copy engines and the saved-tensor records live in buffers.
     loss = model(x); loss.backward()    # blocks 0-2 kept their large saved tensors on the host
     off.detach()
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,13 +24,24 @@ import torch.nn as nn
 
 from .._faults import fault_point
 from .blocks import ranges_text as _ranges
-from .buffers import (Call, CpuCopies, CudaCopies, Entry, HostBuf, HostPool, Kept, Saved, byte_view,
-                      check_version, version_probe)
+from .buffers import (
+    Call,
+    CpuCopies,
+    CudaCopies,
+    Entry,
+    HostBuf,
+    HostPool,
+    Kept,
+    Saved,
+    byte_view,
+    check_version,
+    version_probe,
+)
+from .records import PassRecords
 
 __all__ = ["ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
-_ALIGN = 512  # a span copied from inside a storage starts at a multiple of this (CUDA's alignment)
 
 
 def _top_hooks_are_checkpoint() -> bool:
@@ -42,8 +54,9 @@ def _top_hooks_are_checkpoint() -> bool:
         return False
     fn = top[0]
     fn = getattr(fn, "__wrapped__", fn)
-    return "checkpoint" in (getattr(fn, "__module__", "") or "") \
-        or "checkpoint" in (getattr(fn, "__qualname__", "") or "")
+    return "checkpoint" in (getattr(fn, "__module__", "") or "") or "checkpoint" in (
+        getattr(fn, "__qualname__", "") or ""
+    )
 
 
 # ---- the offloader ------------------------------------------------------------------------------
@@ -81,33 +94,44 @@ class ActivationOffloader:
     buffers are returned to the pool from whichever thread frees the last saved-tensor handle.
     """
 
-    def __init__(self, blocks: Iterable[nn.Module], device, *, prefetch_depth: int = 1,
-                 min_offload_bytes: int = 1 << 20, d2h_lag: int = 2, pool_window: int = 2,
-                 log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        blocks: Iterable[nn.Module],
+        device,
+        *,
+        prefetch_depth: int = 1,
+        min_offload_bytes: int = 1 << 20,
+        d2h_lag: int = 2,
+        pool_window: int = 2,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
             raise ValueError("ActivationOffloader: blocks must be a non-empty list of nn.Module")
         if len({id(b) for b in blocks}) != len(blocks):
             raise ValueError("ActivationOffloader: blocks must not list a module twice")
-        for name, value, lo in (("prefetch_depth", prefetch_depth, 1), ("d2h_lag", d2h_lag, 1),
-                                ("pool_window", pool_window, 1),
-                                ("min_offload_bytes", min_offload_bytes, 0)):
+        for name, value, lo in (
+            ("prefetch_depth", prefetch_depth, 1),
+            ("d2h_lag", d2h_lag, 1),
+            ("pool_window", pool_window, 1),
+            ("min_offload_bytes", min_offload_bytes, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"ActivationOffloader: {name} must be an int >= {lo}, got "
-                                 f"{value!r}")
+                raise ValueError(f"ActivationOffloader: {name} must be an int >= {lo}, got {value!r}")
         device = torch.device(device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError(f"ActivationOffloader: device {device} requested but torch sees "
-                                   "no CUDA GPU; pass device='cpu' for the CPU engine")
+                raise RuntimeError(
+                    f"ActivationOffloader: device {device} requested but torch sees "
+                    "no CUDA GPU; pass device='cpu' for the CPU engine"
+                )
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             self._copies = CudaCopies(device)
         elif device.type == "cpu":
             self._copies = CpuCopies(device)
         else:
-            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got "
-                             f"{device}")
+            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda[:N]', got {device}")
         self.blocks = blocks
         self.device = device
         self.prefetch_depth = prefetch_depth
@@ -120,18 +144,25 @@ class ActivationOffloader:
         self._hooks: list = []
         self._tls = threading.local()
         self._pass = 0
-        self._live: weakref.WeakSet = weakref.WeakSet()   # entries holding a host buffer
+        self._live: weakref.WeakSet = weakref.WeakSet()  # entries holding a host buffer
         self._aged_pass = -1
-        self._backward_seen = False   # since the pool last aged: a new pass then starts a step
+        self._backward_seen = False  # since the pool last aged: a new pass then starts a step
         self._last_index = _NO_CALL
         self._last_call: Call | None = None
-        self._persistent: set[int] = set()
-        self._by_storage: dict[int, list] = {}
-        self._block_bytes = [0] * len(blocks)
-        self._pass_bytes = 0
-        self._counters = {"copies_d2h": 0, "copies_h2d": 0, "bytes_d2h": 0, "bytes_h2d": 0,
-                          "pack_s": 0.0, "unpack_s": 0.0, "h2d_stall_s": 0.0,
-                          "d2h_wait_s": 0.0, "h2d_wait_s": 0.0, "passes": 0, "live_entries": 0}
+        self._records = PassRecords(len(blocks))
+        self._counters = {
+            "copies_d2h": 0,
+            "copies_h2d": 0,
+            "bytes_d2h": 0,
+            "bytes_h2d": 0,
+            "pack_s": 0.0,
+            "unpack_s": 0.0,
+            "h2d_stall_s": 0.0,
+            "d2h_wait_s": 0.0,
+            "h2d_wait_s": 0.0,
+            "passes": 0,
+            "live_entries": 0,
+        }
         self._lock = threading.Lock()
 
     # ---- public -----------------------------------------------------------------------------
@@ -145,10 +176,10 @@ class ActivationOffloader:
             return self
         self._pool.reopen()
         for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_pre_hook(
-                lambda m, args, i=i: self._pre(i, m)))
-            self._hooks.append(b.register_forward_hook(
-                lambda m, args, out: self._post(m, out), always_call=True))
+            self._hooks.append(b.register_forward_pre_hook(lambda m, args, i=i: self._pre(i, m)))
+            self._hooks.append(
+                b.register_forward_hook(lambda m, args, out: self._post(m, out), always_call=True)
+            )
         return self
 
     def detach(self) -> None:
@@ -158,7 +189,7 @@ class ActivationOffloader:
             h.remove()
         self._hooks = []
         self._last_call = None
-        self._by_storage = {}
+        self._records.clear()
         self._last_index = _NO_CALL
         self._pool.close()
 
@@ -167,13 +198,11 @@ class ActivationOffloader:
         idx = set()
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.blocks):
-                raise ValueError(f"set_paged: indices must be ints in [0, {len(self.blocks)}), "
-                                 f"got {i!r}")
+                raise ValueError(f"set_paged: indices must be ints in [0, {len(self.blocks)}), got {i!r}")
             idx.add(i)
         new = frozenset(idx)
         if new != self._paged:
-            self.log(f"activation offload: paging blocks {_ranges(sorted(new))} of "
-                     f"{len(self.blocks)}")
+            self.log(f"activation offload: paging blocks {_ranges(sorted(new))} of {len(self.blocks)}")
         self._paged = new
 
     @property
@@ -200,18 +229,18 @@ class ActivationOffloader:
         stream waited for activations to come back, over the waits already run; 0 on the CPU
         engine), ``passes``; ``live_entries`` (paged ranges not yet consumed). Call it after a
         synchronize for complete stall figures."""
-        p = self._pool
-        with p.lock:
-            pool = {"host_bytes_held": p.bytes_held, "host_bytes_in_use": p.bytes_in_use,
-                    "host_bytes_peak": p.peak_held, "host_allocations": p.allocations,
-                    "host_reuses": p.reuses, "host_bytes_high_water": p.high_water,
-                    "host_bytes_given_back": p.bytes_dropped, "host_trims": p.trims}
+        pool = self._pool.stats()
         stall = self._copies.stall_seconds()
         with self._lock:
             self._counters["h2d_stall_s"] += stall
             c = dict(self._counters)
-        return {"paged_blocks": self.paged, "bytes_paged_last_pass": self._pass_bytes,
-                "block_bytes": list(self._block_bytes), **pool, **c}
+        return {
+            "paged_blocks": self.paged,
+            "bytes_paged_last_pass": self._records.pass_bytes,
+            "block_bytes": list(self._records.block_bytes),
+            **pool,
+            **c,
+        }
 
     # ---- forward hooks ----------------------------------------------------------------------
     def _stack(self) -> list:
@@ -221,10 +250,13 @@ class ActivationOffloader:
         return s
 
     def _active(self, module: nn.Module) -> bool:
-        return (module.training and torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled()
-                and torch._C._current_graph_task_id() == -1   # not inside backward (recompute)
-                and not _top_hooks_are_checkpoint())
+        return (
+            module.training
+            and torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and torch._C._current_graph_task_id() == -1  # not inside backward (recompute)
+            and not _top_hooks_are_checkpoint()
+        )
 
     def _pre(self, i: int, module: nn.Module) -> None:
         stack = self._stack()
@@ -250,13 +282,14 @@ class ActivationOffloader:
             self._throttle_d2h(call)
         if paged or self.measuring:
             ctx = torch.autograd.graph.saved_tensors_hooks(
-                lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack)
+                lambda t, call=call, paged=paged: self._pack(t, call, paged), self._unpack
+            )
             ctx.__enter__()
         stack.append((module, ctx, call))
 
     def _post(self, module: nn.Module, output) -> None:
         stack = self._stack()
-        if not stack or stack[-1][0] is not module:   # not ours when our pre-hook never ran
+        if not stack or stack[-1][0] is not module:  # not ours when our pre-hook never ran
             return
         _, ctx, call = stack.pop()
         if ctx is not None:
@@ -291,9 +324,11 @@ class ActivationOffloader:
         held = self._pool.bytes_held
         gone = self._pool.new_pass()
         if gone:
-            self.log(f"activation offload: host pool gave back {gone / 2**20:.1f} MiB of "
-                     f"{held / 2**20:.1f} MiB (keeps {self._pool.high_water / 2**20:.1f} MiB: the "
-                     f"most in use over the last {self._pool.window} steps)")
+            self.log(
+                f"activation offload: host pool gave back {gone / 2**20:.1f} MiB of "
+                f"{held / 2**20:.1f} MiB (keeps {self._pool.high_water / 2**20:.1f} MiB: the "
+                f"most in use over the last {self._pool.window} steps)"
+            )
 
     def _throttle_d2h(self, call: Call) -> None:
         """Before a paged block runs, the copies of the paged call d2h_lag calls back must have
@@ -329,37 +364,15 @@ class ActivationOffloader:
     def _new_pass(self) -> None:
         self._pass += 1
         self._last_call = None
-        self._by_storage = {}
-        self._block_bytes = [0] * len(self.blocks)
-        self._pass_bytes = 0
-        ptrs = set()
-        for b in self.blocks:
-            for t in list(b.parameters()) + list(b.buffers()):
-                p = t.untyped_storage().data_ptr()
-                if p:
-                    ptrs.add(p)
-        self._persistent = ptrs
+        self._records.new_pass(self.blocks)
         with self._lock:
             self._counters["passes"] += 1
 
     # ---- pack / unpack --------------------------------------------------------------------------
-    def _pageable(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested \
-                or t.is_quantized or t.device != self.device:
-            return False
-        if t.numel() * t.element_size() < max(1, self.min_offload_bytes):
-            return False
-        if t.is_leaf and t.requires_grad:
-            return False
-        base = t._base
-        if base is not None and isinstance(base, nn.Parameter):
-            return False
-        return t.untyped_storage().data_ptr() not in self._persistent
-
     def _pack(self, t: torch.Tensor, call: Call, paged: bool):
         fault_point("activations.pack")
         # a tensor that stays is wrapped with its version: behind hooks torch checks none
-        if not self._pageable(t):
+        if not self._records.pageable(t, self.device, self.min_offload_bytes):
             return Kept(t, call.index)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -369,51 +382,34 @@ class ActivationOffloader:
         return Kept(t, call.index) if saved is None else saved
 
     def _page(self, t: torch.Tensor, call: Call, paged: bool):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        size = st.nbytes()
-        item = t.element_size()
-        lo_t = t.storage_offset() * item
-        span = item
-        for n, s in zip(t.shape, t.stride()):
-            span += (n - 1) * s * item
-        hi_t = lo_t + span
-        version = t._version
-        found = None
-        recs = self._by_storage.setdefault(ptr, [])
-        for sref, ver, eref, lo, hi in recs:
-            if sref() is st and ver == version and lo <= lo_t and hi_t <= hi:
-                found = eref() if eref is not None else False
-                if found is not None:
-                    break
-        if found is False:          # measured only, already counted
+        rec = self._records
+        recs, lo_t, hi_t, found = rec.lookup(t)
+        if found is False:  # measured only, already counted
             return None
         if found is None:
-            if 2 * span >= size:
-                lo, hi = 0, size
-            else:
-                lo, hi = lo_t - lo_t % _ALIGN, hi_t
+            lo, hi = rec.span(t, lo_t, hi_t)
             n = hi - lo
-            self._block_bytes[call.index] += n
+            rec.block_bytes[call.index] += n
             if not paged:
-                recs.append((weakref.ref(st), version, None, lo, hi))
+                rec.add(recs, t, None, lo, hi)
                 return None
-            self._pass_bytes += n
+            rec.pass_bytes += n
             buf = self._pool.take(n)
-            self._copies.to_host(buf, byte_view(st, self.device, lo, n))
+            self._copies.to_host(buf, byte_view(t.untyped_storage(), self.device, lo, n))
             found = Entry(self, call, buf, lo, n)
             self._live.add(found)
             found.d2h_event = call.d2h_event = self._copies.d2h_event()
             call.entries.append(weakref.ref(found))
-            recs.append((weakref.ref(st), version, weakref.ref(found), lo, hi))
+            rec.add(recs, t, found, lo, hi)
             with self._lock:
                 self._counters["copies_d2h"] += 1
                 self._counters["bytes_d2h"] += n
                 self._counters["live_entries"] += 1
         if not paged:
             return None
-        return Saved(found, t.dtype, tuple(t.shape), tuple(t.stride()),
-                     (lo_t - found.lo) // item, version_probe(t), version, call.index)
+        item = t.element_size()
+        layout = (t.dtype, tuple(t.shape), tuple(t.stride()), (lo_t - found.lo) // item)
+        return Saved(found, *layout, version_probe(t), t._version, call.index)
 
     def _fetch(self, e: Entry) -> None:
         if e.gpu is not None or e.buf is None:
@@ -468,14 +464,17 @@ class ActivationOffloader:
             e.call.bwd_event = self._copies.mark()
         if e.gpu is None:
             self._fetch_call(e.call)
-            self._fetch(e)           # an entry shared from another call
+            self._fetch(e)  # an entry shared from another call
             if e.gpu is None:
-                raise RuntimeError("ramstream: this graph's paged activations were released "
-                                   "after a backward pass raised; run the forward pass again")
+                raise RuntimeError(
+                    "ramstream: this graph's paged activations were released "
+                    "after a backward pass raised; run the forward pass again"
+                )
         self._prefetch_before(e.call)
         self._copies.use_on_current(e)
         out = torch.empty(0, dtype=x.dtype, device=self.device).set_(
-            e.gpu.untyped_storage(), x.offset, x.size, x.stride)
+            e.gpu.untyped_storage(), x.offset, x.size, x.stride
+        )
         with self._lock:
             self._counters["unpack_s"] += time.perf_counter() - t0
         return out

@@ -7,6 +7,7 @@ unpaged step is measured too; then planner.choose_paged_blocks picks how many bl
 needed to fit). Every number goes into memory_report(model)["events"]. On the CPU engine there is
 no VRAM to save: "auto" pages nothing.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,13 @@ class ActivationPolicy:
         self.max_slowdown = opts.max_activation_slowdown
         self.headroom = opts.vram_headroom
         blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-        self.off = ActivationOffloader(blocks, device, prefetch_depth=opts.prefetch_depth,
-                                       min_offload_bytes=opts.min_offload_bytes, log=log).attach()
+        self.off = ActivationOffloader(
+            blocks,
+            device,
+            prefetch_depth=opts.prefetch_depth,
+            min_offload_bytes=opts.min_offload_bytes,
+            log=log,
+        ).attach()
         n = len(blocks)
         self.plan: dict = {"blocks": n}
         self.phase = "done"
@@ -54,7 +60,7 @@ class ActivationPolicy:
         """Called at the end of every optimizer step; drives the "auto" measurements."""
         if self.phase == "done":
             return
-        if self.phase == "warmup":              # pinning buffers makes step 1 unrepresentative
+        if self.phase == "warmup":  # pinning buffers makes step 1 unrepresentative
             self._mark()
             self.phase = "all_paged"
             return
@@ -63,8 +69,7 @@ class ActivationPolicy:
         peak = torch.cuda.max_memory_allocated(self.device)
         if self.phase == "all_paged":
             st = self.off.stats()
-            self.plan.update(t_all_paged_s=dt, peak_all_paged=peak,
-                             block_bytes=list(st["block_bytes"]))
+            self.plan.update(t_all_paged_s=dt, peak_all_paged=peak, block_bytes=list(st["block_bytes"]))
             from ..engine.resident import device_memory
 
             usable = device_memory(self.device)["usable"] * (1 - self.headroom)
@@ -88,27 +93,32 @@ class ActivationPolicy:
         bb = self.plan["block_bytes"]
         copy_all = copy_seconds(sum(bb), gbps, gbps)
         t_all = self.plan["t_all_paged_s"]
-        if unpaged_s is None:       # it does not fit unpaged: assume half of the copies hide
+        if unpaged_s is None:  # it does not fit unpaged: assume half of the copies hide
             overlap = 0.5
             unpaged_s = max(1e-6, t_all - (1 - overlap) * copy_all)
         else:
             overlap = estimate_overlap(unpaged_s, t_all, copy_all)
-        chosen, info = choose_paged_blocks(bb, unpaged_step_s=unpaged_s, d2h_gbps=gbps,
-                                           h2d_gbps=gbps, compute_overlap=overlap,
-                                           max_slowdown=self.max_slowdown,
-                                           must_free_bytes=must_free)
+        chosen, info = choose_paged_blocks(
+            bb,
+            unpaged_step_s=unpaged_s,
+            d2h_gbps=gbps,
+            h2d_gbps=gbps,
+            compute_overlap=overlap,
+            max_slowdown=self.max_slowdown,
+            must_free_bytes=must_free,
+        )
         self.off.set_measuring(False)
         self.off.set_paged(chosen)
         self.plan.update(info)
         self.phase = "done"
-        self.log(f"activation_offload=auto: paging {len(chosen)} of {len(bb)} blocks "
-                 f"({info.get('reason', '')}); all paged {t_all * 1e3:.0f} ms/step, "
-                 f"unpaged {unpaged_s * 1e3:.0f} ms/step, PCIe {gbps:.1f} GB/s")
+        self.log(
+            f"activation_offload=auto: paging {len(chosen)} of {len(bb)} blocks "
+            f"({info.get('reason', '')}); all paged {t_all * 1e3:.0f} ms/step, "
+            f"unpaged {unpaged_s * 1e3:.0f} ms/step, PCIe {gbps:.1f} GB/s"
+        )
 
     def report(self) -> dict:
-        return {"paged_blocks": list(self.off.paged), "plan": dict(self.plan),
-                "stats": self.off.stats()}
+        return {"paged_blocks": list(self.off.paged), "plan": dict(self.plan), "stats": self.off.stats()}
 
     def close(self) -> None:
         self.off.detach()
-

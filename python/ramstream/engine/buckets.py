@@ -4,10 +4,10 @@ A bucket is the unit of transfer and update: its parameters are views of one fla
 buffer (one H2D copy brings all its weights back), its gradients land in one pinned buffer, and
 its fp32 master and moments are flat host tensors. Slots are never split across buckets.
 """
+
 from __future__ import annotations
 
 import threading
-
 from dataclasses import dataclass, field
 
 import torch
@@ -18,18 +18,18 @@ class Slot:
     """One parameter's place: which bucket, at which element offset, in which param group."""
 
     param: torch.nn.Parameter
-    index: int            # position in the optimizer's param_groups order (state_dict key)
-    group: int            # param group index
+    index: int  # position in the optimizer's param_groups order (state_dict key)
+    group: int  # param group index
     numel: int
     bucket: "Bucket | None" = None
-    offset: int = 0       # element offset inside the bucket
-    step: int = 0         # AdamW steps taken by this parameter (torch's state["step"])
-    arrivals: int = 0     # gradients received since the last optimizer step
+    offset: int = 0  # element offset inside the bucket
+    step: int = 0  # AdamW steps taken by this parameter (torch's state["step"])
+    arrivals: int = 0  # gradients received since the last optimizer step
     micro_arrived: bool = False  # received in the current backward
-    direct: bool = True          # its gradient is copied to the host on its own (large slot) pass
-    expected: bool = True        # a gradient is expected in every backward pass
-    updated: bool = False        # its update for the current step is queued
-    engine_wait: object = None   # Engine.wait_bucket (held weakly), for the read guard
+    direct: bool = True  # its gradient is copied to the host on its own (large slot) pass
+    expected: bool = True  # a gradient is expected in every backward pass
+    updated: bool = False  # its update for the current step is queued
+    engine_wait: object = None  # Engine.wait_bucket (held weakly), for the read guard
 
     @property
     def shape(self) -> torch.Size:
@@ -41,28 +41,28 @@ class Bucket:
     index: int
     slots: list[Slot]
     numel: int
-    state_offset: int                 # element offset of this bucket in the whole state
-    small_lo: int = 0                 # small slots (gathered on the device first) start here
-    placement: str = "host"           # "host" or "mapped" (see layout.py)
-    dtype: torch.dtype = torch.float32    # working (model) dtype
+    state_offset: int  # element offset of this bucket in the whole state
+    small_lo: int = 0  # small slots (gathered on the device first) start here
+    placement: str = "host"  # "host" or "mapped" (see layout.py)
+    dtype: torch.dtype = torch.float32  # working (model) dtype
     device: torch.device = torch.device("cpu")
-    device_flat: torch.Tensor | None = None   # the model's params are views of it
-    master: torch.Tensor | None = None        # fp32, host
-    exp_avg: torch.Tensor | None = None       # fp32 or bf16, host
+    device_flat: torch.Tensor | None = None  # the model's params are views of it
+    master: torch.Tensor | None = None  # fp32, host
+    exp_avg: torch.Tensor | None = None  # fp32 or bf16, host
     exp_avg_sq: torch.Tensor | None = None
-    landing: torch.Tensor | None = None       # pinned, working dtype: gradients in, weights out
-    acc: torch.Tensor | None = None           # fp32 host sum of micro-batches (accumulation only)
+    landing: torch.Tensor | None = None  # pinned, working dtype: gradients in, weights out
+    acc: torch.Tensor | None = None  # fp32 host sum of micro-batches (accumulation only)
     # per-step bookkeeping
     micro_list: list = field(default_factory=list)  # arrived, not yet queued
     pending_landing_checked: bool = False
-    staging: torch.Tensor | None = None       # device flat gradient staging (multi-slot buckets)
-    staging_lo: int = 0                       # the bucket offset staging[0] stands for
+    staging: torch.Tensor | None = None  # device flat gradient staging (multi-slot buckets)
+    staging_lo: int = 0  # the bucket offset staging[0] stands for
     sq_norm: float = 0.0
-    pending: bool = False             # an update of this bucket's weights is in flight
-    last_seq: int = 0                 # last engine job queued for this bucket
-    landing_seq: int = 0              # last engine job that reads the landing buffer
-    update_seq: int = 0               # engine job that produces the pending update
-    h2d_event: object = None          # device event: the new weights are on the device
+    pending: bool = False  # an update of this bucket's weights is in flight
+    last_seq: int = 0  # last engine job queued for this bucket
+    landing_seq: int = 0  # last engine job that reads the landing buffer
+    update_seq: int = 0  # engine job that produces the pending update
+    h2d_event: object = None  # device event: the new weights are on the device
     bcast_done: threading.Event = field(default_factory=threading.Event)  # data parallel
     bcast_event: object = None
 
@@ -77,9 +77,9 @@ class Bucket:
         return self.numel * torch.empty((), dtype=dtype).element_size()
 
 
-DIRECT_BYTES = 1 << 20   # a gradient this large is copied to the host on its own
-ALIGN_BYTES = 512        # every parameter starts 512-byte aligned, as torch's allocator places
-                         # tensors (GPU kernels pick their code path by pointer alignment)
+DIRECT_BYTES = 1 << 20  # a gradient this large is copied to the host on its own
+ALIGN_BYTES = 512  # every parameter starts 512-byte aligned, as torch's allocator places
+# tensors (GPU kernels pick their code path by pointer alignment)
 
 
 def _align(n: int, elems: int) -> int:

@@ -10,9 +10,9 @@ parallel.py / distributed.py: the strategy (single process, data parallel) every
 layout.py places the buckets' tensors; devices.py copies; worker.py is the engine thread.
 Engine builds the parts, runs step(), and keeps them right when the model changes.
 """
+
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -31,11 +31,24 @@ from .worker import Worker
 
 
 class Engine:
-    def __init__(self, param_groups: list[dict], *, device: torch.device, moment_dtype: torch.dtype,
-                 max_grad_norm: float | None, accumulation_steps: int, bucket_bytes: int,
-                 guard_params: bool, order: list | None = None, seed: int = 0, log=None,
-                 mapped_fraction: float = 0.0, max_inflight_bytes: int | None = None,
-                 distributed: bool = False, eager_updates: bool = True) -> None:
+    def __init__(
+        self,
+        param_groups: list[dict],
+        *,
+        device: torch.device,
+        moment_dtype: torch.dtype,
+        max_grad_norm: float | None,
+        accumulation_steps: int,
+        bucket_bytes: int,
+        guard_params: bool,
+        order: list | None = None,
+        seed: int = 0,
+        log=None,
+        mapped_fraction: float = 0.0,
+        max_inflight_bytes: int | None = None,
+        distributed: bool = False,
+        eager_updates: bool = True,
+    ) -> None:
         self.param_groups = param_groups
         self.eager_updates = eager_updates
         self.device = device
@@ -53,12 +66,17 @@ class Engine:
             self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
-        weakref.finalize(self, self.worker.stop)   # a dropped optimizer does not leak its thread
-        self.parallel = make_strategy(distributed, buckets=self.buckets, dev=self.dev,
-                                      wait_job=self.worker.wait, mapped_fraction=mapped_fraction)
+        weakref.finalize(self, self.worker.stop)  # a dropped optimizer does not leak its thread
+        self.parallel = make_strategy(
+            distributed,
+            buckets=self.buckets,
+            dev=self.dev,
+            wait_job=self.worker.wait,
+            mapped_fraction=mapped_fraction,
+        )
         total = sum(b.numel for b in self.buckets)
         mapped = 0
-        for b in self.buckets:      # the first buckets in forward order go to the GPU kernel
+        for b in self.buckets:  # the first buckets in forward order go to the GPU kernel
             use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
             layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
@@ -67,30 +85,62 @@ class Engine:
             total = torch.cuda.get_device_properties(device).total_memory
             max_inflight_bytes = min(1 << 30, total // 10)
         self.max_inflight_bytes = max_inflight_bytes
-        self.stats = {"steps": 0, "bytes_d2h": 0, "bytes_h2d": 0, "host_update_s": 0.0,
-                      "host_land_s": 0.0, "wait_s": 0.0, "waits": 0, "gpu_updates": 0,
-                      "throttle_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "bytes_d2h": 0,
+            "bytes_h2d": 0,
+            "host_update_s": 0.0,
+            "host_land_s": 0.0,
+            "wait_s": 0.0,
+            "waits": 0,
+            "gpu_updates": 0,
+            "throttle_s": 0.0,
+        }
         # the parts, in the order a gradient meets them (each one's state is its own); none
         # holds the engine: hooks reach it weakly, so a dropped optimizer is freed
         inflight = InFlight(max_inflight_bytes, self.stats)
-        self.weights = WeightReturn(buckets=self.buckets, dev=self.dev, parallel=self.parallel,
-                                    wait_job=self.worker.wait, stats=self.stats)
+        self.weights = WeightReturn(
+            buckets=self.buckets,
+            dev=self.dev,
+            parallel=self.parallel,
+            wait_job=self.worker.wait,
+            stats=self.stats,
+        )
         self.updater = Updater(
-            buckets=self.buckets, dev=self.dev, device=device, parallel=self.parallel,
-            weights=self.weights, inflight=inflight, worker=self.worker,
-            hypers=_weak_method(self, "_hypers"), stats=self.stats, seed=seed,
-            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
-            eager_updates=eager_updates)
+            buckets=self.buckets,
+            dev=self.dev,
+            device=device,
+            parallel=self.parallel,
+            weights=self.weights,
+            inflight=inflight,
+            worker=self.worker,
+            hypers=_weak_method(self, "_hypers"),
+            stats=self.stats,
+            seed=seed,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            eager_updates=eager_updates,
+        )
         self.intake = GradientIntake(
-            slots=self.slots, frozen=self.frozen, buckets=self.buckets, dev=self.dev,
-            device=device, parallel=self.parallel, updater=self.updater, weights=self.weights,
-            inflight=inflight, stats=self.stats, accumulation_steps=accumulation_steps,
-            max_grad_norm=max_grad_norm, log=self.log)
+            slots=self.slots,
+            frozen=self.frozen,
+            buckets=self.buckets,
+            dev=self.dev,
+            device=device,
+            parallel=self.parallel,
+            updater=self.updater,
+            weights=self.weights,
+            inflight=inflight,
+            stats=self.stats,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            log=self.log,
+        )
         self._weak_wait = _weak_method(self, "wait_bucket")
         self.forward_waits = False
         self.names: dict[str, Slot] = {}
         self.closed = False
-        self._loading: dict = {}           # slot -> fp32 tensor model.load_state_dict() loads
+        self._loading: dict = {}  # slot -> fp32 tensor model.load_state_dict() loads
         for s in self.slots:
             s.param._ramstream_slot = s
             s.engine_wait = self._weak_wait
@@ -126,8 +176,7 @@ class Engine:
         for g, group in enumerate(param_groups):
             for p in group["params"]:
                 if id(p) in seen:
-                    raise ValueError("ramstream: a parameter appears twice in the optimizer's "
-                                     "param_groups")
+                    raise ValueError("ramstream: a parameter appears twice in the optimizer's param_groups")
                 seen.add(id(p))
                 if not p.requires_grad:
                     frozen.append(p)
@@ -142,7 +191,7 @@ class Engine:
     def _make_buckets(self, bucket_bytes: int) -> list[Bucket]:
         out: list[Bucket] = []
         run: list[Slot] = []
-        for s in self.slots:        # a bucket holds one working dtype
+        for s in self.slots:  # a bucket holds one working dtype
             if run and s.param.dtype != run[-1].param.dtype:
                 out += build_buckets(run, bucket_bytes, run[0].param.element_size())
                 run = []
@@ -216,11 +265,13 @@ class Engine:
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
-        self.names = {n: p._ramstream_slot for n, p in model.named_parameters(
-                      remove_duplicate=False) if hasattr(p, "_ramstream_slot")}
+        self.names = {
+            n: p._ramstream_slot
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if hasattr(p, "_ramstream_slot")
+        }
         frozen = {id(p) for p in self.frozen}
-        self.intake.frozen_names = {id(p): n for n, p in model.named_parameters()
-                                    if id(p) in frozen}
+        self.intake.frozen_names = {id(p): n for n, p in model.named_parameters() if id(p) in frozen}
         self.weights.attach_forward_waits(model, self.wait_bucket)
         self.forward_waits = True
 
@@ -242,8 +293,12 @@ class Engine:
         self._loading = {}
         for name, s in self.names.items():
             v = state_dict.get(prefix + name)
-            if torch.is_tensor(v) and v.dtype == torch.float32 and s.bucket.dtype != torch.float32 \
-                    and v.numel() == s.numel:
+            if (
+                torch.is_tensor(v)
+                and v.dtype == torch.float32
+                and s.bucket.dtype != torch.float32
+                and v.numel() == s.numel
+            ):
                 self._loading[s] = v
 
     def resync_masters(self, model: torch.nn.Module | None = None) -> None:

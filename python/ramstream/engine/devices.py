@@ -4,6 +4,7 @@ CudaDevice uses two copy streams (D2H for gradients, H2D for weights) ordered by
 CpuDevice runs the same engine with the CPU as the "accelerator": copies are memcpy and events
 are already complete, so CI (no GPU) tests the engine's logic and numerics.
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,7 +71,7 @@ class CudaDevice:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
-        self.upd = torch.cuda.Stream(device)      # GPU-side AdamW of mapped buckets
+        self.upd = torch.cuda.Stream(device)  # GPU-side AdamW of mapped buckets
         self._upd_handle = self.upd.cuda_stream
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -157,17 +158,22 @@ def check_param(p: torch.nn.Parameter, device: torch.device) -> None:
         raise RuntimeError(
             f"ramstream: parameter of shape {tuple(p.shape)} is on {p.device} but the engine "
             f"runs on {device}; move the model back with model.to('{device}') (or "
-            "unwrap() and wrap() again for another device)")
+            "unwrap() and wrap() again for another device)"
+        )
     if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"ramstream: parameters must be float32, bfloat16 or float16, got "
-                        f"{p.dtype} (shape {tuple(p.shape)})")
+        raise TypeError(
+            f"ramstream: parameters must be float32, bfloat16 or float16, got "
+            f"{p.dtype} (shape {tuple(p.shape)})"
+        )
 
 
 def make_device(device: torch.device):
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"ramstream: device {device} requested but torch sees no CUDA GPU; "
-                               "pass device='cpu' to run the engine on the CPU")
+            raise RuntimeError(
+                f"ramstream: device {device} requested but torch sees no CUDA GPU; "
+                "pass device='cpu' to run the engine on the CPU"
+            )
         return CudaDevice(device)
     if device.type == "cpu":
         return CpuDevice(device)

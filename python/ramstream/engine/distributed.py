@@ -10,6 +10,7 @@ differ from the others'), broadcasts by a comm thread in bucket order once the o
 is done. Every rank issues
 the same collectives in the same order, so replicas stay bit-identical.
 """
+
 from __future__ import annotations
 
 import queue
@@ -39,8 +40,10 @@ class DataParallel:
         """buckets: the engine's, in forward order; dev: its device (devices.py); wait_job: blocks
         until an engine-thread job ran (the owner's update, before its broadcast)."""
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ramstream: distributed=True needs torch.distributed initialised "
-                               "(dist.init_process_group) first")
+            raise RuntimeError(
+                "ramstream: distributed=True needs torch.distributed initialised "
+                "(dist.init_process_group) first"
+            )
         self.dev = dev
         self.device = dev.device
         self.buckets = buckets
@@ -51,8 +54,8 @@ class DataParallel:
         self.grad_group = dist.new_group(backend=backend)
         self.weight_group = dist.new_group(backend=backend)
         self.owner = balanced_owners([b.numel for b in buckets], self.world)
-        self._next = -1                   # the next bucket to reduce (descending order)
-        self._ready: set[int] = set()     # complete buckets waiting for their turn
+        self._next = -1  # the next bucket to reduce (descending order)
+        self._ready: set[int] = set()  # complete buckets waiting for their turn
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ramstream-comm", daemon=True)
@@ -96,8 +99,7 @@ class DataParallel:
         for i in range(self._next, -1, -1):
             b = buckets[i]
             self._ready.discard(i)
-            if b.micro_list or any(s.param.requires_grad and not s.micro_arrived
-                                   for s in b.slots):
+            if b.micro_list or any(s.param.requires_grad and not s.micro_arrived for s in b.slots):
                 flush(b)
         self._next = -1
 
@@ -111,23 +113,24 @@ class DataParallel:
             if s.param.requires_grad and not s.micro_arrived:
                 s.micro_arrived = True
                 s.arrivals += 1
-        dist.reduce(b.staging, dst=self.owner[b.index], op=dist.ReduceOp.SUM,
-                    group=self.grad_group)
+        dist.reduce(b.staging, dst=self.owner[b.index], op=dist.ReduceOp.SUM, group=self.grad_group)
         return [s for s in b.slots if s.param.requires_grad]
 
     def on_abandoned_pass(self) -> None:
         raise RuntimeError(
             "ramstream: a backward pass raised on this rank under data parallel; the other "
             "ranks wait in its collectives, so the process group cannot continue (as with "
-            "DistributedDataParallel): restart from a checkpoint")
+            "DistributedDataParallel): restart from a checkpoint"
+        )
 
     def all_reduce_norm(self, sq_norm: float) -> float:
         """The squared norm of the averaged gradient, from this rank's owned share."""
-        return self.all_reduce_scalar(sq_norm) / self.world ** 2
+        return self.all_reduce_scalar(sq_norm) / self.world**2
 
     def all_reduce_scalar(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64,
-                         device=self.device if dist.get_backend() == "nccl" else "cpu")
+        t = torch.tensor(
+            [x], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu"
+        )
         dist.all_reduce(t, group=self.grad_group)
         return float(t.item())
 
@@ -181,7 +184,7 @@ class DataParallel:
         out = []
         for t, ref in zip(tensors, like):
             dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-            buf = (t.to(dev) if t is not None else torch.empty_like(ref, device=dev))
+            buf = t.to(dev) if t is not None else torch.empty_like(ref, device=dev)
             dist.broadcast(buf, src=self.owner[b.index], group=self.weight_group)
             out.append(buf.cpu())
         return out

@@ -1,4 +1,5 @@
 """CUDA-side updates of "mapped" buckets: the GPU runs AdamW on state in pinned host memory."""
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ class MappedUpdates:
     def __init__(self, *, dev, device: torch.device, seed: int, inflight, weights, stats) -> None:
         self.dev, self.device, self.seed = dev, device, seed
         self.inflight, self.weights, self.stats = inflight, weights, stats
-        self._norm = None               # float64 device scalar: sum of squared mapped gradients
+        self._norm = None  # float64 device scalar: sum of squared mapped gradients
 
     def launch(self, b, slots, hyper_of, grad_scale: float) -> None:
         """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
@@ -25,19 +26,33 @@ class MappedUpdates:
             g = s.param.grad
             h = hyper_of(s.group)
             off = s.offset
-            if b.master is None:       # fp32 weights are their own master
+            if b.master is None:  # fp32 weights are their own master
                 param, out = s.param.data_ptr(), 0
             else:
                 param, out = b.master.data_ptr() + 4 * off, s.param.data_ptr()
             esz = b.exp_avg.element_size()
-            _raw.cuda_adamw_ptr(param=param, grad=g.data_ptr(), grad_dtype=g.dtype,
-                                exp_avg=b.exp_avg.data_ptr() + esz * off,
-                                exp_avg_sq=b.exp_avg_sq.data_ptr() + esz * off,
-                                moment_dtype=b.exp_avg.dtype, out=out, out_dtype=b.dtype,
-                                n=s.numel, offset=b.state_offset + off, lr=h.lr, beta1=h.beta1,
-                                beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                                step=s.step, grad_scale=grad_scale, seed=self.seed,
-                                stream=stream, device=self.device.index)
+            _raw.cuda_adamw_ptr(
+                param=param,
+                grad=g.data_ptr(),
+                grad_dtype=g.dtype,
+                exp_avg=b.exp_avg.data_ptr() + esz * off,
+                exp_avg_sq=b.exp_avg_sq.data_ptr() + esz * off,
+                moment_dtype=b.exp_avg.dtype,
+                out=out,
+                out_dtype=b.dtype,
+                n=s.numel,
+                offset=b.state_offset + off,
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                step=s.step,
+                grad_scale=grad_scale,
+                seed=self.seed,
+                stream=stream,
+                device=self.device.index,
+            )
             g.record_stream(self.dev.upd)
             s.param.grad = None
         self.stats["gpu_updates"] += len(slots)
@@ -50,8 +65,7 @@ class MappedUpdates:
         if self._norm is None:
             self._norm = torch.zeros(1, dtype=torch.float64, device=self.device)
         stream = self.dev.begin_update()
-        _raw.cuda_sq_norm(x=g, out=self._norm, accumulate=True, stream=stream,
-                          device=self.device.index)
+        _raw.cuda_sq_norm(x=g, out=self._norm, accumulate=True, stream=stream, device=self.device.index)
         self.dev.end_update()
 
     def take_sq_norm(self) -> float:

@@ -5,6 +5,7 @@ only the class changes). Its __torch_function__ costs one global check while no 
 pending; while one is, an op that reads a pending parameter first waits for that parameter's
 bucket. Metadata (shape, dtype, device, .grad, requires_grad, ...) never waits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,13 +14,51 @@ import torch
 _pending = [0]
 
 _METADATA_NAMES = (
-    "shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "ndim", "layout",
-    "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "names", "name", "_base",
-    "grad_fn", "_version", "data_ptr", "untyped_storage", "storage_offset", "size", "dim",
-    "numel", "stride", "element_size", "nelement", "is_contiguous", "get_device", "__len__",
-    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook",
-    "is_floating_point", "is_complex", "itemsize", "nbytes", "_is_view", "__hash__", "__eq__",
-    "_backward_hooks", "_post_accumulate_grad_hooks", "__reduce_ex__", "__deepcopy__",
+    "shape",
+    "dtype",
+    "device",
+    "grad",
+    "requires_grad",
+    "is_leaf",
+    "ndim",
+    "layout",
+    "is_cuda",
+    "is_cpu",
+    "is_sparse",
+    "is_quantized",
+    "is_meta",
+    "names",
+    "name",
+    "_base",
+    "grad_fn",
+    "_version",
+    "data_ptr",
+    "untyped_storage",
+    "storage_offset",
+    "size",
+    "dim",
+    "numel",
+    "stride",
+    "element_size",
+    "nelement",
+    "is_contiguous",
+    "get_device",
+    "__len__",
+    "requires_grad_",
+    "retain_grad",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+    "is_floating_point",
+    "is_complex",
+    "itemsize",
+    "nbytes",
+    "_is_view",
+    "__hash__",
+    "__eq__",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",
+    "__reduce_ex__",
+    "__deepcopy__",
 )
 
 
@@ -68,8 +107,7 @@ class GuardedParameter(torch.nn.Parameter):
 
     def __deepcopy__(self, memo):
         with torch._C.DisableTorchFunctionSubclass():
-            out = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
-                                     self.requires_grad)
+            out = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = out
         return out
 

@@ -3,6 +3,7 @@
 Every function here runs on the engine thread; the heavy loops are in ramstream._C with the
 GIL released. Arguments are snapshots taken on the training thread when the job was queued.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -47,25 +48,32 @@ def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool) -> N
     src = b.landing
     if accumulate:
         for p in pieces:
-            dst = b.acc[p.offset:p.offset + p.numel]
-            piece = src[p.offset:p.offset + p.numel]
+            dst = b.acc[p.offset : p.offset + p.numel]
+            piece = src[p.offset : p.offset + p.numel]
             if p.first:
                 dst.copy_(piece)
             else:
-                _raw.accumulate_ptr(dst=_ptr(b.acc, p.offset), src=_ptr(src, p.offset),
-                                    src_dtype=src.dtype, n=p.numel)
+                _raw.accumulate_ptr(
+                    dst=_ptr(b.acc, p.offset), src=_ptr(src, p.offset), src_dtype=src.dtype, n=p.numel
+                )
     if want_norm:
         add_sq_norm(b, pieces, b.acc if accumulate else src)
 
 
 def add_sq_norm(b: Bucket, pieces: list[Piece], g: torch.Tensor) -> None:
     """Adds the squared norm of the pieces' gradients in `g` to b.sq_norm (clipping)."""
-    b.sq_norm += sum(_raw.sq_norm_ptr(ptr=_ptr(g, p.offset), dtype=g.dtype, n=p.numel)
-                     for p in pieces)
+    b.sq_norm += sum(_raw.sq_norm_ptr(ptr=_ptr(g, p.offset), dtype=g.dtype, n=p.numel) for p in pieces)
 
 
-def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: float,
-           accumulate: bool, out: torch.Tensor, seed: int) -> list[tuple[int, int]]:
+def update(
+    b: Bucket,
+    pieces: list[Piece],
+    hypers: list[Hyper],
+    grad_scale: float,
+    accumulate: bool,
+    out: torch.Tensor,
+    seed: int,
+) -> list[tuple[int, int]]:
     """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
     to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
     are written to `out` in the same pass. Returns the updated ranges, merged."""
@@ -74,13 +82,26 @@ def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: floa
     for p in ordered:
         h = hypers[p.group]
         start = p.offset
-        _raw.adamw_ptr(param=_ptr(b.master, start), grad=_ptr(grad, start),
-                       grad_dtype=grad.dtype, exp_avg=_ptr(b.exp_avg, start),
-                       exp_avg_sq=_ptr(b.exp_avg_sq, start), moment_dtype=b.exp_avg.dtype,
-                       out=_ptr(out, start), out_dtype=out.dtype, n=p.numel,
-                       offset=b.state_offset + start, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                       eps=h.eps, weight_decay=h.weight_decay, step=p.step,
-                       grad_scale=grad_scale, seed=seed)
+        _raw.adamw_ptr(
+            param=_ptr(b.master, start),
+            grad=_ptr(grad, start),
+            grad_dtype=grad.dtype,
+            exp_avg=_ptr(b.exp_avg, start),
+            exp_avg_sq=_ptr(b.exp_avg_sq, start),
+            moment_dtype=b.exp_avg.dtype,
+            out=_ptr(out, start),
+            out_dtype=out.dtype,
+            n=p.numel,
+            offset=b.state_offset + start,
+            lr=h.lr,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            eps=h.eps,
+            weight_decay=h.weight_decay,
+            step=p.step,
+            grad_scale=grad_scale,
+            seed=seed,
+        )
     # merged for the copy back across small gaps of padding only: a slot not in this job keeps
     # in `out` whatever was there (never written, its gradient, weights older than the device's)
     taken = {p.offset for p in pieces}
@@ -88,8 +109,11 @@ def update(b: Bucket, pieces: list[Piece], hypers: list[Hyper], grad_scale: floa
     ranges: list[list[int]] = []
     for p in ordered:
         end = ranges[-1][0] + ranges[-1][1] if ranges else 0
-        if ranges and p.offset - end <= 4096 and \
-                bisect.bisect_left(others, end) == bisect.bisect_left(others, p.offset):
+        if (
+            ranges
+            and p.offset - end <= 4096
+            and bisect.bisect_left(others, end) == bisect.bisect_left(others, p.offset)
+        ):
             ranges[-1][1] = p.offset + p.numel - ranges[-1][0]
         else:
             ranges.append([p.offset, p.numel])

@@ -13,6 +13,7 @@ A backward pass that raises leaves the intake mid-pass (autograd never runs its 
 recover_if_abandoned(), called before anything else touches the engine, discards what the pass
 and the micro-batches before it gathered, so the next step starts clean.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,7 +36,8 @@ _NESTED = (
     "Hugging Face model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
     "{'use_reentrant': False}) (transformers' default when given no kwargs; kwargs without "
     "'use_reentrant', as peft's prepare_model_for_kbit_training passes by default, get torch's "
-    "default, use_reentrant=True)")
+    "default, use_reentrant=True)"
+)
 
 
 def _in_nested_backward() -> bool:
@@ -64,7 +66,7 @@ def track_pass(owner) -> None:
     if _in_nested_backward():
         raise RuntimeError(_NESTED)
     if owner._in_backward:
-        owner._abandon_backward()                 # the last pass raised before its end
+        owner._abandon_backward()  # the last pass raised before its end
     owner._begin_backward()
     owner._task = task
 
@@ -129,10 +131,23 @@ class InFlight:
 
 
 class GradientIntake:
-    def __init__(self, *, slots: list[Slot], frozen: list, buckets: list[Bucket], dev,
-                 device: torch.device, parallel,
-                 updater, weights, inflight: InFlight, stats: dict, accumulation_steps: int,
-                 max_grad_norm: float | None, log) -> None:
+    def __init__(
+        self,
+        *,
+        slots: list[Slot],
+        frozen: list,
+        buckets: list[Bucket],
+        dev,
+        device: torch.device,
+        parallel,
+        updater,
+        weights,
+        inflight: InFlight,
+        stats: dict,
+        accumulation_steps: int,
+        max_grad_norm: float | None,
+        log,
+    ) -> None:
         self.slots, self.frozen, self.buckets = slots, frozen, buckets
         self.dev, self.parallel, self.updater, self.inflight = dev, parallel, updater, inflight
         self.weights = weights
@@ -140,15 +155,14 @@ class GradientIntake:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.device = device
-        self.micro = 0                     # backward passes finished since the last step
+        self.micro = 0  # backward passes finished since the last step
         self._in_backward = False
         self._task = -1
         self.frozen_names: dict[int, str] = {}
-        self.on_abandon: list = []         # called once a backward pass that raised is dropped
+        self.on_abandon: list = []  # called once a backward pass that raised is dropped
         self._on_grad_weak = _weak_method(self, "on_grad")
         self._hooks = [_grad_hook(s.param, self._on_grad_weak) for s in slots]
-        self._frozen_hooks = [_grad_hook(p, _weak_method(self, "on_frozen_grad"))
-                              for p in frozen]
+        self._frozen_hooks = [_grad_hook(p, _weak_method(self, "on_frozen_grad")) for p in frozen]
 
     @property
     def in_backward(self) -> bool:
@@ -172,7 +186,8 @@ class GradientIntake:
             "wrap() ran, so ramstream keeps no optimizer state for it (frozen parameters take no "
             "host RAM) and it would never be updated. Set requires_grad before wrap(), or call "
             "ramstream.unwrap(model), unfreeze it and wrap(model, optimizer) again (the "
-            "optimizer's state carries over)")
+            "optimizer's state carries over)"
+        )
 
     # ---- one backward pass ----------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -183,7 +198,8 @@ class GradientIntake:
                 f"accumulation_steps={k}. Gradients leave the GPU as they are produced and are "
                 f"summed on the host only for declared micro-batches: pass "
                 f"accumulation_steps={self.micro + 1} (or more) to wrap()/OffloadAdamW, or call "
-                "optimizer.step() after each backward.")
+                "optimizer.step() after each backward."
+            )
         self.updater.begin_pass()
         self.parallel.begin_backward(self.buckets)
         self._in_backward = True
@@ -196,15 +212,17 @@ class GradientIntake:
         fault_point("backward.grad_hook")
         b = s.bucket
         if p.dtype != b.dtype or p.data_ptr() != b.device_flat.data_ptr() + s.offset * p.element_size():
-            raise RuntimeError("ramstream: parameters were replaced or converted after wrap() "
-                               "without the engine seeing it; call model.to(...) on the wrapped "
-                               "model itself (it rebinds the engine) or wrap() again")
+            raise RuntimeError(
+                "ramstream: parameters were replaced or converted after wrap() "
+                "without the engine seeing it; call model.to(...) on the wrapped "
+                "model itself (it rebinds the engine) or wrap() again"
+            )
         if p.grad is None:
             return
         s.micro_arrived = True
         if b.placement == "mapped":
-            s.arrivals += 1       # the GPU updates it; its gradient stays on the device until then
-            if self.final_micro:   # (earlier micro-batches: autograd sums the next into .grad)
+            s.arrivals += 1  # the GPU updates it; its gradient stays on the device until then
+            if self.final_micro:  # (earlier micro-batches: autograd sums the next into .grad)
                 self.updater.mapped_gradient(b, s)
         else:
             self._on_grad_host(s, b, p)
@@ -212,7 +230,7 @@ class GradientIntake:
     def _landing_reusable(self, b: Bucket) -> None:
         """Before the first copy into b's landing buffer in this backward pass."""
         if not b.pending_landing_checked:
-            self.updater.wait_job(b.landing_seq)     # the engine has finished reading the landing
+            self.updater.wait_job(b.landing_seq)  # the engine has finished reading the landing
             self.dev.wait_landing_reusable(b.h2d_event)
             b.pending_landing_checked = True
 
@@ -222,13 +240,13 @@ class GradientIntake:
         g = p.grad
         if self.parallel.lands_alone(s):
             self.inflight.throttle(g.nbytes)
-            self.dev.grad_to_host(b.landing[s.offset:s.offset + s.numel], g)
+            self.dev.grad_to_host(b.landing[s.offset : s.offset + s.numel], g)
             self.inflight.track(self.dev.record_d2h(), g.nbytes)
         else:
             if b.staging is None:
                 b.staging, b.staging_lo = self.parallel.new_staging(b)
             lo = s.offset - b.staging_lo
-            self.dev.gather_on_device(b.staging[lo:lo + s.numel], g)
+            self.dev.gather_on_device(b.staging[lo : lo + s.numel], g)
         p.grad = None
         s.arrivals += 1
         b.micro_list.append(s)
@@ -243,7 +261,7 @@ class GradientIntake:
         if not self.parallel.owns(b):
             b.staging = None
             if self.final_micro and self.max_grad_norm is None:
-                for s in slots:           # the owner takes the step
+                for s in slots:  # the owner takes the step
                     s.step += 1
                     s.updated = True
             return
@@ -259,7 +277,7 @@ class GradientIntake:
         """The staging buffer's gradients of `slots` to b's landing buffer (D2H)."""
         if b.staging is None:
             return
-        self._landing_reusable(b)    # data parallel: no gradient of b may have arrived here
+        self._landing_reusable(b)  # data parallel: no gradient of b may have arrived here
         self.inflight.throttle(b.staging.nbytes)
         lo = b.staging_lo
         staged = [s for s in slots if s.offset >= lo]
@@ -267,8 +285,10 @@ class GradientIntake:
             self.dev.flush_to_host(b.landing[lo:], b.staging)
         else:  # a partial flush must not overwrite ranges that landed earlier
             for s in staged:
-                self.dev.flush_to_host(b.landing[s.offset:s.offset + s.numel],
-                                       b.staging[s.offset - lo:s.offset - lo + s.numel])
+                self.dev.flush_to_host(
+                    b.landing[s.offset : s.offset + s.numel],
+                    b.staging[s.offset - lo : s.offset - lo + s.numel],
+                )
         nbytes = b.staging.nbytes
         b.staging = None
         self.inflight.track(self.dev.record_d2h(), nbytes)
@@ -287,7 +307,7 @@ class GradientIntake:
         """After step() queued the updates: the next step expects what this one got."""
         for s in self.slots:
             if s.arrivals == 0 and s.expected and self.micro > 0:
-                s.expected = False      # it got no gradient this step: don't wait for it
+                s.expected = False  # it got no gradient this step: don't wait for it
             elif s.arrivals > 0:
                 s.expected = True
             s.arrivals = 0
@@ -311,7 +331,7 @@ class GradientIntake:
     def discard_if_gathered(self) -> None:
         """zero_grad() between backward and step(): the gradients gathered since the last step
         are dropped, as torch drops them (the skip-this-batch pattern)."""
-        if not self._in_backward and self.micro > 0:   # every finished pass counts in micro
+        if not self._in_backward and self.micro > 0:  # every finished pass counts in micro
             self._discard_gathered("zero_grad() after backward, before step()")
 
     def _discard_gathered(self, why: str) -> None:
@@ -320,8 +340,8 @@ class GradientIntake:
         state are as they were. Updates that already ran during backward (eager: a bucket's
         gradients complete, no clipping) cannot be undone: those parameters keep their step, and
         a RuntimeWarning says how many."""
-        self.updater.drain()                      # queued landings and norms have run
-        self.dev.synchronize()                    # and the copies and GPU norms
+        self.updater.drain()  # queued landings and norms have run
+        self.dev.synchronize()  # and the copies and GPU norms
         stepped = [s for s in self.slots if s.updated]
         dropped = sum(1 for s in self.slots if s.arrivals > 0 and not s.updated)
         # owners updated these: every rank takes the new weights
@@ -330,17 +350,18 @@ class GradientIntake:
             b.micro_list, b.staging, b.sq_norm = [], None, 0.0
             b.pending_landing_checked = False
             for s in b.slots:
-                if not s.updated:   # a mapped slot's gradient waits on the device; a host
-                    s.param.grad = None           # slot's, when its landing raised
+                if not s.updated:  # a mapped slot's gradient waits on the device; a host
+                    s.param.grad = None  # slot's, when its landing raised
                 s.arrivals, s.micro_arrived, s.updated = 0, False, False
         self.updater.discard()
         self.micro, self._in_backward, self._task = 0, False, -1
-        msg = f"{why}: the gradients of {dropped} parameters gathered since the last step were " \
-              "discarded"
+        msg = f"{why}: the gradients of {dropped} parameters gathered since the last step were discarded"
         if stepped:
-            msg += (f"; {len(stepped)} parameters had already taken their update during "
-                    "backward and keep it (pass eager_updates=False, or use max_grad_norm, for "
-                    "steps that can still be dropped)")
+            msg += (
+                f"; {len(stepped)} parameters had already taken their update during "
+                "backward and keep it (pass eager_updates=False, or use max_grad_norm, for "
+                "steps that can still be dropped)"
+            )
             warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=5)
         self.log(msg)
 

@@ -7,6 +7,7 @@ Placements:
             into the GPU's address space; the CUDA kernel updates over PCIe as gradients arrive;
             an fp32 model's weights on the GPU are their own master (optimizer_mode="gpu").
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,8 @@ def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
     b.dtype, b.device = b.slots[0].param.dtype, engine.device
     b.device_flat = torch.zeros(b.numel, dtype=b.dtype, device=engine.device)
     for s in b.slots:
-        b.device_flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        s.param.data = b.device_flat[s.offset:s.offset + s.numel].view(s.param.shape)
+        b.device_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        s.param.data = b.device_flat[s.offset : s.offset + s.numel].view(s.param.shape)
     if not owned:
         b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None
     elif placement == "host":
@@ -73,8 +74,10 @@ def rebind(engine, model: torch.nn.Module | None) -> None:
             continue
         dtypes = {s.param.dtype for s in b.slots}
         if len(dtypes) != 1:
-            raise RuntimeError(f"ramstream: parameters of one bucket were converted to different "
-                               f"dtypes {sorted(map(str, dtypes))}")
+            raise RuntimeError(
+                f"ramstream: parameters of one bucket were converted to different "
+                f"dtypes {sorted(map(str, dtypes))}"
+            )
         dtype = dtypes.pop()
         engine.check_param(b.slots[0].param)
         master = master_flat(b)
@@ -86,11 +89,11 @@ def rebind(engine, model: torch.nn.Module | None) -> None:
         flat = torch.empty(b.numel, dtype=dtype, device=engine.device)
         flat.copy_(master)
         if b.placement == "mapped" and dtype == torch.float32 and b.master is not None:
-            b.master = None          # the fp32 weights are the master again
+            b.master = None  # the fp32 weights are the master again
         b.device_flat = flat
         b.h2d_event = None
         for s in b.slots:
-            s.param.data = flat[s.offset:s.offset + s.numel].view(s.param.shape)
+            s.param.data = flat[s.offset : s.offset + s.numel].view(s.param.shape)
     engine.dev.synchronize()
 
 
@@ -116,11 +119,15 @@ def replaced_params(engine, model: torch.nn.Module) -> dict:
     for s in replaced:
         names = sorted(n for n, x in engine.names.items() if x is s and n in current)
         if len({id(current[n]) for n in names}) > 1:
-            raise RuntimeError(f"ramstream: load_state_dict(assign=True) untied {', '.join(names)} "
-                               "(one parameter when wrapped); load without assign=True")
+            raise RuntimeError(
+                f"ramstream: load_state_dict(assign=True) untied {', '.join(names)} "
+                "(one parameter when wrapped); load without assign=True"
+            )
         if current[names[0]].numel() != s.numel:
-            raise RuntimeError(f"ramstream: loaded parameter {names[0]} has "
-                               f"{current[names[0]].numel()} elements, the wrapped one {s.numel}")
+            raise RuntimeError(
+                f"ramstream: loaded parameter {names[0]} has "
+                f"{current[names[0]].numel()} elements, the wrapped one {s.numel}"
+            )
     return replaced
 
 
@@ -148,18 +155,20 @@ def resync_masters(engine, loaded: dict | None = None) -> None:
     loaded = loaded or {}
     for b in engine.buckets:
         if b.master is None:
-            continue            # the weights are the master
+            continue  # the weights are the master
         changed = 0
         for s in b.slots:
             sl = slice(s.offset, s.offset + s.numel)
             v = loaded.get(s)
-            if v is not None and torch.equal(b.device_flat[sl],
-                                             v.reshape(-1).to(b.device_flat.device, b.dtype)):
+            if v is not None and torch.equal(
+                b.device_flat[sl], v.reshape(-1).to(b.device_flat.device, b.dtype)
+            ):
                 b.master[sl].copy_(v.reshape(-1))
                 changed += 1
             elif not torch.equal(b.device_flat[sl], b.master[sl].to(b.device_flat.device, b.dtype)):
                 b.master[sl].copy_(b.device_flat[sl])
                 changed += 1
         if changed:
-            engine.log(f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the "
-                       "model's weights")
+            engine.log(
+                f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the model's weights"
+            )

@@ -8,6 +8,7 @@ owner rank on the device, only the owner updates, and the owner's new weights ar
 
 Every method runs on the training thread (broadcasts run on DataParallel's own comm thread).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,7 @@ import torch
 class SingleProcess:
     """One process: every bucket is owned here."""
 
-    distributed = False       # for Engine.dp (the API's "is data parallel on?"); nothing branches
+    distributed = False  # for Engine.dp (the API's "is data parallel on?"); nothing branches
     world = 1
 
     def __init__(self, dev) -> None:
@@ -88,8 +89,10 @@ def make_strategy(distributed: bool, *, buckets, dev, wait_job, mapped_fraction:
     if not distributed:
         return SingleProcess(dev)
     if mapped_fraction > 0:
-        raise ValueError("ramstream: data parallel runs the update on the host "
-                         "(optimizer_mode='cpu'); 'gpu' is not supported with it yet")
+        raise ValueError(
+            "ramstream: data parallel runs the update on the host "
+            "(optimizer_mode='cpu'); 'gpu' is not supported with it yet"
+        )
     from .distributed import DataParallel
 
     return DataParallel(buckets, dev, wait_job)

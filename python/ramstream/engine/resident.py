@@ -12,6 +12,7 @@ does: summed over micro-batches in fp32 (a low-precision model's included), clip
 norm accumulated in double, and dropped with their accumulation window when a backward pass
 raises (README "When a backward pass raises").
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def resident_bytes(engine) -> int:
     for b in engine.buckets:
         total += 2 * b.numel * b.exp_avg.element_size() + b.numel * b.dtype.itemsize
         if b.dtype != torch.float32:
-            total += b.numel * 4 * 2            # fp32 master + its fp32 gradient
+            total += b.numel * 4 * 2  # fp32 master + its fp32 gradient
     return total
 
 
@@ -51,7 +52,7 @@ class Resident:
 
     def __init__(self, engine, param_groups: list[dict]) -> None:
         engine.synchronize()
-        self.engine = engine        # closed after the switch; its names and frozen list stay
+        self.engine = engine  # closed after the switch; its names and frozen list stay
         self.param_groups = param_groups
         self.device = engine.device
         self.slots = list(engine.slots)
@@ -64,7 +65,7 @@ class Resident:
             b = s.bucket
             sl = slice(s.offset, s.offset + s.numel)
             if s.param.dtype == torch.float32:
-                master = s.param            # the fp32 weights are their own master
+                master = s.param  # the fp32 weights are their own master
             else:
                 master = master_flat(b)[sl].to(self.device, copy=True).view(s.param.shape)
             self.masters[s.index] = master
@@ -77,17 +78,18 @@ class Resident:
             fault_point("resident.switch")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.grads: dict[int, torch.Tensor] = {}    # summed since the last step (fp32)
+        self.grads: dict[int, torch.Tensor] = {}  # summed since the last step (fp32)
         self._clip_now, self._clip_stale = None, False  # clip_grad_norm_: (max_norm, norm)
         self._in_backward, self._task = False, -1
         self._on_grad_weak = _weak_method(self, "_on_grad")
         self._hooks = {s.index: self._hook(s) for s in self.slots}
-        self._frozen_hooks = [_grad_hook(p, _weak_method(engine.intake, "on_frozen_grad"))
-                              for p in engine.frozen]
+        self._frozen_hooks = [
+            _grad_hook(p, _weak_method(engine.intake, "on_frozen_grad")) for p in engine.frozen
+        ]
 
     # ---- backward -----------------------------------------------------------------------------
     def _hook(self, s):
-        on_grad = self._on_grad_weak    # hooks live in C++: they must not hold self
+        on_grad = self._on_grad_weak  # hooks live in C++: they must not hold self
         return _grad_hook(s.param, lambda p, i=s.index: on_grad(p, i))
 
     def _on_grad(self, p: torch.nn.Parameter, i: int) -> None:
@@ -123,8 +125,10 @@ class Resident:
         if not self._in_backward and self.grads:
             dropped = len(self.grads)
             self.grads = {}
-            self.engine.log(f"zero_grad() after backward, before step(): the gradients of "
-                            f"{dropped} parameters gathered since the last step were discarded")
+            self.engine.log(
+                f"zero_grad() after backward, before step(): the gradients of "
+                f"{dropped} parameters gathered since the last step were discarded"
+            )
 
     def _abandon_backward(self) -> None:
         """Updates run only in step(): dropping the gradients gathered since the last step leaves
@@ -132,8 +136,10 @@ class Resident:
         dropped = len(self.grads)
         self.grads, self._clip_now = {}, None
         self._in_backward, self._task = False, -1
-        self.engine.log(f"a backward pass raised before its end: the gradients of {dropped} "
-                        "parameters gathered since the last step were discarded")
+        self.engine.log(
+            f"a backward pass raised before its end: the gradients of {dropped} "
+            "parameters gathered since the last step were discarded"
+        )
         for fn in self.engine.on_abandon:
             fn()
 
@@ -148,11 +154,14 @@ class Resident:
                 raise RuntimeError(
                     f"ramstream: parameter of shape {tuple(s.param.shape)} is on {s.param.device} "
                     f"but the optimizer runs on {self.device}; move the model back with "
-                    f"model.to('{self.device}')")
+                    f"model.to('{self.device}')"
+                )
         clip, self._clip_now = self._clip_now, None
         if clip is not None and self._clip_stale:
-            raise RuntimeError("ramstream: a backward pass ran after clip_grad_norm_ and before "
-                               "step(); call clip_grad_norm_ after the last one")
+            raise RuntimeError(
+                "ramstream: a backward pass ran after clip_grad_norm_ and before "
+                "step(); call clip_grad_norm_ after the last one"
+            )
         grads, self.grads = self.grads, {}
         if not grads:
             return
@@ -175,8 +184,9 @@ class Resident:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         for g in grads:
-            _raw.cuda_sq_norm(x=g.contiguous(), out=total, accumulate=True, stream=stream,
-                              device=self.device.index)
+            _raw.cuda_sq_norm(
+                x=g.contiguous(), out=total, accumulate=True, stream=stream, device=self.device.index
+            )
         return float(total.item())
 
     @torch.no_grad()
@@ -190,24 +200,52 @@ class Resident:
         if st[0]["exp_avg"].dtype == torch.float32:
             params = [self.masters[i] for i in idx]
             gs = [grads[i] if scale == 1.0 else grads[i].mul_(scale) for i in idx]
-            torch._fused_adamw_(params, gs, [x["exp_avg"] for x in st],
-                                [x["exp_avg_sq"] for x in st], [], [x["step"] for x in st],
-                                lr=lr, beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
-                                eps=group["eps"], amsgrad=False, maximize=False)
-        else:   # bf16 moments: ramstream's kernel (stochastic rounding), on the device's side
+            torch._fused_adamw_(
+                params,
+                gs,
+                [x["exp_avg"] for x in st],
+                [x["exp_avg_sq"] for x in st],
+                [],
+                [x["step"] for x in st],
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
+        else:  # bf16 moments: ramstream's kernel (stochastic rounding), on the device's side
             from ..ops import _raw
 
             on_cuda = self.device.type == "cuda"
             kernel = _raw.cuda_adamw_ptr if on_cuda else _raw.adamw_ptr
-            where = {"stream": torch.cuda.current_stream(self.device).cuda_stream,
-                     "device": self.device.index} if on_cuda else {}
+            where = (
+                {"stream": torch.cuda.current_stream(self.device).cuda_stream, "device": self.device.index}
+                if on_cuda
+                else {}
+            )
             for i, x in zip(idx, st):
                 g, m = grads[i].contiguous(), self.masters[i]
-                kernel(param=m.data_ptr(), grad=g.data_ptr(), grad_dtype=g.dtype,
-                       exp_avg=x["exp_avg"].data_ptr(), exp_avg_sq=x["exp_avg_sq"].data_ptr(),
-                       moment_dtype=x["exp_avg"].dtype, n=m.numel(), offset=x["offset"], lr=lr,
-                       beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=int(x["step"].item()), grad_scale=scale, seed=self.seed, **where)
+                kernel(
+                    param=m.data_ptr(),
+                    grad=g.data_ptr(),
+                    grad_dtype=g.dtype,
+                    exp_avg=x["exp_avg"].data_ptr(),
+                    exp_avg_sq=x["exp_avg_sq"].data_ptr(),
+                    moment_dtype=x["exp_avg"].dtype,
+                    n=m.numel(),
+                    offset=x["offset"],
+                    lr=lr,
+                    beta1=b1,
+                    beta2=b2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(x["step"].item()),
+                    grad_scale=scale,
+                    seed=self.seed,
+                    **where,
+                )
         for i in idx:
             s = self.by_index[i]
             if self.masters[i] is not s.param:
@@ -225,7 +263,7 @@ class Resident:
     def after_apply(self) -> None:
         for s in self.slots:
             if s.param.device != self.device:
-                continue            # step() reports the misplaced parameter
+                continue  # step() reports the misplaced parameter
             m = self.masters[s.index]
             with torch.no_grad():
                 s.param.copy_(m)
@@ -246,7 +284,7 @@ class Resident:
             for s in self.slots:
                 m = self.masters[s.index]
                 if m is s.param:
-                    continue            # the fp32 weights are their own master
+                    continue  # the fp32 weights are their own master
                 v, w = loaded.get(s), s.param.detach()
                 if v is not None and torch.equal(w, v.reshape(m.shape).to(w.device, w.dtype)):
                     m.copy_(v.reshape(m.shape))
@@ -260,7 +298,7 @@ class Resident:
         value = p.detach().reshape(old.shape)
         m = self.masters[s.index]
         if m is not old:
-            m.copy_(value)              # exact when the loaded value is fp32
+            m.copy_(value)  # exact when the loaded value is fp32
         old.copy_(value)
         p.data = old.data
         self._hooks[s.index].remove()

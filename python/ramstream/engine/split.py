@@ -6,6 +6,7 @@ kernel reads and writes the moments (and a low-precision model's fp32 master) ov
 host CPU does nothing. With fraction f mapped, the step's optimizer work takes about
 max(host(1-f), pcie(f)); both are linear in f, so the best f is where they cross.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,21 +16,34 @@ import torch
 _MEASURED: dict = {}
 
 
-def choose_mapped_fraction(*, numel: int, host_params_per_s: float, pcie_bytes_per_s: float,
-                           working_bytes: int, moment_bytes: int, master_on_host: bool) -> tuple[float, dict]:
+def choose_mapped_fraction(
+    *,
+    numel: int,
+    host_params_per_s: float,
+    pcie_bytes_per_s: float,
+    working_bytes: int,
+    moment_bytes: int,
+    master_on_host: bool,
+) -> tuple[float, dict]:
     """The mapped fraction f in [0, 1] minimising max(host time, PCIe time), with the arithmetic."""
-    host_pcie = working_bytes                                  # per direction, host share
+    host_pcie = working_bytes  # per direction, host share
     mapped_pcie = 2 * moment_bytes + (4 if master_on_host else 0)
     t_host_all = numel / host_params_per_s
     t_pcie = lambda f: numel * (f * mapped_pcie + (1 - f) * host_pcie) / pcie_bytes_per_s  # noqa: E731
-    t_host = lambda f: (1 - f) * t_host_all                    # noqa: E731
+    t_host = lambda f: (1 - f) * t_host_all  # noqa: E731
     # t_host(f) = t_pcie(f)  ->  f = (t_host_all - t_pcie(0)) / (t_host_all + t_pcie(1) - t_pcie(0))
     denom = t_host_all + t_pcie(1.0) - t_pcie(0.0)
     f = 0.0 if denom <= 0 else min(1.0, max(0.0, (t_host_all - t_pcie(0.0)) / denom))
-    info = {"fraction": f, "host_params_per_s": host_params_per_s,
-            "pcie_bytes_per_s": pcie_bytes_per_s, "pcie_bytes_per_param_host": host_pcie,
-            "pcie_bytes_per_param_mapped": mapped_pcie, "t_host_only_s": t_host_all,
-            "t_pcie_host_only_s": t_pcie(0.0), "t_estimate_s": max(t_host(f), t_pcie(f))}
+    info = {
+        "fraction": f,
+        "host_params_per_s": host_params_per_s,
+        "pcie_bytes_per_s": pcie_bytes_per_s,
+        "pcie_bytes_per_param_host": host_pcie,
+        "pcie_bytes_per_param_mapped": mapped_pcie,
+        "t_host_only_s": t_host_all,
+        "t_pcie_host_only_s": t_pcie(0.0),
+        "t_estimate_s": max(t_host(f), t_pcie(f)),
+    }
     return f, info
 
 
@@ -47,9 +61,21 @@ def measure(device: torch.device) -> dict:
     best = float("inf")
     for step in range(1, 4):
         t0 = time.perf_counter()
-        _raw.adamw_ptr(param=p.data_ptr(), grad=g.data_ptr(), grad_dtype=g.dtype,
-                       exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), moment_dtype=m.dtype, n=n,
-                       step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        _raw.adamw_ptr(
+            param=p.data_ptr(),
+            grad=g.data_ptr(),
+            grad_dtype=g.dtype,
+            exp_avg=m.data_ptr(),
+            exp_avg_sq=v.data_ptr(),
+            moment_dtype=m.dtype,
+            n=n,
+            step=step,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+        )
         best = min(best, time.perf_counter() - t0)
     out = {"host_params_per_s": n / best}
     if device.type == "cuda":

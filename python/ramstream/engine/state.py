@@ -6,6 +6,7 @@ parameter in param_groups order, exactly as torch.optim.AdamW.state_dict() does,
 loads into the other. The state lives in the engine's flat host buffers, or on the device after
 the resident switch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def gather_bucket_state(engine, names=("exp_avg", "exp_avg_sq")) -> dict | None:
         return None
     out = {}
     for b in engine.buckets:
-        like = [torch.empty(b.numel, dtype=torch.float32 if n == "master" else engine.moment_dtype)
-                for n in names]
+        like = [
+            torch.empty(b.numel, dtype=torch.float32 if n == "master" else engine.moment_dtype) for n in names
+        ]
         out[b.index] = engine.dp.state_from_owner(b, [getattr(b, n) for n in names], like)
     return out
 
@@ -75,17 +77,26 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(param_groups):
-        raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
-                         f"the optimizer {len(param_groups)}")
+        raise ValueError(
+            f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
+            f"the optimizer {len(param_groups)}"
+        )
     for i, (sg, g) in enumerate(zip(saved_groups, param_groups)):
-        if sg.get("amsgrad") or sg.get("maximize") or (
-                sg.get("decoupled_weight_decay", True) is False and sg.get("weight_decay", 0)):
-            raise ValueError(f"load_state_dict: param group {i} is saved with amsgrad, maximize or "
-                             "Adam's L2 weight decay, which ramstream's AdamW does not do")
+        if (
+            sg.get("amsgrad")
+            or sg.get("maximize")
+            or (sg.get("decoupled_weight_decay", True) is False and sg.get("weight_decay", 0))
+        ):
+            raise ValueError(
+                f"load_state_dict: param group {i} is saved with amsgrad, maximize or "
+                "Adam's L2 weight decay, which ramstream's AdamW does not do"
+            )
         if len(sg["params"]) != len(g["params"]):
-            raise ValueError(f"load_state_dict: param group {i} has {len(sg['params'])} parameters "
-                             f"in the state dict, {len(g['params'])} in the optimizer")
-    id_map = {}   # saved ids -> positional indices (torch keys state by the ids in param_groups)
+            raise ValueError(
+                f"load_state_dict: param group {i} has {len(sg['params'])} parameters "
+                f"in the state dict, {len(g['params'])} in the optimizer"
+            )
+    id_map = {}  # saved ids -> positional indices (torch keys state by the ids in param_groups)
     for sg in saved_groups:
         for pid in sg["params"]:
             id_map[pid] = len(id_map)
@@ -100,18 +111,21 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
             continue  # an empty parameter: nothing to load
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if key not in st:
-                raise ValueError(f"load_state_dict: parameter {pid} has no '{key}' (only AdamW "
-                                 "state can be loaded)")
+                raise ValueError(
+                    f"load_state_dict: parameter {pid} has no '{key}' (only AdamW state can be loaded)"
+                )
         for key in ("exp_avg", "exp_avg_sq"):
             if st[key].numel() != s.numel:
-                raise ValueError(f"load_state_dict: '{key}' of parameter {pid} has "
-                                 f"{st[key].numel()} elements, the parameter {s.numel}")
+                raise ValueError(
+                    f"load_state_dict: '{key}' of parameter {pid} has "
+                    f"{st[key].numel()} elements, the parameter {s.numel}"
+                )
         staged.append((s, st))
-    opt.synchronize()                  # nothing is changed before every entry was checked
+    opt.synchronize()  # nothing is changed before every entry was checked
     with torch.no_grad():
         for s, st in staged:
             _, m, v = _slot_tensors(opt, s)
-            if m is None:          # another data-parallel rank owns this state
+            if m is None:  # another data-parallel rank owns this state
                 _set_step(opt, s, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
                 continue
             for src, dst in ((st["exp_avg"], m), (st["exp_avg_sq"], v)):

@@ -9,6 +9,7 @@ the weight return's send() on the engine thread.
 
 Training thread, except the job bodies (_land_job, _update_and_send: engine thread).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,23 @@ from .host_jobs import Piece, add_sq_norm, land, update
 
 
 class Updater:
-    def __init__(self, *, buckets, dev, device, parallel, weights, inflight, worker, hypers,
-                 stats: dict, seed: int, accumulation_steps: int, max_grad_norm: float | None,
-                 eager_updates: bool) -> None:
+    def __init__(
+        self,
+        *,
+        buckets,
+        dev,
+        device,
+        parallel,
+        weights,
+        inflight,
+        worker,
+        hypers,
+        stats: dict,
+        seed: int,
+        accumulation_steps: int,
+        max_grad_norm: float | None,
+        eager_updates: bool,
+    ) -> None:
         """hypers(): the param groups' hyper-parameters, validated (a list of Hyper)."""
         self.buckets, self.dev, self.parallel, self.weights = buckets, dev, parallel, weights
         self.worker = worker
@@ -33,10 +48,11 @@ class Updater:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.eager_updates = eager_updates
-        self.mapped = MappedUpdates(dev=dev, device=device, seed=seed, inflight=inflight,
-                                    weights=weights, stats=stats)
+        self.mapped = MappedUpdates(
+            dev=dev, device=device, seed=seed, inflight=inflight, weights=weights, stats=stats
+        )
         self.last_grad_norm: float | None = None
-        self.clip_now = None        # (max_norm, norm, micro): clip_grad_norm_ for this step
+        self.clip_now = None  # (max_norm, norm, micro): clip_grad_norm_ for this step
         self._pass_hypers = None
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -63,10 +79,10 @@ class Updater:
     def mapped_gradient(self, b, s) -> None:
         """The last micro-batch's gradient of mapped slot s is in s.param.grad."""
         if self.max_grad_norm is not None:
-            self.mapped.norm_add(s.param.grad)   # the update waits for the global norm
+            self.mapped.norm_add(s.param.grad)  # the update waits for the global norm
             return
         if not self.eager_updates:
-            return                               # step() launches it
+            return  # step() launches it
         hyper = self.pass_hypers()[s.group]
         s.step += 1
         s.updated = True
@@ -113,18 +129,24 @@ class Updater:
     def step(self, todo, micro: int) -> None:
         """Queues the updates of the slots in `todo` (they got gradients, their update is not
         queued yet) after `micro` backward passes."""
-        hypers = self.hypers()       # validated before anything is changed
+        hypers = self.hypers()  # validated before anything is changed
         clip = self.clip_now
         if clip is not None and clip[2] != micro:
-            raise RuntimeError("ramstream: a backward pass ran after clip_grad_norm_ and "
-                               "before step(); call clip_grad_norm_ after the last one")
+            raise RuntimeError(
+                "ramstream: a backward pass ran after clip_grad_norm_ and "
+                "before step(); call clip_grad_norm_ after the last one"
+            )
         if clip is None and self.max_grad_norm is not None and micro < self.accumulation_steps:
             self.norms_now(todo)
-        grad_scale = (clip_coefficient(clip[0], clip[1]) if clip is not None
-                      else self._clip_coefficient() if self.max_grad_norm is not None
-                      else 1.0) / self.parallel.world
+        grad_scale = (
+            clip_coefficient(clip[0], clip[1])
+            if clip is not None
+            else self._clip_coefficient()
+            if self.max_grad_norm is not None
+            else 1.0
+        ) / self.parallel.world
         accumulate = self.accumulation_steps > 1
-        fault_point("step.updates")   # the last point before the first update is queued
+        fault_point("step.updates")  # the last point before the first update is queued
         by_bucket: dict[int, list] = {}
         for s in todo:
             by_bucket.setdefault(s.bucket.index, []).append(s)
@@ -140,9 +162,10 @@ class Updater:
             pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
             self.weights.mark_pending(b)
             seq = self.worker.submit(
-                lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale,
-                                                                 accumulate),
-                priority=b.index, deps=(b.last_seq,))
+                lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale, accumulate),
+                priority=b.index,
+                deps=(b.last_seq,),
+            )
             b.last_seq = b.update_seq = b.landing_seq = seq
 
     def norms_now(self, todo, accumulated: bool = True) -> None:
@@ -153,16 +176,18 @@ class Updater:
         by_bucket: dict[int, list[Piece]] = {}
         for s in todo:
             if s.bucket.placement == "mapped":
-                self.mapped.norm_add(s.param.grad)    # its gradients wait in .grad
+                self.mapped.norm_add(s.param.grad)  # its gradients wait in .grad
             elif self.parallel.owns(s.bucket):
                 by_bucket.setdefault(s.bucket.index, []).append(
-                    Piece(s.offset, s.numel, s.group, s.step, False))
+                    Piece(s.offset, s.numel, s.group, s.step, False)
+                )
         for bi, pieces in by_bucket.items():
             b = self.buckets[bi]
             seq = self.worker.submit(
-                lambda b=b, pieces=pieces: add_sq_norm(b, pieces,
-                                                       b.acc if accumulated else b.landing),
-                priority=b.index, deps=(b.last_seq,))
+                lambda b=b, pieces=pieces: add_sq_norm(b, pieces, b.acc if accumulated else b.landing),
+                priority=b.index,
+                deps=(b.last_seq,),
+            )
             b.last_seq = b.landing_seq = seq
 
     def _clip_coefficient(self) -> float:
@@ -179,7 +204,7 @@ class Updater:
                 total += b.sq_norm
                 b.sq_norm = 0.0
         total += self.mapped.take_sq_norm()
-        total = self.parallel.all_reduce_norm(total)   # data parallel: of the averaged gradient
+        total = self.parallel.all_reduce_norm(total)  # data parallel: of the averaged gradient
         self.last_grad_norm = math.sqrt(total)
         return self.last_grad_norm
 

@@ -7,6 +7,7 @@ place by the GPU kernel (updated_in_place); under data parallel the owner's weig
 broadcast (the strategy's comm thread). The next forward waits, in its modules' pre-hooks, only
 for the buckets a module reads; the read guard (guard.py) waits for a weight read elsewhere.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,7 +39,7 @@ class WeightReturn:
         their arrival (and the moment the landing buffer may take gradients again)."""
         if self.dev.type != "cpu":
             for start, n in ranges:
-                self.dev.weights_to_device(b.device_flat[start:start + n], b.landing[start:start + n])
+                self.dev.weights_to_device(b.device_flat[start : start + n], b.landing[start : start + n])
                 self.stats["bytes_h2d"] += n * b.landing.element_size()
         b.h2d_event = self.dev.record_h2d()
 
@@ -63,9 +64,9 @@ class WeightReturn:
         if not b.pending:
             return
         t0 = time.perf_counter()
-        if not self.parallel.wait(b):          # data parallel: the owner's broadcast landed
+        if not self.parallel.wait(b):  # data parallel: the owner's broadcast landed
             if b.placement == "host":
-                self._wait_job(b.update_seq)   # the host AdamW ran (and queued the H2D)
+                self._wait_job(b.update_seq)  # the host AdamW ran (and queued the H2D)
             self.dev.device_wait(b.h2d_event)
         b.pending = False
         _guard._pending[0] -= 1

@@ -5,18 +5,19 @@ the weights) and dependencies (jobs that must finish first). Heavy work happens 
 with the GIL released. A job that raises makes every later wait re-raise its error in the
 training thread; nothing waits forever on a failed engine.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 
 class Worker:
     def __init__(self, name: str, on_start: Callable[[], None] | None = None) -> None:
         self._cv = threading.Condition()
         self._pending: list[tuple[float, int, frozenset, bool, Callable[[], None]]] = []
-        self._done: set[int] = set()   # finished jobs above _low
-        self._low = 0                  # every job <= _low has finished
+        self._done: set[int] = set()  # finished jobs above _low
+        self._low = 0  # every job <= _low has finished
         self._seq = 0
         self._error: BaseException | None = None
         self._stop = False
@@ -33,8 +34,9 @@ class Worker:
         for i, (prio, seq, deps, barrier, _) in enumerate(self._pending):
             if barrier and self._low < seq - 1:
                 continue
-            if all(self._finished(d) for d in deps) and \
-                    (best is None or (prio, seq) < self._pending[best][:2]):
+            if all(self._finished(d) for d in deps) and (
+                best is None or (prio, seq) < self._pending[best][:2]
+            ):
                 best = i
         return None if best is None else self._pending.pop(best)
 
@@ -60,7 +62,7 @@ class Worker:
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
                 self._error = e
             finally:
-                del fn, job          # a finished job must not keep its engine alive
+                del fn, job  # a finished job must not keep its engine alive
             with self._cv:
                 self._done.add(seq)
                 while self._low + 1 in self._done:
@@ -69,8 +71,9 @@ class Worker:
                 self._cv.notify_all()
 
     # ---- the training thread ------------------------------------------------------------------
-    def submit(self, fn: Callable[[], None], priority: float = 0.0,
-               deps: Iterable[int] = (), barrier: bool = False) -> int:
+    def submit(
+        self, fn: Callable[[], None], priority: float = 0.0, deps: Iterable[int] = (), barrier: bool = False
+    ) -> int:
         """Queues fn; returns its sequence number (for deps and wait()). Among runnable jobs the
         lowest (priority, seq) runs first; a barrier runs after every job submitted before it."""
         self.raise_if_failed()

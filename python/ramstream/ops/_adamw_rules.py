@@ -12,6 +12,7 @@ argument and what is accepted: "adamw_: beta1 must be a finite float in [0, 1), 
 of the wrong type raises ``type_error`` (TypeError for the tensor functions; ValueError where the
 optimizer's options are checked, like every other option).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,16 @@ import operator
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "FLOAT_RULES", "INT_RULES", "check_betas", "check_float", "check_group",
-           "check_hypers", "check_int"]
+__all__ = [
+    "FLOAT32_MAX",
+    "FLOAT_RULES",
+    "INT_RULES",
+    "check_betas",
+    "check_float",
+    "check_group",
+    "check_hypers",
+    "check_int",
+]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -52,26 +61,27 @@ def _real(value) -> float | None:
         return None
     try:
         return float(value)
-    except OverflowError:           # an int beyond float's range
+    except OverflowError:  # an int beyond float's range
         return math.inf if value > 0 else -math.inf
 
 
-def check_float(where: str, rule: str, value, *, name: str | None = None,
-                type_error: type[Exception] = TypeError) -> float:
+def check_float(
+    where: str, rule: str, value, *, name: str | None = None, type_error: type[Exception] = TypeError
+) -> float:
     """The float value of hyper-parameter ``rule`` (a key of FLOAT_RULES), reported as ``name``."""
     accepted, ok = FLOAT_RULES[rule]
     name = rule if name is None else name
     v = _real(value)
     if v is None:
-        raise type_error(f"{where}: {name} must be {accepted}, got {value!r} "
-                         f"({type(value).__name__})")
+        raise type_error(f"{where}: {name} must be {accepted}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(v) or not ok(v):
         raise ValueError(f"{where}: {name} must be {accepted}, got {v!r}")
     return v
 
 
-def check_int(where: str, rule: str, value, *, name: str | None = None,
-              type_error: type[Exception] = TypeError) -> int:
+def check_int(
+    where: str, rule: str, value, *, name: str | None = None, type_error: type[Exception] = TypeError
+) -> int:
     """The int value of ``rule`` (a key of INT_RULES: step, seed, offset)."""
     accepted, lo, hi = INT_RULES[rule]
     name = rule if name is None else name
@@ -80,28 +90,38 @@ def check_int(where: str, rule: str, value, *, name: str | None = None,
     except TypeError:
         v = None
     if v is None:
-        raise type_error(f"{where}: {name} must be {accepted}, got {value!r} "
-                         f"({type(value).__name__})")
+        raise type_error(f"{where}: {name} must be {accepted}, got {value!r} ({type(value).__name__})")
     if not lo <= v < hi:
         raise ValueError(f"{where}: {name} must be {accepted}, got {v}")
     return v
 
 
-def check_hypers(where: str, *, lr, beta1, beta2, eps, weight_decay, names: dict | None = None,
-                 type_error: type[Exception] = TypeError) -> tuple[float, float, float, float, float]:
+def check_hypers(
+    where: str,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    names: dict | None = None,
+    type_error: type[Exception] = TypeError,
+) -> tuple[float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay) as floats, checked in that order; ``names`` maps a rule
     to the name the caller's user knows (e.g. "beta1" -> "betas[0]")."""
     names = names or {}
     values = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    return tuple(check_float(where, rule, v, name=names.get(rule), type_error=type_error)
-                 for rule, v in values.items())
+    return tuple(
+        check_float(where, rule, v, name=names.get(rule), type_error=type_error) for rule, v in values.items()
+    )
 
 
 def check_betas(where: str, betas, *, name: str = "betas") -> tuple:
     """The two betas of a (beta1, beta2) pair; ValueError when ``betas`` is not a pair."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{where}: {name} must be a pair (beta1, beta2) of finite floats in "
-                         f"[0, 1), got {betas!r}")
+        raise ValueError(
+            f"{where}: {name} must be a pair (beta1, beta2) of finite floats in [0, 1), got {betas!r}"
+        )
     return betas[0], betas[1]
 
 
@@ -110,7 +130,20 @@ def check_group(where: str, group: dict, index: int) -> tuple[float, float, floa
     ValueError naming the entry, e.g. "ramstream: param_groups[0]['betas'][1] must be ..."."""
     g = f"param_groups[{index}]"
     b1, b2 = check_betas(where, group["betas"], name=f"{g}['betas']")
-    names = {"lr": f"{g}['lr']", "beta1": f"{g}['betas'][0]", "beta2": f"{g}['betas'][1]",
-             "eps": f"{g}['eps']", "weight_decay": f"{g}['weight_decay']"}
-    return check_hypers(where, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], names=names, type_error=ValueError)
+    names = {
+        "lr": f"{g}['lr']",
+        "beta1": f"{g}['betas'][0]",
+        "beta2": f"{g}['betas'][1]",
+        "eps": f"{g}['eps']",
+        "weight_decay": f"{g}['weight_decay']",
+    }
+    return check_hypers(
+        where,
+        lr=group["lr"],
+        beta1=b1,
+        beta2=b2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        names=names,
+        type_error=ValueError,
+    )

@@ -1,4 +1,5 @@
 """Cheap argument validation shared by the ops modules: messages name the function and argument."""
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,9 @@ def check_int(op: str, name: str, value, *, ge=None, lt=None) -> int:
     except TypeError:
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
     if (ge is not None and v < ge) or (lt is not None and v >= lt):
-        rule = " and ".join(s for s in (f">= {ge}" if ge is not None else "",
-                                          f"< {lt}" if lt is not None else "") if s)
+        rule = " and ".join(
+            s for s in (f">= {ge}" if ge is not None else "", f"< {lt}" if lt is not None else "") if s
+        )
         raise ValueError(f"{op}: {name} must be an int {rule}, got {v}")
     return v
 
@@ -82,16 +84,22 @@ def check_tensor(op: str, name: str, t, dtypes=None, *, contiguous: bool = True)
     return t
 
 
-def check_adamw_hyper(op: str, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
-                      seed=0, offset=0) -> dict:
+def check_adamw_hyper(
+    op: str, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, seed=0, offset=0
+) -> dict:
     """Validates AdamW hyper-parameters by the rules of ``_adamw_rules`` (those of the kernels:
     finite, lr >= 0, 0 <= beta < 1, eps > 0, weight_decay >= 0, step >= 1, grad_scale finite in
     float32, 0 <= seed < 2**64, offset >= 0; TypeError for a wrong type, ValueError for a bad
     value) and returns them normalised (floats and ints) as a dict of keyword arguments."""
     lr, beta1, beta2, eps, weight_decay = _rules.check_hypers(
-        op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+    )
     return {
-        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "lr": lr,
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": eps,
+        "weight_decay": weight_decay,
         "step": _rules.check_int(op, "step", step),
         "grad_scale": _rules.check_float(op, "grad_scale", grad_scale),
         "seed": _rules.check_int(op, "seed", seed),
@@ -115,7 +123,7 @@ def check_no_overlap(op: str, tensors, *, same_ok=()) -> None:
     live = [(n, t) for n, t in tensors if t is not None and t.numel() > 0]
     for i, (an, a) in enumerate(live):
         a0, a1 = _byte_span(a)
-        for bn, b in live[i + 1:]:
+        for bn, b in live[i + 1 :]:
             if a.device != b.device:
                 continue
             b0, b1 = _byte_span(b)

@@ -4,6 +4,7 @@ CPU tensors run the multithreaded C++ kernels of ``ramstream._C``; CUDA tensors 
 ``ramstream.ops.cuda`` where a CUDA kernel exists. Every function validates its arguments first
 and raises ValueError/TypeError naming the bad one; in-place arguments are never copied.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,9 @@ def _dtype(op: str, name: str, x: torch.Tensor, allowed) -> None:
 
 def _numel(op: str, name: str, x: torch.Tensor, n: int, ref: str) -> None:
     if x.numel() != n:
-        raise ValueError(f"{op}: {name} must have the same number of elements as {ref} ({n}), got {x.numel()}")
+        raise ValueError(
+            f"{op}: {name} must have the same number of elements as {ref} ({n}), got {x.numel()}"
+        )
 
 
 def _host(op: str, name: str, x: torch.Tensor) -> None:
@@ -93,14 +96,25 @@ def adamw_(
     op = "adamw_"
     for name, x in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _tensor(op, name, x)
-    hp = check_adamw_hyper(op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, grad_scale=grad_scale, seed=seed)
-    del hp["offset"]            # the tensor API starts the rounding stream at element 0
+    hp = check_adamw_hyper(
+        op,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_scale=grad_scale,
+        seed=seed,
+    )
+    del hp["offset"]  # the tensor API starts the rounding stream at element 0
     _dtype(op, "param", param, (torch.float32,))
     _dtype(op, "grad", grad, _GRAD_DTYPES)
     _dtype(op, "exp_avg", exp_avg, _MOMENT_DTYPES)
     if exp_avg_sq.dtype != exp_avg.dtype:
-        raise TypeError(f"{op}: exp_avg_sq must have exp_avg's dtype ({exp_avg.dtype}), got {exp_avg_sq.dtype}")
+        raise TypeError(
+            f"{op}: exp_avg_sq must have exp_avg's dtype ({exp_avg.dtype}), got {exp_avg_sq.dtype}"
+        )
     n = param.numel()
     _numel(op, "grad", grad, n, "param")
     _numel(op, "exp_avg", exp_avg, n, "param")
@@ -110,8 +124,9 @@ def adamw_(
         _dtype(op, "out", out, _OUT_DTYPES)
         _numel(op, "out", out, n, "param")
     check_no_overlap(
-        op, (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-             ("out", out)), same_ok=(("grad", "out"),),
+        op,
+        (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)),
+        same_ok=(("grad", "out"),),
     )
 
     if param.device.type == "cuda":
@@ -129,8 +144,13 @@ def adamw_(
         _contiguous(op, name, x)
     _host(op, "grad", grad)
     lib().adamw_(
-        param.detach(), grad.detach().contiguous(), exp_avg.detach(), exp_avg_sq.detach(),
-        None if out is None else out.detach(), offset=0, **hp,
+        param.detach(),
+        grad.detach().contiguous(),
+        exp_avg.detach(),
+        exp_avg_sq.detach(),
+        None if out is None else out.detach(),
+        offset=0,
+        **hp,
     )
     bump_version(param, exp_avg, exp_avg_sq, out)
     return None

@@ -5,6 +5,7 @@ Every function runs asynchronously on torch's current stream of the tensors' dev
 static CUDA runtime is pointed at that device on each call, so the functions work on any GPU
 of the machine. Without a usable GPU each raises RuntimeError saying why.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,9 +84,7 @@ def _dequantize(codes, absmax, shape, dtype, block_size, *, nf4: bool) -> torch.
     dims, n = _shape(op, shape)
     want = (n + 1) // 2 if nf4 else n
     if codes.numel() != want:
-        raise ValueError(
-            f"{op}: {codes_name} has {codes.numel()} elements, shape {dims} needs {want}"
-        )
+        raise ValueError(f"{op}: {codes_name} has {codes.numel()} elements, shape {dims} needs {want}")
     blocks = -(-n // block_size)
     if absmax.numel() != blocks:
         raise ValueError(
@@ -97,8 +96,16 @@ def _dequantize(codes, absmax, shape, dtype, block_size, *, nf4: bool) -> torch.
     _require_cuda(op, "absmax", absmax, codes.device)
     out = torch.empty(dims, dtype=dtype, device=codes.device)
     kernel = lib().cuda_dequantize_nf4 if nf4 else lib().cuda_dequantize_int8
-    _launch(codes.device, kernel, codes.detach(), absmax.detach(), out, block_size,
-            _stream(codes.device), codes.device.index)
+    _launch(
+        codes.device,
+        kernel,
+        codes.detach(),
+        absmax.detach(),
+        out,
+        block_size,
+        _stream(codes.device),
+        codes.device.index,
+    )
     return out
 
 
@@ -191,9 +198,18 @@ def adamw_(
     until that stream has reached this point.
     """
     op = "adamw_"
-    hp = _checks.check_adamw_hyper(op, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                   weight_decay=weight_decay, grad_scale=grad_scale, seed=seed,
-                                   offset=offset)
+    hp = _checks.check_adamw_hyper(
+        op,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_scale=grad_scale,
+        seed=seed,
+        offset=offset,
+    )
     _checks.check_tensor(op, "param", param, (torch.float32,))
     _checks.check_tensor(op, "grad", grad, _checks.FLOAT_DTYPES)
     _checks.check_tensor(op, "exp_avg", exp_avg, _checks.MOMENT_DTYPES)
@@ -213,14 +229,21 @@ def adamw_(
         if t.device.type == "cuda":
             _require_cuda(op, name, t, device)
         elif t.device.type != "cpu":
-            raise ValueError(
-                f"{op}: {name} must be on {device} or in pinned host memory, got {t.device}"
-            )
+            raise ValueError(f"{op}: {name} must be on {device} or in pinned host memory, got {t.device}")
         # pinned-ness of host tensors is checked by the binding (cudaPointerGetAttributes)
     # detach(): DLPack refuses tensors that require grad (e.g. an nn.Parameter); same storage.
-    _launch(device, lib().cuda_adamw_, param.detach(), grad.detach(), exp_avg.detach(),
-            exp_avg_sq.detach(), None if out is None else out.detach(), **hp,
-            stream=_stream(device), device=device.index)
+    _launch(
+        device,
+        lib().cuda_adamw_,
+        param.detach(),
+        grad.detach(),
+        exp_avg.detach(),
+        exp_avg_sq.detach(),
+        None if out is None else out.detach(),
+        **hp,
+        stream=_stream(device),
+        device=device.index,
+    )
 
 
 def sq_norm(tensor: torch.Tensor) -> float:
@@ -235,7 +258,5 @@ def sq_norm(tensor: torch.Tensor) -> float:
     _require_cuda(op, "tensor", tensor)
     x = tensor.detach().contiguous()
     out = torch.empty(1, dtype=torch.float64, device=x.device)
-    _launch(x.device, _raw.cuda_sq_norm, x=x, out=out, stream=_stream(x.device),
-            device=x.device.index)
+    _launch(x.device, _raw.cuda_sq_norm, x=x, out=out, stream=_stream(x.device), device=x.device.index)
     return out.item()
-

@@ -1,10 +1,11 @@
 """Pinned host memory: arena-backed tensors, the page-lock budget, statistics and registration."""
+
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import threading
-import numbers
 import warnings
 from collections.abc import Sequence
 
@@ -99,8 +100,7 @@ def _after_allocation(ptr: int) -> None:
 def _shape_of(shape) -> tuple[int, ...]:
     """An int or a sequence of non-negative ints (numpy ints and 1-element int tensors too, via
     ``__index__``; bool, float and str rejected) -> a tuple; ValueError naming shape otherwise."""
-    bad = ValueError(f"pinned_empty: shape must be an int or a sequence of non-negative ints, "
-                     f"got {shape!r}")
+    bad = ValueError(f"pinned_empty: shape must be an int or a sequence of non-negative ints, got {shape!r}")
     if isinstance(shape, (bool, float, str, bytes)):
         raise bad
     if isinstance(shape, Sequence):
@@ -219,9 +219,7 @@ def set_pin_budget(bytes_or_fraction) -> int:
         except ValueError as e:
             raise ValueError(f"set_pin_budget: bytes_or_fraction: {e}") from None
     else:
-        raise TypeError(
-            f"set_pin_budget: expected int bytes, float fraction or str, got {type(v).__name__}"
-        )
+        raise TypeError(f"set_pin_budget: expected int bytes, float fraction or str, got {type(v).__name__}")
     lib().set_pin_budget(n)
     return n
 

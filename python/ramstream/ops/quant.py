@@ -3,6 +3,7 @@
 Quantization runs on the host (multithreaded C++ kernels); dequantization runs on the host, or on
 the GPU when the codes are CUDA tensors. The formats are fixed in cpp/include/ramstream/quant_format.h.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,7 @@ def _check_block_size(op: str, block_size) -> int:
         except TypeError:
             pass
     if v is None or v < 2 or v % 2 or v > _MAX_BLOCK:
-        raise ValueError(
-            f"{op}: block_size must be an even int in [2, 2**31), got {block_size!r}"
-        )
+        raise ValueError(f"{op}: block_size must be an even int in [2, 2**31), got {block_size!r}")
     return v
 
 
@@ -44,8 +43,7 @@ def _check_tensor(op: str, name: str, t, dtypes: tuple[torch.dtype, ...], dtype_
         raise TypeError(f"{op}: {name} must be {dtype_names}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(
-            f"{op}: {name} must be contiguous (call {name}.contiguous() first; "
-            "nothing is copied silently)"
+            f"{op}: {name} must be contiguous (call {name}.contiguous() first; nothing is copied silently)"
         )
 
 
@@ -78,17 +76,14 @@ def _check_out_dtype(op: str, dtype) -> None:
 
 def _check_host_input(op: str, x: torch.Tensor) -> None:
     if x.device.type != "cpu":
-        raise ValueError(
-            f"{op}: quantization runs on the host, but x is on {x.device} (pass x.cpu())"
-        )
+        raise ValueError(f"{op}: quantization runs on the host, but x is on {x.device} (pass x.cpu())")
 
 
 def _check_absmax(op: str, absmax, codes: torch.Tensor, n: int, block_size: int) -> None:
     _check_tensor(op, "absmax", absmax, (torch.float32,), "float32")
     if absmax.device != codes.device:
         raise ValueError(
-            f"{op}: absmax must be on the same device as the codes ({codes.device}), "
-            f"got {absmax.device}"
+            f"{op}: absmax must be on the same device as the codes ({codes.device}), got {absmax.device}"
         )
     blocks = -(-n // block_size)
     if absmax.numel() != blocks:

@@ -245,7 +245,7 @@ def _gpu_model():
 )
 def test_real_oom_on_the_gpu(options):
     torch.use_deterministic_algorithms(True, warn_only=True)  # embedding backward: atomics
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # the memory cap needs an index
     torch.cuda.empty_cache()
     base = _gpu_model()
     options = dict(options, offload=True, min_offload_bytes=0)

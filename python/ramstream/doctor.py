@@ -139,7 +139,11 @@ def check_pinned() -> Check:
     del t
     if pinned:
         return Check("pinned", OK, f"{text}; a 16 MiB buffer was page-locked")
+    from .hardware import nvidia_driver
+
     why = F.memory_stats()["fallback_reason"] or "unknown"
+    if not nvidia_driver()["found"]:
+        why = "no NVIDIA driver"
     if _gpu_usable():
         return Check(
             "pinned",

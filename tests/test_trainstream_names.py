@@ -36,6 +36,9 @@ def _attach_loop(device: str) -> None:
         assert max_diff(ref, attached) < 1e-5
         assert not opt.resident
         assert opt.stats()["steps"] == w_opt.stats()["steps"] == 8
+        if device == "cuda":  # every step uploads each fp32 weight once
+            numel = opt.stats()["numel"]
+            assert opt.stats()["param_bytes_uploaded"] == 8 * numel * 4
     finally:
         ramstream.unwrap(attached)
         ramstream.unwrap(wrapped)
@@ -67,3 +70,45 @@ def test_attach_properties_and_errors():
     assert any("attached" in e for e in ramstream.memory_report(model)["events"])
     ramstream.unwrap(model)
     assert not ramstream.OffloadAdamW(make_model(0).parameters(), eager_updates=False).eager_active
+
+
+def test_stats_trainstream_names_follow_the_arithmetic():
+    model = make_model(0)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    opt = ramstream.OffloadAdamW(params, bucket_bytes=1 << 14, **HP)
+    opt.attach(model)
+    try:
+        steps = 3
+        train_torch(model, opt, batches(steps))
+        opt.synchronize()
+        s = opt.stats()
+        n_buckets = len(opt._engine.buckets)
+        assert n_buckets > 1
+        assert s["numel"] == numel and s["mode"] == "cpu"
+        assert s["grad_bytes_offloaded"] == s["bytes_d2h"] == steps * numel * 4  # fp32 gradients
+        assert s["param_bytes_uploaded"] == s["bytes_h2d"] == 0  # a CPU device: updated in place
+        assert s["grad_hook_calls"] == steps * len(params)
+        assert s["eager_updates"] == steps * n_buckets
+        assert s["guard_waits"] == s["waits"]
+        # the guard: metadata and .grad do not wait, a real read of a weight in flight does
+        model(*batches(1, seed=7)[0]).backward()
+        opt.step()
+        before = opt.stats()["guard_waits"]
+        _ = [(p.grad, p.shape, p.dtype, p.numel()) for p in params]
+        assert opt.stats()["guard_waits"] == before
+        _ = params[-1].sum()
+        assert opt.stats()["guard_waits"] == before + 1
+    finally:
+        ramstream.unwrap(model)
+
+
+def test_stats_no_eager_updates_with_clipping_or_deferred():
+    for kw in (dict(max_grad_norm=1.0), dict(eager_updates=False)):
+        model = make_model(0)
+        opt = ramstream.OffloadAdamW(model.parameters(), **kw, **HP)
+        opt.attach(model)
+        train_torch(model, opt, batches(2))
+        s = opt.stats()
+        assert s["eager_updates"] == 0 and s["steps"] == 2, kw
+        ramstream.unwrap(model)

@@ -369,8 +369,19 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, throttle_s
-        (backward waiting on max_inflight_bytes), gpu_updates."""
-        return dict(self._engine.stats)
+        (backward waiting on max_inflight_bytes), gpu_updates, grad_hook_calls, eager_updates
+        (bucket updates run during backward); TrainStream's names: grad_bytes_offloaded
+        (= bytes_d2h), param_bytes_uploaded (= bytes_h2d), guard_waits (= waits: reads that
+        waited for an update), mode ("resident" after the switch), numel (trained elements)."""
+        s = dict(self._engine.stats)
+        s.update(
+            grad_bytes_offloaded=s["bytes_d2h"],
+            param_bytes_uploaded=s["bytes_h2d"],
+            guard_waits=s["waits"],
+            mode="resident" if self._resident is not None else self.mode,
+            numel=sum(x.numel for x in self._engine.slots),
+        )
+        return s
 
     def attach(self, model: torch.nn.Module) -> torch.nn.Module:
         """Hooks `model` (whose parameters this optimizer holds) as wrap() does, so a plain

@@ -112,3 +112,47 @@ def test_stats_no_eager_updates_with_clipping_or_deferred():
         s = opt.stats()
         assert s["eager_updates"] == 0 and s["steps"] == 2, kw
         ramstream.unwrap(model)
+
+
+def _report_keys(r: dict) -> None:
+    assert isinstance(r["events"], list)
+    assert {"loads", "paged_blocks", "quantize"} <= set(r["params"])
+    assert "packed_bytes" in r["activations"]
+    assert "grad_bytes_offloaded" in r["optimizer"]
+    assert isinstance(r["plan"]["history"], list)
+
+
+def test_memory_report_carries_trainstream_keys():
+    model = make_model(0)
+    numel = sum(p.numel() for p in model.parameters())
+    model, opt = ramstream.wrap(model, lr=1e-3)
+    try:
+        r0 = ramstream.memory_report(model)
+        _report_keys(r0)
+        assert r0["params"]["loads"] == 0 and r0["params"]["quantize"] is None
+        assert r0["activations"]["packed_bytes"] == 0 and r0["optimizer"]["grad_bytes_offloaded"] == 0
+        train_torch(model, opt, batches(2))
+        r = ramstream.memory_report(model)
+        _report_keys(r)
+        assert r["optimizer"]["grad_bytes_offloaded"] == 2 * numel * 4 == opt.stats()["bytes_d2h"]
+        assert r["activations"]["packed_bytes"] == 0  # no activation paging asked for
+        assert not any("engine rebuilt" in e for e in r["events"])
+        model.to(torch.bfloat16).float()  # a cast rebinds the engine
+        assert sum("engine rebuilt" in e for e in ramstream.memory_report(model)["events"]) == 2
+        model.to("cpu")  # nothing changes: nothing rebuilt
+        assert sum("engine rebuilt" in e for e in ramstream.memory_report(model)["events"]) == 2
+    finally:
+        ramstream.unwrap(model)
+
+
+def test_memory_report_packed_bytes_with_activation_paging():
+    model = make_model(0)
+    model, opt = ramstream.wrap(model, lr=1e-3, activation_offload=True, min_offload_bytes=0)
+    try:
+        train_torch(model, opt, batches(2))
+        r = ramstream.memory_report(model)
+        _report_keys(r)
+        stats = r["plan"]["activations"]["stats"]
+        assert r["params"]["paged_blocks"] and r["activations"]["packed_bytes"] == stats["bytes_d2h"] > 0
+    finally:
+        ramstream.unwrap(model)

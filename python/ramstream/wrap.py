@@ -315,7 +315,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def memory_report(model: torch.nn.Module) -> dict:
-    """What ramstream decided and holds for a wrapped model: events, params, optimizer, plan."""
+    """What ramstream decided and holds for a wrapped model: events, params, activations,
+    optimizer, plan. TrainStream's keys are always there, empty or zero where ramstream lacks
+    the feature: params.loads (weight paging), params.quantize."""
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
@@ -324,6 +326,8 @@ def memory_report(model: torch.nn.Module) -> dict:
         t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
     )
     landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
+    stats = w.optimizer.stats()
+    act = w.activations.off.stats() if w.activations is not None else {}
     return {
         "events": list(w.log.lines),
         "params": {
@@ -333,7 +337,12 @@ def memory_report(model: torch.nn.Module) -> dict:
             "buckets": len(e.buckets),
             "bucket_numel": [b.numel for b in e.buckets],
             "paged_blocks": w.activations.off.paged if w.activations is not None else [],
+            "loads": 0,  # weights paged in from host RAM: no weight paging yet
             "quantize": None,
+        },
+        "activations": {
+            "packed_bytes": act.get("bytes_d2h", 0),  # saved activations paged to host, in all
+            "paged_blocks": list(act.get("paged_blocks", [])),
         },
         "optimizer": {
             "mode": w.optimizer.mode,
@@ -342,7 +351,8 @@ def memory_report(model: torch.nn.Module) -> dict:
             "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
             "host_state_bytes": host_state,
             "landing_bytes": landing,
-            "stats": w.optimizer.stats(),
+            "grad_bytes_offloaded": stats["grad_bytes_offloaded"],
+            "stats": stats,
         },
         "plan": {
             **w.plan,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -156,3 +158,126 @@ def test_memory_report_packed_bytes_with_activation_paging():
         assert r["params"]["paged_blocks"] and r["activations"]["packed_bytes"] == stats["bytes_d2h"] > 0
     finally:
         ramstream.unwrap(model)
+
+
+def _bf16_run(steps_before: int, steps_after: int, *, sd=None, drop_master=False):
+    """A bf16 model trained by an attached OffloadAdamW; with `sd` (model, optimizer state
+    dicts) it resumes from them first. Returns (model, opt, checkpoint taken after
+    steps_before)."""
+    model = make_model(0, dtype=torch.bfloat16)
+    opt = ramstream.OffloadAdamW(model.parameters(), **HP)
+    opt.attach(model)
+    data = batches(steps_before + steps_after)
+    ckpt = None
+    if sd is None:
+        train_torch(model, opt, data[:steps_before])
+        ckpt = (
+            {k: v.clone() for k, v in model.state_dict().items()},
+            copy.deepcopy(opt.state_dict()),
+        )
+    else:
+        model_sd, opt_sd = copy.deepcopy(sd)
+        if drop_master:
+            for st in opt_sd["state"].values():
+                del st["master"]
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+    train_torch(model, opt, data[steps_before:])
+    opt.synchronize()
+    return model, opt, ckpt
+
+
+def test_state_dict_master_resumes_bf16_bit_exactly():
+    straight, s_opt, ckpt = _bf16_run(3, 3)
+    resumed, r_opt, _ = _bf16_run(3, 3, sd=ckpt)
+    lossy, l_opt, _ = _bf16_run(3, 3, sd=ckpt, drop_master=True)
+    try:
+        masters = s_opt.master_weights()
+        for st, p in zip(ckpt[1]["state"].values(), straight.parameters()):
+            assert st["master"].dtype == torch.float32 and st["master"].shape == p.shape
+        assert any(
+            not torch.equal(st["master"].bfloat16().float(), st["master"]) for st in ckpt[1]["state"].values()
+        )
+        assert _exact(straight, resumed)
+        assert all(torch.equal(a, b) for a, b in zip(masters, r_opt.master_weights()))
+        # without the masters the resumed run starts from bf16-rounded ones: not the same run
+        assert not all(torch.equal(a, b) for a, b in zip(masters, l_opt.master_weights()))
+    finally:
+        for m in (straight, resumed, lossy):
+            ramstream.unwrap(m)
+
+
+def test_state_dict_master_loads_exactly_and_checks():
+    model = make_model(0, dtype=torch.bfloat16)
+    opt = ramstream.OffloadAdamW(model.parameters(), **HP)
+    opt.attach(model)
+    try:
+        train_torch(model, opt, batches(2))
+        sd = opt.state_dict()
+        g = torch.Generator().manual_seed(3)
+        for st in sd["state"].values():
+            st["master"] = torch.randn(st["master"].shape, generator=g)
+        before = opt.master_weights()
+        opt.load_state_dict(sd)  # the weights are not the masters' rounding: stale masters
+        n = len(sd["state"])
+        assert any(
+            f"'master' of {n} parameters is ignored" in e for e in ramstream.memory_report(model)["events"]
+        )
+        assert all(torch.equal(a, b) for a, b in zip(before, opt.master_weights()))
+        with torch.no_grad():  # the model's weights from the same checkpoint
+            for st, p in zip(sd["state"].values(), model.parameters()):
+                p.copy_(st["master"])
+        opt.load_state_dict(sd)
+        for st, m, p in zip(sd["state"].values(), opt.master_weights(), model.parameters()):
+            assert torch.equal(m, st["master"])
+            assert torch.equal(p.detach(), st["master"].bfloat16())  # the weight is its rounding
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["master"] = torch.zeros(3)
+        with pytest.raises(ValueError, match="'master' of parameter 0 has 3 elements"):
+            opt.load_state_dict(bad)
+        assert torch.equal(opt.master_weights()[0], sd["state"][0]["master"])  # nothing changed
+    finally:
+        ramstream.unwrap(model)
+
+
+def test_state_dict_with_master_loads_into_torch_adamw_and_back():
+    ref = make_model(0)
+    model = clone(ref)
+    data = batches(6)
+    opt = ramstream.OffloadAdamW(model.parameters(), **HP)
+    opt.attach(model)
+    train_torch(model, opt, data[:3])
+    sd = opt.state_dict()
+    assert all("master" in st for st in sd["state"].values())
+    ramstream.unwrap(model)
+    # torch's AdamW loads it and never reads "master": the same steps as from the state without it
+    plain = {
+        **sd,
+        "state": {i: {k: v for k, v in st.items() if k != "master"} for i, st in sd["state"].items()},
+    }
+    runs = []
+    for state in (sd, plain):
+        m = clone(model)
+        t_opt = torch.optim.AdamW(m.parameters(), foreach=False, **HP)
+        t_opt.load_state_dict(copy.deepcopy(state))
+        train_torch(m, t_opt, data[3:])
+        runs.append((m, t_opt))
+    assert _exact(runs[0][0], runs[1][0])
+    # and torch's state dict (master kept as an extra key, or none) loads back into OffloadAdamW
+    train_torch(ref, torch.optim.AdamW(ref.parameters(), foreach=False, **HP), data)
+    for k, (m, t_opt) in enumerate(runs):
+        back = clone(m)
+        o = ramstream.OffloadAdamW(back.parameters(), **HP)
+        o.attach(back)
+        o.load_state_dict(t_opt.state_dict())
+        ignored = any("is ignored" in e for e in ramstream.memory_report(back)["events"])
+        assert ignored == (k == 0)  # torch kept the 3-step master while training on: stale
+        train_torch(back, o, data[3:])  # three more steps on top of torch's six-step state
+        o.synchronize()
+        t_more = clone(m)
+        t_opt2 = torch.optim.AdamW(t_more.parameters(), foreach=False, **HP)
+        t_opt2.load_state_dict(t_opt.state_dict())
+        train_torch(t_more, t_opt2, data[3:])
+        assert max_diff(t_more, back) < 1e-5
+        ramstream.unwrap(back)
+    assert max_diff(ref, runs[1][0]) < 1e-5

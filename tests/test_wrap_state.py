@@ -24,7 +24,8 @@ def test_state_dict_loads_into_torch_adamw_and_continues_identically():
     model, opt = _wrapped(model)
     train_torch(model, opt, data[:6])
     sd = opt.state_dict()
-    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}  # master: issue 9
+    assert torch.equal(sd["state"][0]["master"], next(model.parameters()).detach())
     assert sd["state"][0]["exp_avg"].dtype == torch.float32
     assert float(sd["state"][0]["step"]) == 6.0
     # a plain model + torch AdamW from our checkpoint

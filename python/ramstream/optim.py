@@ -369,8 +369,68 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, throttle_s
-        (backward waiting on max_inflight_bytes), gpu_updates."""
-        return dict(self._engine.stats)
+        (backward waiting on max_inflight_bytes), gpu_updates, grad_hook_calls, eager_updates
+        (bucket updates run during backward); TrainStream's names: grad_bytes_offloaded
+        (= bytes_d2h), param_bytes_uploaded (= bytes_h2d), guard_waits (= waits: reads that
+        waited for an update), mode ("resident" after the switch), numel (trained elements)."""
+        s = dict(self._engine.stats)
+        s.update(
+            grad_bytes_offloaded=s["bytes_d2h"],
+            param_bytes_uploaded=s["bytes_h2d"],
+            guard_waits=s["waits"],
+            mode="resident" if self._resident is not None else self.mode,
+            numel=sum(x.numel for x in self._engine.slots),
+        )
+        return s
+
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Hooks `model` (whose parameters this optimizer holds) as wrap() does, so a plain
+        loop trains exactly as after wrap(): forward waits, names, state-dict and .to() hooks;
+        ramstream.unwrap(model) undoes it. Returns the model."""
+        from .options import WrapOptions
+        from .report import EventLog
+        from .wrap import attach_model
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"OffloadAdamW.attach: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if self._closed or self._resident is not None or self._engine.forward_waits:
+            raise RuntimeError("OffloadAdamW.attach: the optimizer is closed, resident or already attached")
+        if getattr(model, "_ramstream", None) is not None:
+            raise ValueError(
+                "OffloadAdamW.attach: this model is already wrapped; call ramstream.unwrap(model) first"
+            )
+        mine = {id(s.param) for s in self._engine.slots}
+        if not mine <= {id(p) for p in model.parameters()}:
+            raise ValueError("OffloadAdamW.attach: the model does not hold this optimizer's parameters")
+        opts = WrapOptions.parse(
+            max_grad_norm=self._max_grad_norm, accumulation_steps=self._accumulation_steps
+        )
+        log = EventLog(False)
+        self._log = log
+        attach_model(model, self, opts, log)
+        log(f"attached: {len(self._engine.slots)} parameters in {len(self._engine.buckets)} buckets")
+        return model
+
+    @property
+    def attached(self) -> bool:
+        """True after attach(model) or wrap(), until the optimizer is closed."""
+        return self._engine.forward_waits and not self._closed
+
+    @property
+    def eager_active(self) -> bool:
+        """Whether updates run during the last micro-batch's backward (eager_updates without
+        max_grad_norm, not resident)."""
+        return self._engine.eager_updates and self._max_grad_norm is None and self._resident is None
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self._accumulation_steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._max_grad_norm
 
     @property
     def resident(self) -> bool:

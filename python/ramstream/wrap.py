@@ -161,6 +161,50 @@ def _pick_moment_dtype(opts: WrapOptions, numel: int, log: EventLog) -> torch.dt
     )
 
 
+def _param_kinds(model: torch.nn.Module) -> set:
+    return {(p.device, p.dtype) for p in model.parameters()}
+
+
+def _log_rebuilt(before: set, after: set, log: EventLog) -> None:
+    if before != after:
+        kinds = lambda ks: ", ".join(sorted(f"{d} {str(t).replace('torch.', '')}" for d, t in ks))  # noqa: E731
+        log(f"engine rebuilt: parameters moved or cast ({kinds(before)} -> {kinds(after)})")
+
+
+def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, log: EventLog) -> _Wrapped:
+    """What wrap() does to a model once its optimizer exists (also OffloadAdamW.attach):
+    forward waits and parameter names, activation paging, state-dict hooks, .to()/.half()."""
+    w = _Wrapped(model, opt, opts, log)
+    engine, device = opt._engine, opt._engine.device
+    engine.attach_forward_waits(model)
+    if opts.activation_offload is not False:
+        from .activations import ActivationPolicy
+
+        w.activations = ActivationPolicy(model, device, opts, log)
+        opt._step_callbacks.append(w.activations.on_step)
+        engine.on_abandon.append(w.activations.off.release_abandoned)
+    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
+    w.handles.append(
+        model.register_load_state_dict_pre_hook(
+            lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)
+        )
+    )
+    w.handles.append(model.register_load_state_dict_post_hook(lambda module, keys: opt._model_loaded(module)))
+    w.orig_apply = model.__dict__.get("_apply")
+
+    def _apply(self, fn, *args, **kwargs):
+        before = _param_kinds(self)
+        opt._before_apply()
+        out = type(self)._apply(self, fn, *args, **kwargs)
+        opt._after_apply(self)
+        _log_rebuilt(before, _param_kinds(self), log)
+        return out
+
+    model._apply = types.MethodType(_apply, model)
+    model._ramstream = w
+    return w
+
+
 def wrap(model: torch.nn.Module, optimizer=None, **options):
     """Offloads optimizer state and gradients of `model` to host RAM.
 
@@ -238,32 +282,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if old_state is not None:
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")
-    w = _Wrapped(model, opt, opts, log)
+    attach_model(model, opt, opts, log)
     engine = opt._engine
-    engine.attach_forward_waits(model)
-    if opts.activation_offload is not False:
-        from .activations import ActivationPolicy
-
-        w.activations = ActivationPolicy(model, device, opts, log)
-        opt._step_callbacks.append(w.activations.on_step)
-        engine.on_abandon.append(w.activations.off.release_abandoned)
-    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
-    w.handles.append(
-        model.register_load_state_dict_pre_hook(
-            lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)
-        )
-    )
-    w.handles.append(model.register_load_state_dict_post_hook(lambda module, keys: opt._model_loaded(module)))
-    w.orig_apply = model.__dict__.get("_apply")
-
-    def _apply(self, fn, *args, **kwargs):
-        opt._before_apply()
-        out = type(self)._apply(self, fn, *args, **kwargs)
-        opt._after_apply(self)
-        return out
-
-    model._apply = types.MethodType(_apply, model)
-    model._ramstream = w
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
     log(
@@ -295,7 +315,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def memory_report(model: torch.nn.Module) -> dict:
-    """What ramstream decided and holds for a wrapped model: events, params, optimizer, plan."""
+    """What ramstream decided and holds for a wrapped model: events, params, activations,
+    optimizer, plan. TrainStream's keys are always there, empty or zero where ramstream lacks
+    the feature: params.loads (weight paging), params.quantize."""
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
@@ -304,6 +326,8 @@ def memory_report(model: torch.nn.Module) -> dict:
         t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
     )
     landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
+    stats = w.optimizer.stats()
+    act = w.activations.off.stats() if w.activations is not None else {}
     return {
         "events": list(w.log.lines),
         "params": {
@@ -313,7 +337,12 @@ def memory_report(model: torch.nn.Module) -> dict:
             "buckets": len(e.buckets),
             "bucket_numel": [b.numel for b in e.buckets],
             "paged_blocks": w.activations.off.paged if w.activations is not None else [],
+            "loads": 0,  # weights paged in from host RAM: no weight paging yet
             "quantize": None,
+        },
+        "activations": {
+            "packed_bytes": act.get("bytes_d2h", 0),  # saved activations paged to host, in all
+            "paged_blocks": list(act.get("paged_blocks", [])),
         },
         "optimizer": {
             "mode": w.optimizer.mode,
@@ -322,7 +351,8 @@ def memory_report(model: torch.nn.Module) -> dict:
             "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
             "host_state_bytes": host_state,
             "landing_bytes": landing,
-            "stats": w.optimizer.stats(),
+            "grad_bytes_offloaded": stats["grad_bytes_offloaded"],
+            "stats": stats,
         },
         "plan": {
             **w.plan,

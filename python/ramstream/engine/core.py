@@ -95,6 +95,8 @@ class Engine:
             "waits": 0,
             "gpu_updates": 0,
             "throttle_s": 0.0,
+            "grad_hook_calls": 0,
+            "eager_updates": 0,
         }
         # the parts, in the order a gradient meets them (each one's state is its own); none
         # holds the engine: hooks reach it weakly, so a dropped optimizer is freed

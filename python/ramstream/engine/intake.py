@@ -207,6 +207,7 @@ class GradientIntake:
 
     def on_grad(self, p: torch.nn.Parameter) -> None:
         s: Slot = p._ramstream_slot
+        self.stats["grad_hook_calls"] += 1
         check_param(p, self.device)
         track_pass(self)
         fault_point("backward.grad_hook")

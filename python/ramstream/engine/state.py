@@ -1,9 +1,10 @@
 """Optimizer state in torch's AdamW format: export from where it lives, import into it.
 
-Exported: {"state": {i: {"step": float32 scalar, "exp_avg": fp32, "exp_avg_sq": fp32}},
+Exported: {"state": {i: {"step": float32 scalar, "exp_avg": fp32, "exp_avg_sq": fp32,
+"master": fp32 copy of the master weight (a bf16/fp16 model resumes bit-exactly from it)}},
 "param_groups": [{...hyper-parameters..., "params": [i, ...]}]}, keyed by the position of each
 parameter in param_groups order, exactly as torch.optim.AdamW.state_dict() does, so either
-loads into the other. The state lives in the engine's flat host buffers, or on the device after
+loads into the other (torch's AdamW keeps "master" in its state and never reads it). The state lives in the engine's flat host buffers, or on the device after
 the resident switch.
 """
 
@@ -41,11 +42,25 @@ def gather_bucket_state(engine, names=("exp_avg", "exp_avg_sq")) -> dict | None:
     return out
 
 
+def _slot_master(opt, s, gathered=None) -> torch.Tensor:
+    """A copy of the slot's fp32 master on the host, shaped like the parameter."""
+    from .layout import master_flat
+
+    if opt._resident is not None:
+        m = opt._resident.masters[s.index].detach().reshape(-1)
+    else:
+        m = master_flat(s.bucket) if gathered is None else gathered[s.bucket.index][0]
+        m = m[s.offset : s.offset + s.numel]
+    return m.to("cpu", torch.float32, copy=True).view(s.param.shape)
+
+
 def export_state(opt, param_groups: list[dict]) -> dict:
     opt.synchronize()
-    gathered = gather_bucket_state(opt._engine) if opt._resident is None else None
+    e = opt._engine
+    gathered = gather_bucket_state(e) if opt._resident is None else None
+    masters = gather_bucket_state(e, ("master",)) if opt._resident is None else None
     state = {}
-    for s in opt._engine.slots:
+    for s in e.slots:
         step, m, v = _slot_tensors(opt, s, gathered)
         if step == 0:
             continue
@@ -53,6 +68,7 @@ def export_state(opt, param_groups: list[dict]) -> dict:
             "step": torch.tensor(float(step), dtype=torch.float32),
             "exp_avg": m if m.dtype == torch.float32 else m.float(),
             "exp_avg_sq": v if v.dtype == torch.float32 else v.float(),
+            "master": _slot_master(opt, s, masters),
         }
     groups = []
     index = 0
@@ -69,6 +85,27 @@ def _set_step(opt, s, step: int) -> None:
         opt._resident.state[s.index]["step"].fill_(float(step))
     else:
         s.step = step
+
+
+def _set_master(opt, s, master: torch.Tensor) -> bool:
+    """The fp32 master becomes `master` exactly when the weight is its rounding (the model's
+    weights loaded from the same checkpoint); otherwise it is stale (say, kept by a torch AdamW
+    that trained on) and the master stays as it is: False."""
+    src = master.detach().reshape(-1)
+    if src.dtype != torch.float32:
+        src = src.float()
+    if opt._resident is not None:
+        m = opt._resident.masters[s.index]
+        weight = s.param.detach().reshape(-1)
+    else:
+        b, sl = s.bucket, slice(s.offset, s.offset + s.numel)
+        m, weight = b.master, b.device_flat[sl]  # no b.master: the weights are the master
+        m = m[sl] if m is not None else None
+    if not torch.equal(weight, src.to(weight.device, weight.dtype)):
+        return False
+    if m is not None:
+        m.copy_(src.view(m.shape))
+    return True
 
 
 def import_state(opt, param_groups: list[dict], sd: dict) -> None:
@@ -114,7 +151,13 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                 raise ValueError(
                     f"load_state_dict: parameter {pid} has no '{key}' (only AdamW state can be loaded)"
                 )
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            if key == "master" and key not in st:
+                continue  # torch's AdamW state: the masters stay as they are
+            if not torch.is_tensor(st[key]) or not st[key].is_floating_point():
+                raise ValueError(
+                    f"load_state_dict: '{key}' of parameter {pid} must be a floating-point tensor"
+                )
             if st[key].numel() != s.numel:
                 raise ValueError(
                     f"load_state_dict: '{key}' of parameter {pid} has "
@@ -122,11 +165,14 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                 )
         staged.append((s, st))
     opt.synchronize()  # nothing is changed before every entry was checked
+    stale = []
     with torch.no_grad():
         for s, st in staged:
             _, m, v = _slot_tensors(opt, s)
             if m is None:  # another data-parallel rank owns this state
                 _set_step(opt, s, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
+                if "master" in st and not _set_master(opt, s, st["master"]):
+                    stale.append(s)
                 continue
             for src, dst in ((st["exp_avg"], m), (st["exp_avg_sq"], v)):
                 src = src.detach().reshape(dst.shape)
@@ -134,6 +180,8 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                     dst.copy_(src)
             step = st["step"]
             _set_step(opt, s, int(step.item() if torch.is_tensor(step) else step))
+            if "master" in st and not _set_master(opt, s, st["master"]):
+                stale.append(s)
         loaded = {s.index for s, _ in staged}
         for s in slots:
             if s.index not in loaded:
@@ -142,6 +190,12 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                     m.zero_()
                     v.zero_()
                 _set_step(opt, s, 0)
+    if stale:  # logged, not warned: loading the optimizer before the model is common and fine
+        opt._log(
+            f"load_state_dict: the 'master' of {len(stale)} parameters is ignored: the model's "
+            "weights are not its rounding (a stale master, or the model's state dict not loaded "
+            "yet: its load then sets the masters); those masters stay"
+        )
     for sg, g in zip(saved_groups, param_groups):
         for k, v in sg.items():
             if k != "params":

@@ -99,6 +99,7 @@ class Updater:
         hypers = self.pass_hypers() if eager else None
         scale = 1.0 / self.parallel.world
         if eager:
+            self.stats["eager_updates"] += 1  # a bucket's share updated during backward
             for s in slots:
                 s.step += 1
                 s.updated = True

@@ -453,9 +453,9 @@ def test_h2d_stall_is_the_gpu_wait(monkeypatch):
     assert st["h2d_stall_s"] < 0.1 * slept, (st["h2d_stall_s"], slept)
 
 
-def test_pinned_pool_gives_memory_back_after_a_large_batch():
-    model = _model(layers=3)
-    off = _offloader(model)
+def _large_batch_then_small(model, off):
+    """Three small steps, one 16x larger, three small: (pool bytes small, pool bytes large, arena
+    pinned bytes after the large one)."""
     for i in range(3):
         _grads(model, *_data(b=2, seed=40 + i), False)
     need = off.stats()["host_bytes_held"]
@@ -463,9 +463,16 @@ def test_pinned_pool_gives_memory_back_after_a_large_batch():
     _grads(model, *_data(b=32, seed=50), False)
     big = off.stats()["host_bytes_held"]
     pinned_big = ramstream.memory_stats()["bytes_pinned"]
-    assert big > 8 * need
     for i in range(3):
         _grads(model, *_data(b=2, seed=60 + i), False)
+    return need, big, pinned_big
+
+
+def test_pinned_pool_gives_memory_back_after_a_large_batch():
+    model = _model(layers=3)
+    off = _offloader(model)
+    need, big, pinned_big = _large_batch_then_small(model, off)
+    assert big > 8 * need
     s = off.stats()
     assert s["host_bytes_held"] == need and s["host_trims"] >= 1
     assert ramstream.memory_stats()["bytes_pinned"] < pinned_big  # some went back to the driver
@@ -482,16 +489,8 @@ def test_pinned_pool_gives_memory_back_after_a_large_batch():
 def test_pinned_pool_large_batch_reaches_the_driver_in_full():
     model = _model(layers=3)
     off = _offloader(model)
-    for i in range(3):
-        _grads(model, *_data(b=2, seed=40 + i), False)
-    need = off.stats()["host_bytes_held"]
-    torch.cuda.synchronize()
-    _grads(model, *_data(b=32, seed=50), False)
-    big = off.stats()["host_bytes_held"]
-    pinned_big = ramstream.memory_stats()["bytes_pinned"]
-    for i in range(3):
-        _grads(model, *_data(b=2, seed=60 + i), False)
     try:  # the large batch's pinned memory went back to the driver, not just to the arena's cache
+        need, big, pinned_big = _large_batch_then_small(model, off)
         assert ramstream.memory_stats()["bytes_pinned"] <= pinned_big - 0.5 * (big - need)
     finally:
         off.detach()

@@ -19,27 +19,11 @@ import statistics
 import pytest
 import torch
 
+from _nf4 import NF4_TABLE
+
 SCALE = float(os.environ.get("RAMSTREAM_BENCH_SCALE", "1"))
 N = int(16 * 2**20 * SCALE) // 1024 * 1024  # a multiple of every block size used
 REPEATS = int(os.environ.get("RAMSTREAM_BENCH_REPEATS", "20"))
-NF4_TABLE = [
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-]
 
 
 def _gpu_ready() -> tuple[bool, str]:

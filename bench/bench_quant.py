@@ -15,30 +15,13 @@ import torch
 import ramstream.functional as rf
 from ramstream._native import lib
 
+from _nf4 import NF4_TABLE
+
 N = int(float(os.environ.get("RAMSTREAM_BENCH_ELEMS", 64 * 2**20)))
 ROUNDS = int(os.environ.get("RAMSTREAM_BENCH_ROUNDS", 5))
 BLOCK = 64
 
-NF4_CODE = torch.tensor(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ]
-)
+NF4_CODE = torch.tensor(NF4_TABLE)
 NF4_MID = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
 
 

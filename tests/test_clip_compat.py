@@ -58,7 +58,7 @@ CLIPS = {
 
 @pytest.fixture
 def roomy(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0})
+    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 @pytest.mark.parametrize("how", list(CLIPS))

@@ -159,7 +159,7 @@ def test_every_point_is_covered_and_unarmed_points_are_free():
 
 @pytest.fixture
 def roomy(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0})
+    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 def test_oom_in_the_resident_switch_keeps_offloading(roomy):

@@ -24,7 +24,7 @@ LR = 3e-3
 def roomy(monkeypatch):
     """Pretend the (CPU) device has memory to spare, so the CPU engine takes the switch (optim.py
     looks device_memory up in the module when it decides: the patch takes effect)."""
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0})
+    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 def _groups(model):
@@ -118,12 +118,12 @@ def test_bf16_moments_after_switch_against_torch_fp32_moments(roomy):
 
 
 def test_no_switch_when_it_does_not_fit_or_offload_true(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 10, "peak": 0})
+    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 10, "peak": 0, "now": 0})
     model, opt = ramstream.wrap(make_model(0), lr=1e-3)
     train_torch(model, opt, batches(3))
     assert not opt.resident
     assert any("keep offloading" in e for e in ramstream.memory_report(model)["events"])
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0})
+    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
     model, opt = ramstream.wrap(make_model(0), lr=1e-3, offload=True)
     train_torch(model, opt, batches(3))
     assert not opt.resident
@@ -423,3 +423,25 @@ def test_zero_grad_between_backward_and_step_after_switch_skips_the_batch(roomy)
         train_torch(model, opt, data[3:])
         runs.append(model)
     assert _same(runs[0].parameters(), runs[1].parameters())
+
+
+def test_resident_peak_reuses_the_offloaded_runs_transient_memory_for_gradients():
+    """The 6.85B GPT case (issue 10): an fp32 model whose offloaded run peaked at 58 GiB with 25.5
+    GiB between steps must be predicted to fit resident on a 140 GiB device."""
+    from types import SimpleNamespace
+
+    from ramstream.engine.resident import resident_peak
+
+    g = 2**30
+    numel = 6_850_000_000
+    b = SimpleNamespace(numel=numel, dtype=torch.float32, exp_avg=torch.empty(0, dtype=torch.float32))
+    mem = {"now": int(25.5 * g), "peak": 58 * g, "usable": 140 * g}
+    peak, text = resident_peak(SimpleNamespace(buckets=[b]), mem)
+    state, grads, transient = 8 * numel, 4 * numel, 58 * g - int(25.5 * g)
+    assert peak == int(25.5 * g) + state + max(transient, grads) + min(transient, grads) // 4
+    assert peak < 0.9 * 140 * g
+    assert f"{state / g:.2f}" in text
+    # a bf16 model: fp32 master joins the persistent state, an fp32 gradient copy the gradients
+    b16 = SimpleNamespace(numel=1000, dtype=torch.bfloat16, exp_avg=torch.empty(0, dtype=torch.bfloat16))
+    p16, _ = resident_peak(SimpleNamespace(buckets=[b16]), {"now": 0, "peak": 0})
+    assert p16 == (2 * 1000 * 2 + 1000 * 4) + (1000 * 2 + 1000 * 4)

@@ -106,6 +106,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         eager_updates: bool = True,
         _order=None,
         _log=None,
+        _streamed=None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
@@ -189,6 +190,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             seed=seed,
             log=_log,
             eager_updates=eager_updates,
+            streamed=_streamed,
         )
         self._had_grads = False
         from .clipping import register
@@ -438,7 +440,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._resident is not None
 
     def _maybe_go_resident(self) -> None:
-        from .engine.resident import Resident, device_memory, resident_bytes
+        from .engine.resident import Resident, device_memory, resident_peak
 
         mem = device_memory(self._engine.device)
         if mem is None:
@@ -446,14 +448,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._engine.dp is not None:
             self._log("offload=auto: data parallel keeps offloading (no resident switch)")
             return
-        need = resident_bytes(self._engine)
-        room = mem["usable"] * (1 - self.vram_headroom) - mem["peak"]
-        verdict = need <= room
+        if self._engine.streamed:
+            self._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
+            return
+        peak, text = resident_peak(self._engine, mem)
+        room = mem["usable"] * (1 - self.vram_headroom)
+        verdict = peak <= room
         self._log(
-            f"offload=auto after {SWITCH_AFTER_STEPS} steps: resident state needs "
-            f"{need / 2**30:.2f} GiB; usable {mem['usable'] / 2**30:.2f} GiB x "
-            f"(1 - {self.vram_headroom:g}) - peak {mem['peak'] / 2**30:.2f} GiB = "
-            f"{room / 2**30:.2f} GiB free -> "
+            f"offload=auto after {SWITCH_AFTER_STEPS} steps: a resident run would peak at {text}; "
+            f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {self.vram_headroom:g}) = "
+            f"{room / 2**30:.2f} GiB -> "
             + ("switching to fused AdamW on the device" if verdict else "keep offloading")
         )
         if verdict:

@@ -101,6 +101,10 @@ class WrapOptions:
     min_offload_bytes: int = 1 << 20
     max_activation_slowdown: float = 0.15
     blocks: Any = None
+    param_offload: Any = "auto"
+    weight_window: int = 1
+    check_memory: bool = True
+    profile: bool = True
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -123,7 +127,10 @@ class WrapOptions:
         o.device = parse_device(o.device)
         if not any(o.distributed is v for v in (None, True, False)):  # 1 == True: not accepted
             raise _fail("distributed", o.distributed, "None (auto), True, False")
-        for name in ("guard_params", "verbose", "eager_updates"):
+        from .weights.setup import parse_param_offload
+
+        o.param_offload = parse_param_offload(o.param_offload)
+        for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile"):
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")
         o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)
@@ -147,7 +154,7 @@ class WrapOptions:
         ):
             raise _fail("max_inflight_bytes", o.max_inflight_bytes, "None or an integer >= 1 MiB")
         o.activation_offload = parse_activation_offload(o.activation_offload)
-        for name, lo in (("prefetch_depth", 1), ("min_offload_bytes", 0)):
+        for name, lo in (("prefetch_depth", 1), ("min_offload_bytes", 0), ("weight_window", 1)):
             v = getattr(o, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise _fail(name, v, f"an integer >= {lo}")

@@ -11,6 +11,7 @@ from .hardware import host_memory
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog
+from .weights.setup import build_streamer, choose_streamed, move_resident, streamed_ids
 
 
 class _Wrapped:
@@ -25,6 +26,7 @@ class _Wrapped:
         self.orig_apply = None
         self.plan: dict = {}
         self.activations = None
+        self.streamer = None
 
 
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -66,8 +68,26 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
     )
 
 
-def _bytes_to_move(model: torch.nn.Module, device: torch.device) -> int:
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool, log):
+    """(blocks, streamed block indices, {id(param): block}) for param_offload."""
+    if opts.param_offload is False or (use_dp and opts.param_offload == "auto"):
+        return [], [], {}
+    from .activations.blocks import find_blocks
+
+    try:
+        blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    except ValueError:
+        if opts.param_offload == "auto":
+            return [], [], {}
+        raise
+    if use_dp:
+        raise ValueError("wrap(): param_offload (streamed weights) does not support data parallel yet")
+    idx = choose_streamed(model, blocks, opts.param_offload, device, opts.vram_headroom, log)
+    return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
+
+
+def _bytes_to_move(model: torch.nn.Module, device: torch.device, skip=()) -> int:
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.device != device)
 
 
@@ -96,7 +116,7 @@ def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
         f"process may allocate {mem['free'] / gib:.2f} GiB more there (cap {mem['cap'] / gib:.2f} "
         f"of {mem['total'] / gib:.2f} GiB, {mem['reserved'] / gib:.2f} GiB already reserved). "
         "Optimizer state and gradients live in host RAM, but the weights must fit on the device "
-        "(weight paging is not available yet): train in bf16 (model.bfloat16(); the fp32 masters "
+        "unless they stream: pass param_offload=True (blocks' weights stream from pinned host memory), train in bf16 (model.bfloat16(); the fp32 masters "
         "stay in host RAM, half the device bytes), or use a smaller model or a larger GPU"
     )
 
@@ -195,6 +215,8 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
     def _apply(self, fn, *args, **kwargs):
         before = _param_kinds(self)
         opt._before_apply()
+        if w.streamer is not None:
+            return w.streamer.apply(self, fn, lambda: type(self)._apply(self, fn, *args, **kwargs))
         out = type(self)._apply(self, fn, *args, **kwargs)
         opt._after_apply(self)
         _log_rebuilt(before, _param_kinds(self), log)
@@ -229,14 +251,15 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         device = devices.pop()
     if device.type == "cuda":
         _check_cuda_device(device, opts.optimizer_mode)
-    if any(d != device for d in {p.device for p in model.parameters()}):
-        if device.type == "cuda":
+    use_dp = _use_data_parallel(opts.distributed)
+    blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log)
+    if any(p.device != device for p in model.parameters() if id(p) not in streamed):
+        if device.type == "cuda" and opts.check_memory:
             from .hardware import gpu_memory
 
-            check_weights_fit(_bytes_to_move(model, device), gpu_memory(device), device)
-        log(f"moving the model to {device}")
-        model.to(device)
-    use_dp = _use_data_parallel(opts.distributed)
+            check_weights_fit(_bytes_to_move(model, device, streamed), gpu_memory(device), device)
+        log(f"moving the model to {device}" + (" (streamed blocks stay in host memory)" if streamed else ""))
+        move_resident(model, device, streamed)
     if use_dp:
         from .engine.distributed import broadcast_model
 
@@ -278,12 +301,20 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         eager_updates=opts.eager_updates,
         _order=_forward_order(model),
         _log=log,
+        _streamed=streamed,
     )
     if old_state is not None:
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")
-    attach_model(model, opt, opts, log)
+    w = attach_model(model, opt, opts, log)
     engine = opt._engine
+    if stream_idx:
+        w.streamer = build_streamer(blocks, stream_idx, streamed, engine, opts.weight_window, log)
+        engine.on_abandon.append(w.streamer.evict_all)
+        w.plan["weights"] = {
+            "streamed": stream_idx,
+            "resident": [i for i in range(len(blocks)) if i not in set(stream_idx)],
+        }
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
     log(
@@ -302,6 +333,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if w is None:
         raise ValueError("unwrap(): this model is not wrapped by ramstream")
     w.optimizer.close()
+    if w.streamer is not None:
+        w.streamer.close()  # streamed weights stay in (pinned) host memory
     if w.activations is not None:
         w.activations.close()
     for h in w.handles:
@@ -337,7 +370,9 @@ def memory_report(model: torch.nn.Module) -> dict:
             "buckets": len(e.buckets),
             "bucket_numel": [b.numel for b in e.buckets],
             "paged_blocks": w.activations.off.paged if w.activations is not None else [],
-            "loads": 0,  # weights paged in from host RAM: no weight paging yet
+            "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,  # block weight loads
+            "streamed_blocks": [b.index for b in w.streamer.blocks] if w.streamer is not None else [],
+            "stream": dict(w.streamer.stats) if w.streamer is not None else {},
             "quantize": None,
         },
         "activations": {

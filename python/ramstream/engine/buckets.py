@@ -29,6 +29,7 @@ class Slot:
     direct: bool = True  # its gradient is copied to the host on its own (large slot) pass
     expected: bool = True  # a gradient is expected in every backward pass
     updated: bool = False  # its update for the current step is queued
+    streamed: bool = False  # its weights live in pinned host memory (weights/)
     engine_wait: object = None  # Engine.wait_bucket (held weakly), for the read guard
 
     @property
@@ -52,6 +53,8 @@ class Bucket:
     exp_avg_sq: torch.Tensor | None = None
     landing: torch.Tensor | None = None  # pinned, working dtype: gradients in, weights out
     acc: torch.Tensor | None = None  # fp32 host sum of micro-batches (accumulation only)
+    streamed: bool = False  # its weights live in `slab.home`, on the device only while used
+    slab: object = None  # weights.slab.Slab of a streamed bucket
     # per-step bookkeeping
     micro_list: list = field(default_factory=list)  # arrived, not yet queued
     pending_landing_checked: bool = False

@@ -48,7 +48,10 @@ class Engine:
         max_inflight_bytes: int | None = None,
         distributed: bool = False,
         eager_updates: bool = True,
+        streamed: dict | None = None,
     ) -> None:
+        """streamed: {id(parameter): block index} of the parameters whose weights live in
+        pinned host memory and visit the device only while their block runs (weights/)."""
         self.param_groups = param_groups
         self.eager_updates = eager_updates
         self.device = device
@@ -62,9 +65,19 @@ class Engine:
         if mapped_fraction > 0 and self.dev.type != "cuda":
             raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
         self.slots, self.frozen = self._make_slots(param_groups, order)
+        self.streamed = dict(streamed or {})
+        if self.streamed and distributed:
+            raise ValueError("ramstream: param_offload (streamed weights) does not support data parallel yet")
         for s in self.slots:
-            self.check_param(s.param)
+            s.streamed = id(s.param) in self.streamed
+            if not s.streamed:
+                self.check_param(s.param)
         self.buckets = self._make_buckets(bucket_bytes)
+        self.copier = None
+        if any(s.streamed for s in self.slots):
+            from ..weights.slab import make_copier
+
+            self.copier = make_copier(device)
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
         weakref.finalize(self, self.worker.stop)  # a dropped optimizer does not leak its thread
         self.parallel = make_strategy(
@@ -78,6 +91,7 @@ class Engine:
         mapped = 0
         for b in self.buckets:  # the first buckets in forward order go to the GPU kernel
             use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
+            use_gpu = use_gpu and not b.streamed  # streamed weights are updated on the host
             layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
@@ -193,8 +207,9 @@ class Engine:
     def _make_buckets(self, bucket_bytes: int) -> list[Bucket]:
         out: list[Bucket] = []
         run: list[Slot] = []
-        for s in self.slots:  # a bucket holds one working dtype
-            if run and s.param.dtype != run[-1].param.dtype:
+        block = lambda s: self.streamed.get(id(s.param))  # noqa: E731
+        for s in self.slots:  # a bucket holds one working dtype, and one streamed block or none
+            if run and (s.param.dtype != run[-1].param.dtype or block(s) != block(run[-1])):
                 out += build_buckets(run, bucket_bytes, run[0].param.element_size())
                 run = []
             run.append(s)
@@ -202,6 +217,7 @@ class Engine:
             out += build_buckets(run, bucket_bytes, run[0].param.element_size())
         offset = 0
         for i, b in enumerate(out):
+            b.streamed = block(b.slots[0]) is not None
             b.index, b.state_offset = i, offset
             offset += b.numel
         return out
@@ -234,7 +250,8 @@ class Engine:
         fault_point("step.begin")
         self.updater.raise_if_failed()
         for s in self.slots:
-            self.check_param(s.param)
+            if not s.streamed:
+                self.check_param(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:

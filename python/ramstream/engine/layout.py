@@ -21,6 +21,9 @@ def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
     dev = engine.dev
     b.placement = placement
     b.dtype, b.device = b.slots[0].param.dtype, engine.device
+    if b.streamed:
+        _allocate_streamed(engine, b, owned)
+        return
     b.device_flat = torch.zeros(b.numel, dtype=b.dtype, device=engine.device)
     for s in b.slots:
         b.device_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
@@ -44,6 +47,29 @@ def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
     else:
         raise ValueError(f"unknown placement {placement!r}")
     dev.synchronize()
+
+
+def _allocate_streamed(engine, b: Bucket, owned: bool) -> None:
+    """A streamed bucket: its weights at home in a pinned slab (weights/slab.py, its device
+    storage released until its block runs), fp32 master and moments on the host; the host
+    AdamW writes the new weights into the slab's home."""
+    from ..weights.slab import Slab
+
+    if b.placement != "host" or not owned:
+        raise ValueError("ramstream: a streamed bucket is updated on the host by its owner")
+    params = [s.param for s in b.slots]
+    b.slab = Slab(params, [s.offset for s in b.slots], b.numel, copier=engine.copier)
+    b.device_flat = b.slab.flat
+    b.master = b.slab.home.to(torch.float32, copy=True)
+    b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype)
+    b.exp_avg_sq = torch.zeros(b.numel, dtype=engine.moment_dtype)
+    b.landing = engine.dev.host_buffer(b.numel, b.dtype)
+    b.acc = torch.empty(b.numel, dtype=torch.float32) if engine.accumulation_steps > 1 else None
+
+
+def weights_flat(b: Bucket) -> torch.Tensor:
+    """The flat working-dtype weights of a bucket: a streamed bucket's are at home in its slab."""
+    return b.slab.home if b.streamed else b.device_flat
 
 
 def master_flat(b: Bucket) -> torch.Tensor:
@@ -140,6 +166,11 @@ def adopt_loaded(engine, model: torch.nn.Module) -> None:
         value = p.detach().reshape(-1)
         engine.replace_param(s, p)
         b, sl = s.bucket, slice(s.offset, s.offset + s.numel)
+        if b.streamed:
+            raise RuntimeError(
+                "ramstream: load_state_dict(assign=True) into streamed blocks is not supported; "
+                "load without assign=True"
+            )
         b.device_flat[sl].copy_(value)
         if b.master is not None:
             b.master[sl].copy_(value)
@@ -160,13 +191,12 @@ def resync_masters(engine, loaded: dict | None = None) -> None:
         for s in b.slots:
             sl = slice(s.offset, s.offset + s.numel)
             v = loaded.get(s)
-            if v is not None and torch.equal(
-                b.device_flat[sl], v.reshape(-1).to(b.device_flat.device, b.dtype)
-            ):
+            w = weights_flat(b)
+            if v is not None and torch.equal(w[sl], v.reshape(-1).to(w.device, b.dtype)):
                 b.master[sl].copy_(v.reshape(-1))
                 changed += 1
-            elif not torch.equal(b.device_flat[sl], b.master[sl].to(b.device_flat.device, b.dtype)):
-                b.master[sl].copy_(b.device_flat[sl])
+            elif not torch.equal(w[sl], b.master[sl].to(w.device, b.dtype)):
+                b.master[sl].copy_(w[sl])
                 changed += 1
         if changed:
             engine.log(

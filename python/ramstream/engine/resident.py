@@ -33,18 +33,43 @@ def device_memory(device: torch.device) -> dict | None:
     from ..hardware import gpu_memory
 
     m = gpu_memory(device)
-    return {"usable": m["cap"], "peak": torch.cuda.max_memory_allocated(device)}
+    return {
+        "usable": m["cap"],
+        "peak": torch.cuda.max_memory_allocated(device),
+        "now": torch.cuda.memory_allocated(device),
+    }
 
 
-def resident_bytes(engine) -> int:
-    """Device bytes the resident update needs beyond what the offloaded run holds: moments,
-    gradients kept on the device, and fp32 masters of low-precision buckets."""
-    total = 0
+def resident_split(engine) -> tuple[int, int]:
+    """(persistent, gradients): device bytes the resident update adds for good (moments, fp32
+    masters of low-precision buckets) and the gradients it keeps on the device during backward
+    (with their fp32 copies for low-precision buckets)."""
+    persistent = grads = 0
     for b in engine.buckets:
-        total += 2 * b.numel * b.exp_avg.element_size() + b.numel * b.dtype.itemsize
+        persistent += 2 * b.numel * b.exp_avg.element_size()
+        grads += b.numel * b.dtype.itemsize
         if b.dtype != torch.float32:
-            total += b.numel * 4 * 2  # fp32 master + its fp32 gradient
-    return total
+            persistent += b.numel * 4
+            grads += b.numel * 4
+    return persistent, grads
+
+
+def resident_peak(engine, mem: dict) -> tuple[int, str]:
+    """The device peak a resident run is expected to reach, and the arithmetic as text.
+
+    The offloaded run's transient memory (peak - allocated between steps: activations, gradients in
+    flight) is what backward frees as the resident gradients appear: the resident peak is the
+    memory between steps + the persistent state + the larger of that transient and the gradients,
+    + a quarter of the smaller (activations and gradients overlap part-way through backward)."""
+    persistent, grads = resident_split(engine)
+    transient = max(0, mem["peak"] - mem["now"])
+    peak = mem["now"] + persistent + max(transient, grads) + min(transient, grads) // 4
+    g = 2**30
+    text = (
+        f"between steps {mem['now'] / g:.2f} + state {persistent / g:.2f} + max(transient "
+        f"{transient / g:.2f}, gradients {grads / g:.2f}) + 1/4 of the smaller = {peak / g:.2f} GiB"
+    )
+    return peak, text
 
 
 class Resident:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .layout import weights_flat
+
 
 def _slot_tensors(opt, s, gathered=None) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
     """(step, exp_avg view, exp_avg_sq view) of a slot, wherever they live (None: another
@@ -99,7 +101,7 @@ def _set_master(opt, s, master: torch.Tensor) -> bool:
         weight = s.param.detach().reshape(-1)
     else:
         b, sl = s.bucket, slice(s.offset, s.offset + s.numel)
-        m, weight = b.master, b.device_flat[sl]  # no b.master: the weights are the master
+        m, weight = b.master, weights_flat(b)[sl]  # no b.master: the weights are the master
         m = m[sl] if m is not None else None
     if not torch.equal(weight, src.to(weight.device, weight.dtype)):
         return False

@@ -121,7 +121,10 @@ class Updater:
     def _update_and_send(self, b, pieces, hypers, grad_scale: float, accumulate: bool) -> None:
         """Engine thread: AdamW on a host bucket's pieces, then the new weights to the device."""
         t0 = time.perf_counter()
-        out = b.device_flat if self.dev.type == "cpu" else b.landing
+        if b.streamed:
+            out = b.slab.home  # the next load of its block copies it to the device
+        else:
+            out = b.device_flat if self.dev.type == "cpu" else b.landing
         ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
         self.stats["host_update_s"] += time.perf_counter() - t0
         self.weights.send(b, ranges)

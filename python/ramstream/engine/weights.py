@@ -37,6 +37,9 @@ class WeightReturn:
         """Engine thread, after the host AdamW wrote b's new weights (into the landing buffer on
         a GPU, the device buffer itself on the CPU): H2D of the updated ranges; b.h2d_event marks
         their arrival (and the moment the landing buffer may take gradients again)."""
+        if b.streamed:  # the weights are in the slab's home: its block's next load copies them
+            b.h2d_event = None
+            return
         if self.dev.type != "cpu":
             for start, n in ranges:
                 self.dev.weights_to_device(b.device_flat[start : start + n], b.landing[start : start + n])

@@ -1,0 +1,148 @@
+"""wrap(param_offload=...): which blocks stream their weights, and wiring the streamer into a
+wrapped model (policy here; the mechanism is slab.py and streamer.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from .slab import make_copier
+from .streamer import Block, WeightStreamer, frozen_slabs
+
+GIB = 2**30
+
+
+def parse_param_offload(value):
+    """ "auto", True, False, a fraction in [0, 1] of the block stack, or a list of block indices."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1:
+        return float(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return sorted(set(value))
+    raise ValueError(
+        f"wrap(): option param_offload={value!r} is not accepted; accepted: 'auto', True, False, "
+        "a fraction in [0, 1], or a list of block indices"
+    )
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def block_params(blocks) -> list[list[torch.nn.Parameter]]:
+    return [list(dict.fromkeys(b.parameters())) for b in blocks]
+
+
+def choose_streamed(model, blocks, option, device: torch.device, headroom: float, log) -> list[int]:
+    """The indices of the blocks whose weights stream, for param_offload=`option`.
+
+    "auto" streams nothing when every weight fits in half of what the process may still take on
+    the device (the rest is for activations, gradients in flight and the optimizer's share);
+    otherwise the fewest blocks, from the front of the stack, whose streaming brings the
+    resident weights under that half. (The planner refines this from measurements.)
+    """
+    n = len(blocks)
+    if option is False or n == 0:
+        return []
+    if option is True:
+        return list(range(n))
+    if isinstance(option, float):
+        return list(range(min(n, int(math.floor(option * n + 0.5 + 1e-9)))))
+    if isinstance(option, list):
+        bad = [i for i in option if not 0 <= i < n]
+        if bad:
+            raise ValueError(
+                f"wrap(): option param_offload={option!r}: block indices {bad} out of range; the "
+                f"model has {n} blocks (0 to {n - 1})"
+            )
+        return option
+    if device.type != "cuda":
+        return []  # "auto" on the CPU: nothing to save
+    from ..hardware import gpu_memory
+
+    mem = gpu_memory(device)
+    on_device = _nbytes(p for p in model.parameters() if p.device == device)
+    room = (mem["free"] + on_device) * (1 - headroom) / 2
+    per_block = [_nbytes(ps) for ps in block_params(blocks)]
+    total = _nbytes(model.parameters())
+    k, resident = 0, total
+    while resident > room and k < n:
+        resident -= per_block[k]
+        k += 1
+    if k:
+        log(
+            f"param_offload=auto: weights {total / GIB:.2f} GiB > half of the "
+            f"{2 * room / GIB:.2f} GiB the process may use on {device} (after "
+            f"{headroom:.0%} headroom): streaming blocks 0-{k - 1} of {n} "
+            f"({(total - resident) / GIB:.2f} GiB in pinned host memory)"
+        )
+    return list(range(k))
+
+
+def streamed_ids(model, blocks, indices: list[int], log) -> dict[int, int]:
+    """{id(parameter): block index} for the parameters of the streamed blocks; a parameter also
+    used outside its block (tied weights) stays resident."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    inside = Counter()
+    per_block = block_params(blocks)
+    for k in indices:
+        for _, p in blocks[k].named_parameters(remove_duplicate=False):
+            inside[id(p)] += 1
+    out, shared = {}, 0
+    for k in indices:
+        for p in per_block[k]:
+            if uses[id(p)] > inside[id(p)]:
+                shared += 1
+                continue
+            out[id(p)] = k
+    if shared:
+        log(f"param_offload: {shared} parameters of streamed blocks are shared with other modules: resident")
+    return out
+
+
+def move_resident(model, device: torch.device, streamed: dict) -> None:
+    """Moves every parameter not streamed, and every buffer, to `device`; streamed ones stay
+    where they are (their slabs take them)."""
+    with torch.no_grad():
+        for m in model.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None and id(p) not in streamed and p.device != device:
+                    p.data = p.data.to(device)
+            for name, buf in list(m._buffers.items()):
+                if buf is not None and buf.device != device:
+                    m._buffers[name] = buf.to(device)
+
+
+def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: int, log) -> WeightStreamer:
+    """The streamer over the streamed blocks: the engine's slabs of trained parameters, and slabs
+    made here for the frozen ones."""
+    copier = engine.copier or make_copier(engine.device)
+    engine.copier = copier
+    by_block: dict[int, list] = {k: [] for k in indices}
+    for b in engine.buckets:
+        if b.streamed:
+            by_block[streamed[id(b.slots[0].param)]].append(b)
+    out = []
+    for k in indices:
+        trained = by_block[k]
+        skip = {id(s.param) for b in trained for s in b.slots}
+        skip |= {pid for pid, blk in streamed.items() if blk != k}
+        slabs = [b.slab for b in trained] + frozen_slabs(blocks[k], skip | _not_streamed(blocks[k], streamed), copier)
+        ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
+        out.append(Block(k, blocks[k], slabs, ready))
+    st = WeightStreamer(out, copier=copier, window=window, log=log)
+    nbytes = sum(b.nbytes for b in out)
+    log(
+        f"param_offload: {len(out)} of {len(blocks)} blocks streamed ({nbytes / GIB:.2f} GiB of weights "
+        f"in pinned host memory, window {window})"
+    )
+    return st
+
+
+def _not_streamed(module, streamed: dict) -> set:
+    return {id(p) for p in module.parameters() if id(p) not in streamed}

@@ -1,0 +1,214 @@
+"""The weight streamer: streamed blocks' weights visit the device only while the block runs.
+
+One component for every front end (wrap(param_offload=...), later OffloadModel). A streamed
+block's weights are slabs (slab.py) at home in pinned host memory. The streamer:
+
+  forward   block i's pre-hook loads block i if needed and waits (GPU-side) for its copy, and
+            prefetches the next `window` streamed blocks on the copy stream; the post-hook
+            evicts block i (except the last `window` blocks of a forward that will be followed
+            by a backward: they are the first ones backward needs).
+  backward  a hook on block i's output gradient reloads block i before its backward runs (a
+            no-op when prefetched) and prefetches the `window` blocks before it; a hook on block
+            i's input gradient evicts it once its backward is done; the end of the backward pass
+            evicts whatever is still loaded.
+  recompute a forward that runs inside backward (activation checkpointing) neither prefetches
+            forward nor evicts: the backward hooks own the window then.
+
+Trained parameters' updates are written by the host optimizer into the slab's home copy; a load
+first waits (`ready`, the engine's bucket wait) for the update of the buckets it reads.
+Frozen parameters (a LoRA base) never change: their slabs are built here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .slab import Slab, make_copier
+
+
+class Block:
+    """One streamed block: its slabs, and what its loads wait for."""
+
+    def __init__(self, index: int, module: torch.nn.Module, slabs: list, ready: list) -> None:
+        self.index, self.module, self.slabs = index, module, slabs
+        self.ready = ready  # callables: block until the slab's home holds the current weights
+        self.nbytes = sum(s.nbytes for s in slabs)
+
+    @property
+    def loaded(self) -> bool:
+        return any(s.loaded for s in self.slabs)
+
+
+def _first_grad_tensor(x):
+    """The first tensor requiring grad in x (a tensor, or a tuple/list/dict of them)."""
+    if torch.is_tensor(x):
+        return x if x.requires_grad else None
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_grad_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(x, dict):
+        return _first_grad_tensor(list(x.values()))
+    return None
+
+
+def frozen_slabs(module: torch.nn.Module, skip: set, copier) -> list[Slab]:
+    """Slabs for the parameters of `module` whose ids are not in `skip` (one per dtype)."""
+    by_dtype: dict = {}
+    for p in dict.fromkeys(module.parameters()):
+        if id(p) not in skip and p.numel() > 0:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    out = []
+    for params in by_dtype.values():
+        align = max(1, 512 // params[0].element_size())
+        offsets, off = [], 0
+        for p in params:
+            offsets.append(off)
+            off = (off + p.numel() + align - 1) // align * align
+        out.append(Slab(params, offsets, off, copier=copier))
+    return out
+
+
+class WeightStreamer:
+    """Streams the weights of `blocks` (Block objects, in forward order) through the device."""
+
+    def __init__(self, blocks: list[Block], *, copier, window: int = 1, log=None) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"WeightStreamer: window must be an int >= 1, got {window!r}")
+        self.blocks = blocks
+        self.copier = copier
+        self.window = window
+        self.log = log or (lambda msg: None)
+        self.stats = {"loads": 0, "bytes_h2d": 0, "stream_wait_s": 0.0, "evictions": 0, "peak_loaded_bytes": 0}
+        self._task = None  # the backward pass whose end callback is queued
+        self._handles: list = []
+        for k, blk in enumerate(blocks):
+            m = blk.module
+            self._handles.append(m.register_forward_pre_hook(lambda mod, args, k=k: self._pre_forward(k, args)))
+            self._handles.append(
+                m.register_forward_hook(lambda mod, args, out, k=k: self._post_forward(k, out))
+            )
+
+    # ---- mechanism ------------------------------------------------------------------------------
+    def _load(self, k: int) -> None:
+        blk = self.blocks[k]
+        if all(s.loaded for s in blk.slabs):
+            return
+        t0 = time.perf_counter()
+        for r in blk.ready:
+            r()
+        self.stats["stream_wait_s"] += time.perf_counter() - t0
+        for s in blk.slabs:
+            if not s.loaded:
+                s.load()
+                self.stats["bytes_h2d"] += s.nbytes
+        self.stats["loads"] += 1
+        loaded = sum(b.nbytes for b in self.blocks if b.loaded)
+        self.stats["peak_loaded_bytes"] = max(self.stats["peak_loaded_bytes"], loaded)
+
+    def _use(self, k: int) -> None:
+        """Block k is about to run: loaded, and the current stream waits for its copies."""
+        self._load(k)
+        for s in self.blocks[k].slabs:
+            s.wait()
+
+    def _evict(self, k: int) -> None:
+        blk = self.blocks[k]
+        if blk.loaded:
+            for s in blk.slabs:
+                s.evict()
+            self.stats["evictions"] += 1
+
+    def loaded_bytes(self) -> int:
+        return sum(s.device_bytes() for b in self.blocks for s in b.slabs)
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, k: int, args) -> None:
+        self._use(k)
+        if self._in_backward():
+            return  # a recompute inside backward
+        keep = set(range(k, min(len(self.blocks), k + 1 + self.window)))
+        for j in range(len(self.blocks)):
+            if j not in keep:
+                self._evict(j)
+        for j in sorted(keep - {k}):
+            self._load(j)
+        x = _first_grad_tensor(args)
+        if x is not None:
+            x.register_hook(lambda g, k=k: self._input_grad(k))
+
+    def _post_forward(self, k: int, out) -> None:
+        if self._in_backward():
+            return
+        y = _first_grad_tensor(out)
+        if y is not None:
+            y.register_hook(lambda g, k=k: self._output_grad(k))
+            if k >= len(self.blocks) - self.window:
+                return  # backward starts with it
+        self._evict(k)
+
+    def _output_grad(self, k: int) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        nxt = k + 1  # the block after k finished its backward: k's output gradient is complete
+        if nxt < len(self.blocks) and self.blocks[nxt].index == self.blocks[k].index + 1:
+            self._evict(nxt)
+        self._use(k)
+        for j in range(k - 1, max(-1, k - 1 - self.window), -1):
+            self._load(j)
+
+    def _input_grad(self, k: int) -> None:
+        self._evict(k)
+
+    def _end_backward(self) -> None:
+        self._task = None
+        for j in range(len(self.blocks)):
+            self._evict(j)
+
+    # ---- outside the step ---------------------------------------------------------------------
+    def evict_all(self) -> None:
+        """Every streamed weight back at home (after a failed pass, before a state dict)."""
+        self._task = None
+        for j in range(len(self.blocks)):
+            self._evict(j)
+
+    def apply(self, model, fn, run):
+        """model.to()/.cuda()/.half() on a model with streamed blocks: `run` (Module._apply) sees
+        empty stand-ins for the streamed weights, which stay at home; a conversion that would
+        change their dtype raises (convert the model before wrap())."""
+        self.evict_all()
+        self.copier.synchronize()
+        slabs = [s for b in self.blocks for s in b.slabs]
+        for s in slabs:
+            for p in s.params:
+                p.data = torch.empty(0, dtype=s.dtype)
+        try:
+            out = run()
+            changed = sorted({str(p.dtype) for s in slabs for p in s.params if p.dtype != s.dtype})
+        finally:
+            for s in slabs:
+                for p, v in zip(s.params, s.hviews):
+                    p.data = v
+        if changed:
+            raise RuntimeError(
+                f"ramstream: converting a model with streamed weights to {', '.join(changed)} is not "
+                "supported: convert the model before wrap() (or unwrap(), convert, wrap() again)"
+            )
+        return out
+
+    def close(self) -> None:
+        """Removes the hooks; the streamed parameters stay views of their pinned home copies."""
+        self.evict_all()
+        self.copier.synchronize()
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -85,6 +85,12 @@ VALID = {
     "min_offload_bytes": st.integers(0, 1 << 30),
     "max_activation_slowdown": st.floats(0, 10),
     "blocks": st.just(None),
+    "param_offload": st.one_of(
+        st.booleans(), st.just("auto"), st.floats(0, 1), st.lists(st.integers(0, 1), max_size=2)
+    ),
+    "weight_window": st.integers(1, 4),
+    "check_memory": st.booleans(),
+    "profile": st.booleans(),
 }
 
 

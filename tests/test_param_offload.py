@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ramstream
+
 from _models import Block, TinyGPT
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -20,9 +20,16 @@ def parse_param_offload(value):
         return value
     if isinstance(value, str) and value == "auto":
         return "auto"
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1:
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 1
+    ):
         return float(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
         return sorted(set(value))
     raise ValueError(
         f"wrap(): option param_offload={value!r} is not accepted; accepted: 'auto', True, False, "
@@ -110,7 +117,7 @@ def move_resident(model, device: torch.device, streamed: dict) -> None:
     where they are (their slabs take them)."""
     with torch.no_grad():
         for m in model.modules():
-            for name, p in list(m._parameters.items()):
+            for p in list(m._parameters.values()):
                 if p is not None and id(p) not in streamed and p.device != device:
                     p.data = p.data.to(device)
             for name, buf in list(m._buffers.items()):
@@ -132,7 +139,9 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
         trained = by_block[k]
         skip = {id(s.param) for b in trained for s in b.slots}
         skip |= {pid for pid, blk in streamed.items() if blk != k}
-        slabs = [b.slab for b in trained] + frozen_slabs(blocks[k], skip | _not_streamed(blocks[k], streamed), copier)
+        slabs = [b.slab for b in trained] + frozen_slabs(
+            blocks[k], skip | _not_streamed(blocks[k], streamed), copier
+        )
         ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
         out.append(Block(k, blocks[k], slabs, ready))
     st = WeightStreamer(out, copier=copier, window=window, log=log)

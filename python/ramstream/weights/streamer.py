@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .slab import Slab, make_copier
+from .slab import Slab
 
 
 class Block:
@@ -82,12 +82,20 @@ class WeightStreamer:
         self.copier = copier
         self.window = window
         self.log = log or (lambda msg: None)
-        self.stats = {"loads": 0, "bytes_h2d": 0, "stream_wait_s": 0.0, "evictions": 0, "peak_loaded_bytes": 0}
+        self.stats = {
+            "loads": 0,
+            "bytes_h2d": 0,
+            "stream_wait_s": 0.0,
+            "evictions": 0,
+            "peak_loaded_bytes": 0,
+        }
         self._task = None  # the backward pass whose end callback is queued
         self._handles: list = []
         for k, blk in enumerate(blocks):
             m = blk.module
-            self._handles.append(m.register_forward_pre_hook(lambda mod, args, k=k: self._pre_forward(k, args)))
+            self._handles.append(
+                m.register_forward_pre_hook(lambda mod, args, k=k: self._pre_forward(k, args))
+            )
             self._handles.append(
                 m.register_forward_hook(lambda mod, args, out, k=k: self._post_forward(k, out))
             )

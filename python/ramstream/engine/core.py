@@ -79,7 +79,10 @@ class Engine:
 
             self.copier = make_copier(device)
         self.worker = Worker("ramstream-engine", on_start=self.dev.bind_thread)
-        weakref.finalize(self, self.worker.stop)  # a dropped optimizer does not leak its thread
+        # a dropped optimizer does not leak its thread; at interpreter exit the queued jobs finish
+        # before finalization (a daemon thread inside a GIL-released kernel call when the
+        # interpreter finalizes is killed as it retakes the GIL: std::terminate, an abort)
+        weakref.finalize(self, self.worker.close)
         self.parallel = make_strategy(
             distributed,
             buckets=self.buckets,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
+#   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
 #   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RAMSTREAM_CUDA=ON RAMSTREAM_CUDA_ARCHS="${RAMSTREAM_CUDA_ARCHS:-90-real}"
@@ -76,6 +77,17 @@ for stage in $STAGES; do
           ${SAN_TESTS:-test_cuda_kernels.py test_cuda_adamw.py} > "$OUT/sanitize_$tool.log" 2>&1)
         summary "compute-sanitizer $tool rc=$?: $(grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ')"
       done ;;
+    stream)  # issue 10: weight streaming + planner, rows F,E,D8,A,C,B,D24 (STREAM_ROWS), one process
+             # per configuration, the whole stage bounded by STREAM_DEADLINE seconds
+      if ls .whl/*.whl > /dev/null 2>&1; then  # torchao for row A's baseline (no network there)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl > "$OUT/stream_pip.log" 2>&1 \
+          && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+      fi
+      timeout $(( ${STREAM_DEADLINE:-450} + 30 )) python3 bench/train/bench_stream.py \
+        --rows "${STREAM_ROWS:-F,E,D8,A,C,B,D24}" --deadline "${STREAM_DEADLINE:-450}" \
+        --out "$OUT/stream.json" ${STREAM_ARGS:-} > "$OUT/stream.log" 2>&1
+      summary "stream rc=$?"; sed -n '/^config /,$p' "$OUT/stream.log" | tee -a "$OUT/summary.txt" ;;
     dp)    # issue 5 (a machine with 2+ GPUs): scaling, 1/N host state, parity, identical replicas
       timeout 580 python3 bench/train/bench_dp.py --nproc "${NPROC:-2}" --model "${MODEL:-1.8b}" \
         --batch 8 --seq 512 --steps 10 --check --out "$OUT/dp.json" > "$OUT/dp.log" 2>&1

@@ -45,6 +45,7 @@ class GPT(nn.Module):
 
 
 CONFIGS = {
+    "6.85b": dict(vocab=50304, d=4096, layers=32, heads=32),
     "1.8b": dict(vocab=50304, d=2048, layers=32, heads=16),
     "350m": dict(vocab=50304, d=1024, layers=24, heads=16),
     "tiny": dict(vocab=512, d=128, layers=2, heads=4),

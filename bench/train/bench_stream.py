@@ -1,0 +1,638 @@
+"""Issue 10's table: weight streaming (param_offload) and the planner against stock torch, torchao's
+CPUOffloadOptimizer and ramstream's other modes, each configuration in a process of its own.
+
+Rows (--rows, in the order given; each row's baseline configuration is added when not selected):
+  F    1.8B GPT full FT, 4 GiB cap, param_offload=True; PCIe use of the weight stream (vs B_stock)
+  E    LoRA r16 on a Qwen2.5-14B shape, bf16 base, 24 GiB cap: stock, wrap() defaults,
+       param_offload=True
+  D8   LoRA r16 on a Qwen2.5-7B shape, 8 GiB cap: param_offload=True, without and with HF
+       gradient checkpointing (vs D24_stock_ckpt)
+  A    1.8B GPT full FT, 8x512, 24 GiB cap: stock fused AdamW, torchao CPUOffloadOptimizer
+       (baseline), wrap() defaults, chunked loss + optimizer_mode/activation_offload "auto"
+  C    6.85B GPT fp32, no cap: stock fused AdamW vs wrap() defaults (target: within 5%)
+  B    1.8B GPT, no cap: stock fused AdamW vs wrap() defaults (target: within 2%)
+  D24  LoRA r16 on the Qwen2.5-7B shape, 24 GiB cap: stock + HF checkpointing (baseline), wrap()
+       defaults, wrap() + HF checkpointing
+
+Each configuration reports s/step (median of --steps after --warmup), peak GiB
+(torch.cuda.max_memory_allocated over the whole process, and over the training steps only), host
+RSS, and for ramstream the per-step split from optimizer.stats() (host_update_s, wait_s,
+throttle_s, bytes_h2d, bytes_d2h, and bytes_h2d_weights / stream_wait_s when present) and
+memory_report(model)["params"] (loads, streamed_blocks when present) and ["plan"]. A configuration
+that runs out of memory (or that wrap() refuses with MemoryError) reports OOM; one whose option
+wrap() does not know (param_offload before it exists) reports N/A; a missing package (torchao,
+peft, transformers) SKIP; the next one runs in any case. --deadline bounds the whole run: a
+configuration that would start with too little time left is skipped.
+
+    python bench/train/bench_stream.py --rows F,E,D8,A,C,B,D24 --deadline 450 --out stream.json
+    python bench/train/bench_stream.py --tiny --device cpu          # every code path, seconds
+
+Models are built without their initialisation (meta device or transformers' no_init_weights) and
+filled cheaply (bench/train/bench_stream.py:fast_init_): on the GPU with normal_, on the CPU by
+tiling a small random pool (normal_ runs at ~0.5-1.5 GB/s per core on the CPU, a copy at ~25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+QWEN = {
+    "qwen7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    "qwen14b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
+    "qwen_tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+}
+GPT_MODELS = {"gpt1.8b": "1.8b", "gpt6.85b": "6.85b", "gpt_tiny": "tiny"}
+TINY = {"gpt1.8b": "gpt_tiny", "gpt6.85b": "gpt_tiny", "qwen7b": "qwen_tiny", "qwen14b": "qwen_tiny"}
+
+BEST = {"optimizer_mode": "auto", "activation_offload": "auto"}
+
+
+def _c(name, row, model, kind, cap, batch, **kw) -> dict:
+    """One configuration. kind: stock | torchao | ramstream; options: wrap()'s (ramstream);
+    build: where the model is built ("gpu": on the device under the cap, "cpu": in host RAM for
+    wrap() to place); baseline: the configuration its ratio is against; target: the largest
+    accepted ratio (None: reported only); expect: "oom" when running out of memory is the
+    expected outcome."""
+    c = dict(
+        name=name,
+        row=row,
+        model=model,
+        kind=kind,
+        cap_gib=cap,
+        batch=batch,
+        seq=512,
+        loss="dense",
+        options={},
+        ckpt=False,
+        build="gpu",
+        baseline=None,
+        target=None,
+        expect=None,
+        timeout=150,
+        warmup=None,
+        bandwidth=False,
+    )
+    c.update(kw)
+    return c
+
+
+STREAM = {"param_offload": True}
+# fmt: off
+CONFIGS = [
+    # F: weights streamed through a 4 GiB cap; the same model uncapped is B_stock
+    _c("F_stream4", "F", "gpt1.8b", "ramstream", 4, 8, options=STREAM, build="cpu",
+       baseline="B_stock", bandwidth=True, timeout=180),
+    # E: a 14B bf16 base (29.5 GB) under 24 GiB
+    _c("E_stock", "E", "qwen14b", "stock", 24, 4, expect="oom", timeout=90),
+    _c("E_defaults", "E", "qwen14b", "ramstream", 24, 4, build="cpu", timeout=200),
+    _c("E_stream", "E", "qwen14b", "ramstream", 24, 4, options=STREAM, build="cpu", timeout=240),
+    # D at 8 GiB: the 7B base streamed
+    _c("D8_stream", "D8", "qwen7b", "ramstream", 8, 4, options=STREAM, build="cpu",
+       baseline="D24_stock_ckpt", timeout=180),
+    _c("D8_stream_ckpt", "D8", "qwen7b", "ramstream", 8, 4, options=STREAM, ckpt=True,
+       build="cpu", baseline="D24_stock_ckpt", timeout=180),
+    # A: 1.8B full FT at 24 GiB; the target (no slower than torchao) is this script's assumption
+    _c("A_stock", "A", "gpt1.8b", "stock", 24, 8, expect="oom", timeout=90),
+    _c("A_torchao", "A", "gpt1.8b", "torchao", 24, 8, timeout=150),
+    _c("A_defaults", "A", "gpt1.8b", "ramstream", 24, 8, baseline="A_torchao", target=1.0),
+    _c("A_chunked_best", "A", "gpt1.8b", "ramstream", 24, 8, loss="chunked", options=BEST,
+       baseline="A_torchao", target=1.0),
+    # C: 6.85B fp32 uncapped (stock ~110 GiB); the resident switch comes after 2 steps: warmup 3
+    _c("C_stock", "C", "gpt6.85b", "stock", 0, 8, warmup=3, timeout=120),
+    _c("C_defaults", "C", "gpt6.85b", "ramstream", 0, 8, baseline="C_stock", target=1.05,
+       warmup=3, timeout=300),
+    # B: 1.8B uncapped
+    _c("B_stock", "B", "gpt1.8b", "stock", 0, 8, warmup=3, timeout=90),
+    _c("B_defaults", "B", "gpt1.8b", "ramstream", 0, 8, baseline="B_stock", target=1.02, warmup=3),
+    # D at 24 GiB: the 7B base resident
+    _c("D24_stock_ckpt", "D24", "qwen7b", "stock", 24, 4, ckpt=True, timeout=120),
+    _c("D24_defaults", "D24", "qwen7b", "ramstream", 24, 4, baseline="D24_stock_ckpt"),
+    _c("D24_ckpt", "D24", "qwen7b", "ramstream", 24, 4, ckpt=True, baseline="D24_stock_ckpt"),
+]
+# fmt: on
+BY_NAME = {c["name"]: c for c in CONFIGS}
+ROWS = list(dict.fromkeys(c["row"] for c in CONFIGS))
+DEFAULT_ROWS = "F,E,D8,A,C,B,D24"
+
+
+# ---- models -----------------------------------------------------------------------------------
+def fast_init_(model, std: float = 0.02, seed: int = 0) -> None:
+    """Fills every parameter in place, cheaply: matrices ~N(0, std) (on the CPU: a tiled random
+    pool at a random offset per tensor), 1-D "bias" zeros, other 1-D (norm weights) ones."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pools = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.zero_() if name.endswith("bias") else p.fill_(1.0)
+            elif p.device.type != "cpu":
+                p.normal_(0.0, std)
+            else:
+                key = p.dtype
+                if key not in pools:
+                    n = (1 << 22) + 17  # not a multiple of any row length: rows do not repeat
+                    pools[key] = (torch.randn(n, generator=gen) * std).to(p.dtype)
+                pool = pools[key]
+                flat, n, k = p.view(-1), p.numel(), pool.numel()
+                off = int(torch.randint(0, k, (1,), generator=gen))
+                s = 0
+                while s < n:
+                    m = min(k - off, n - s)
+                    flat[s : s + m].copy_(pool[off : off + m])
+                    s, off = s + m, 0
+
+
+def build_gpt(key: str, seq: int, dev):
+    import torch
+
+    sys.path.insert(0, HERE)
+    from gpt import CONFIGS as GPT_CONFIGS
+    from gpt import GPT
+
+    cfg = dict(GPT_CONFIGS[GPT_MODELS[key]], ctx=max(1024, seq))
+    with torch.device("meta"):
+        model = GPT(**cfg)
+    model = model.to_empty(device=dev)
+    fast_init_(model)
+    return model, cfg["vocab"]
+
+
+def build_qwen(key: str, dev, layers: int | None, ckpt: bool):
+    """A Qwen2.5-shaped causal LM with random bf16 weights and LoRA r16 on q,k,v,o,gate,up,down
+    (peft); the base frozen. ImportError when transformers or peft is missing."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
+    shape = dict(QWEN[key])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    cfg = Qwen2Config(**shape, tie_word_embeddings=False, use_cache=False, max_position_embeddings=32768)
+    with no_init_weights(), torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    fast_init_(model)
+    model.train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lcfg = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, lcfg)
+    return model, cfg.vocab_size
+
+
+# ---- one configuration, in its own process ----------------------------------------------------
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _h2d_gbps(dev) -> float | None:
+    """GB/s of a 256 MiB pinned host -> device copy (median of 3), buffers freed after."""
+    import torch
+
+    if dev.type != "cuda":
+        return None
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
+    gpu.copy_(host, non_blocking=True)
+    _sync(dev)
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gpu.copy_(host, non_blocking=True)
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    del host, gpu
+    torch.cuda.empty_cache()
+    return n / sorted(ts)[1] / 1e9
+
+
+def _numeric(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _delta(before: dict, after: dict, steps: int) -> dict:
+    a, b = _numeric(after), _numeric(before)
+    return {k: (v - b.get(k, 0)) / steps for k, v in a.items()}
+
+
+def _jsonable(x, depth: int = 0):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        x = list(x)
+        return [_jsonable(v, depth + 1) for v in (x[-8:] if len(x) > 64 else x)]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def run_config(args, cfg: dict) -> dict:
+    import torch
+
+    out = {k: cfg[k] for k in ("name", "row", "kind", "cap_gib", "batch", "seq", "loss", "ckpt", "options")}
+    out.update(model=cfg["model"], device=args.device, pid=os.getpid())
+    t_start = time.perf_counter()
+    try:
+        _train(args, cfg, out)
+    except torch.OutOfMemoryError as e:
+        out.update(status="OOM", error="torch.OutOfMemoryError: " + str(e).split("\n")[0][:200])
+    except MemoryError as e:  # wrap() refusing (weights do not fit), host RAM, page-lock budget
+        out.update(status="OOM", error="MemoryError: " + str(e).split("\n")[0][:300])
+    except _Unavailable as e:
+        out.update(status=e.status, error=str(e))
+    except Exception as e:  # reported, not raised: the driver goes on with the next configuration
+        import traceback
+
+        out.update(status="ERROR", error=f"{type(e).__name__}: {str(e)[:300]}")
+        out["traceback"] = traceback.format_exc()[-1500:]
+    out["process_s"] = time.perf_counter() - t_start
+    out["host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if args.device == "cuda":  # the whole process: building, wrap() and the steps
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_gib"] = max(peak, out.get("peak_setup_gib") or 0.0)
+    return out
+
+
+class _Unavailable(Exception):
+    def __init__(self, status: str, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+
+
+def _check_options(options: dict) -> None:
+    """N/A before any model is built when wrap() does not know an option (param_offload)."""
+    from ramstream.options import WrapOptions
+
+    unknown = sorted(set(options) - set(WrapOptions.names()))
+    if unknown:
+        raise _Unavailable("N/A", f"not available: wrap() has no option {', '.join(unknown)}")
+    try:
+        WrapOptions.parse(**options)
+    except ValueError as e:
+        raise _Unavailable("N/A", f"not available: {e}") from None
+
+
+def _train(args, cfg: dict, res: dict) -> None:
+    """Builds, wraps and trains one configuration; writes the measurements into res."""
+    import torch
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if cfg["cap_gib"]:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * 2**30 / total), dev)
+    model_key = TINY[cfg["model"]] if args.tiny else cfg["model"]
+    kind = cfg["kind"]
+    options = dict(cfg["options"])
+    if kind == "ramstream":
+        import ramstream
+
+        _check_options(dict(options, device=str(dev)))
+    if kind == "torchao":
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError as e:
+            raise _Unavailable("SKIP", f"torchao not importable ({e}); gpu_run.sh installs .whl/") from None
+        if not cuda:
+            raise _Unavailable("SKIP", "torchao's CPUOffloadOptimizer needs CUDA")
+    if cfg["bandwidth"]:
+        res["h2d_gbps"] = _h2d_gbps(dev)
+    torch.manual_seed(0)
+    build_dev = torch.device("cpu") if cfg["build"] == "cpu" else dev
+    t0 = time.perf_counter()
+    if model_key.startswith("gpt"):
+        model, vocab = build_gpt(model_key, cfg["seq"], build_dev)
+        hf = False
+    else:
+        try:
+            model, vocab = build_qwen(model_key, build_dev, args.qwen_layers, cfg["ckpt"])
+        except ImportError as e:
+            raise _Unavailable("SKIP", f"transformers/peft not importable: {e}") from None
+        hf = True
+    _sync(dev)
+    res["build_s"] = time.perf_counter() - t0
+    res["build_device"] = str(build_dev)
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    res["params"] = sum(p.numel() for p in params)
+    res["trained_params"] = sum(p.numel() for p in trained)
+    lr = 1e-4
+    t0 = time.perf_counter()
+    if kind == "stock":
+        opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.1, fused=cuda)
+    elif kind == "torchao":
+        opt = CPUOffloadOptimizer(trained, torch.optim.AdamW, offload_gradients=True, lr=lr, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.1)
+        try:
+            model, opt = ramstream.wrap(model, opt, device=str(dev), **options)
+        except ValueError as e:  # an option or value this ramstream does not accept yet
+            if "unknown option" in str(e) or "not accepted" in str(e):
+                raise _Unavailable("N/A", f"not available: {e}") from None
+            raise
+    _sync(dev)
+    res["setup_s"] = time.perf_counter() - t0
+    if next(model.parameters()).device != dev and kind != "ramstream":
+        model.to(dev)
+
+    def loss_fn(x):
+        if hf:
+            return model(input_ids=x, labels=x).loss
+        if cfg["loss"] == "chunked":
+            from ramstream import chunked_cross_entropy
+
+            return chunked_cross_entropy(model.hidden(x[:, :-1]), model.head.weight, x[:, 1:])
+        return model(x[:, :-1], x[:, 1:])
+
+    # seq + 1 tokens for the GPT (inputs and shifted targets); HF shifts the labels itself
+    x = torch.randint(0, vocab, (cfg["batch"], cfg["seq"] + (0 if hf else 1)), device=dev)
+    warmup = cfg["warmup"] if cfg["warmup"] is not None else args.warmup
+    steps = args.steps
+    if cuda:  # peak_train_gib: the steps only; peak_gib: the whole process
+        res["peak_setup_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        torch.cuda.reset_peak_memory_stats(dev)
+    times, st0, loads0 = [], {}, 0
+    rs = kind == "ramstream"
+    for i in range(warmup + steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = loss_fn(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = loss.item()
+        del loss
+        _sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        elif i == warmup - 1 and rs:
+            opt.synchronize()
+            st0 = opt.stats()
+            loads0 = ramstream.memory_report(model)["params"].get("loads", 0) or 0
+    times.sort()
+    res.update(
+        status="OK",
+        s_per_step=times[len(times) // 2],
+        min_s=times[0],
+        max_s=times[-1],
+        steps=steps,
+        warmup=warmup,
+        loss_last=loss_v,
+        peak_train_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+    )
+    if rs:
+        opt.synchronize()
+        st = opt.stats()
+        rep = ramstream.memory_report(model)
+        p = rep.get("params", {})
+        d = _delta(st0, st, steps)
+        res["per_step"] = {
+            k: d.get(k)
+            for k in (
+                "host_update_s",
+                "host_land_s",
+                "wait_s",
+                "throttle_s",
+                "bytes_h2d",
+                "bytes_d2h",
+                "bytes_h2d_weights",
+                "stream_wait_s",
+            )
+            if k in d
+        }
+        res["per_step_all"] = d
+        res["stats"] = _jsonable(st)
+        res["mode"] = st.get("mode")
+        res["loads_total"] = p.get("loads")
+        if isinstance(p.get("loads"), (int, float)):
+            res["loads_per_step"] = (p["loads"] - loads0) / steps
+        res["streamed_blocks"] = _jsonable(p.get("streamed_blocks"))
+        res["report_params"] = _jsonable({k: v for k, v in p.items() if k != "bucket_numel"})
+        res["plan"] = _jsonable(rep.get("plan"))
+        res["events_tail"] = list(rep.get("events", []))[-8:]
+        gbps = res.get("h2d_gbps")
+        wb = d.get("bytes_h2d_weights")
+        if gbps:
+            s = res["s_per_step"]
+            res["h2d_total_gbps_achieved"] = d.get("bytes_h2d", 0) / s / 1e9
+            res["h2d_total_util"] = res["h2d_total_gbps_achieved"] / gbps
+            if wb is not None:
+                res["h2d_weights_gbps_achieved"] = wb / s / 1e9
+                res["h2d_weights_util"] = res["h2d_weights_gbps_achieved"] / gbps
+
+
+# ---- the driver (never touches the device) -----------------------------------------------------
+def _spawn(args, cfg: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", json.dumps(cfg)]
+    cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.qwen_layers:
+        cmd += ["--qwen-layers", str(args.qwen_layers)]
+    base = {k: cfg[k] for k in ("name", "row", "kind", "cap_gib", "batch", "options")}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return dict(base, status="TIMEOUT", error=f"over {timeout:.0f} s: {err[-300:]}", wall_s=timeout)
+    wall = time.perf_counter() - t0
+    got = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if got:
+        r = got[-1]
+        if r.get("status") not in ("OK", "OOM", "N/A", "SKIP"):
+            r.setdefault("status", "ERROR")
+    else:
+        err = (p.stderr or p.stdout)[-600:]
+        oom = "OutOfMemoryError" in err or "out of memory" in err
+        r = dict(base, status="OOM" if oom else "CRASH", error=f"rc {p.returncode}: {err}")
+    r["wall_s"] = wall
+    return r
+
+
+def plan_configs(rows: list[str]) -> list[dict]:
+    """The selected rows' configurations in row order, then any baseline they name that is not
+    among them."""
+    chosen = [c for r in rows for c in CONFIGS if c["row"] == r]
+    names = {c["name"] for c in chosen}
+    for c in list(chosen):
+        b = c["baseline"]
+        if b and b not in names:
+            chosen.append(BY_NAME[b])
+            names.add(b)
+    return chosen
+
+
+def summarize(results: list[dict]) -> list[str]:
+    by = {r["name"]: r for r in results}
+    lines = [
+        f"{'config':16s} {'s/step':>8s} {'peak GiB':>8s} {'ratio':>7s} {'vs':14s} {'target':>7s} "
+        f"{'result':8s} notes"
+    ]
+    for r in results:
+        cfg = BY_NAME.get(r["name"], {})
+        ok = r.get("status") == "OK"
+        s = f"{r['s_per_step']:8.3f}" if ok else f"{'-':>8s}"
+        pk = r.get("peak_gib")
+        pk = f"{pk:8.2f}" if ok and pk is not None else f"{'-':>8s}"
+        b = by.get(cfg.get("baseline") or "")
+        ratio = None
+        if ok and b is not None and b.get("status") == "OK":
+            ratio = r["s_per_step"] / b["s_per_step"]
+            r["ratio"] = ratio
+            r["baseline"] = b["name"]
+        target = cfg.get("target")
+        result = r.get("status", "?")
+        if ok and target is not None:
+            result = "-" if ratio is None else ("PASS" if ratio <= target else "FAIL")
+        elif result == "OOM" and cfg.get("expect") == "oom":
+            result = "OOM(exp)"
+        notes = []
+        if ok:
+            ps = r.get("per_step") or {}
+            if ps:
+                h2d, d2h = ps.get("bytes_h2d", 0) / 1e9, ps.get("bytes_d2h", 0) / 1e9
+                notes.append(
+                    f"host {ps.get('host_update_s', 0):.3f}s wait {ps.get('wait_s', 0):.3f}s "
+                    f"thr {ps.get('throttle_s', 0):.3f}s h2d {h2d:.2f}GB d2h {d2h:.2f}GB"
+                )
+            if ps.get("bytes_h2d_weights") is not None:
+                notes.append(f"weights h2d {ps['bytes_h2d_weights'] / 1e9:.2f}GB")
+            if ps.get("stream_wait_s") is not None:
+                notes.append(f"stream wait {ps['stream_wait_s']:.3f}s")
+            if r.get("loads_per_step") is not None:
+                notes.append(f"loads/step {r['loads_per_step']:.1f}")
+            if r.get("h2d_weights_util") is not None:
+                notes.append(f"weight H2D {r['h2d_weights_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
+            elif r.get("h2d_total_util") is not None:
+                notes.append(f"all H2D {r['h2d_total_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
+            if r.get("mode"):
+                notes.append(f"mode {r['mode']}")
+        else:
+            notes.append((r.get("error") or "")[:110].replace("\n", " "))
+        lines.append(
+            f"{r['name']:16s} {s} {pk} {'' if ratio is None else f'{ratio:.3f}':>7s} "
+            f"{(cfg.get('baseline') or '-'):14s} {'' if target is None else f'<={target:g}':>7s} "
+            f"{result:8s} {'; '.join(notes)}"
+        )
+    return lines
+
+
+def _write(path: str, results: list[dict]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", default=os.environ.get("STREAM_ROWS", DEFAULT_ROWS))
+    ap.add_argument("--only", help="comma-separated configuration names (instead of --rows)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2, help="rows B and C use 3 (the resident switch)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes of every model (smoke run)")
+    ap.add_argument("--qwen-layers", type=int, default=None, help="override the Qwen layer counts")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
+    ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies each timeout")
+    ap.add_argument("--summarize", metavar="JSON", help="print the table of an earlier --out file")
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            print("\n".join(summarize(json.load(f))))
+        return 0
+    if args.config:
+        print("RESULT " + json.dumps(run_config(args, json.loads(args.config)), default=str), flush=True)
+        return 0
+    if args.only:
+        bad = [n for n in args.only.split(",") if n not in BY_NAME]
+        if bad:
+            ap.error(f"--only: unknown {bad}; known: {', '.join(BY_NAME)}")
+        todo = [BY_NAME[n] for n in args.only.split(",")]
+    else:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        bad = [r for r in rows if r not in ROWS]
+        if bad:
+            ap.error(f"--rows: unknown {bad}; known: {', '.join(ROWS)}")
+        todo = plan_configs(rows)
+    t_run = time.perf_counter()
+    results: list[dict] = []
+    for cfg in todo:
+        timeout = cfg["timeout"] * args.timeout_scale
+        if args.deadline:
+            left = args.deadline - (time.perf_counter() - t_run)
+            if left < 30:
+                r = {k: cfg[k] for k in ("name", "row", "kind", "cap_gib", "batch", "options")}
+                r.update(status="SKIP", error=f"out of time ({left:.0f} s of --deadline left)")
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                continue
+            timeout = min(timeout, left - 5)
+        r = _spawn(args, cfg, timeout)
+        results.append(r)
+        brief = {k: r.get(k) for k in ("name", "status", "s_per_step", "peak_gib", "wall_s", "error")}
+        print(json.dumps(brief, default=str), flush=True)
+        if args.out:
+            _write(args.out, results)
+    print()
+    lines = summarize(results)
+    print("\n".join(lines))
+    print(f"total {time.perf_counter() - t_run:.0f} s")
+    if args.out:
+        _write(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,9 +56,10 @@ def one(args) -> dict:
     import torch
 
     sys.path.insert(0, HERE)
-    import ramstream
     from gpt import CONFIGS as SIZES
     from gpt import GPT
+
+    import ramstream
 
     dtype_name, autocast, cap, options = CONFIGS[args.config]
     dev = torch.device(args.device)
@@ -113,7 +114,9 @@ def one(args) -> dict:
         )
         if cuda:
             bw = h2d_gbps()
-            out.update(h2d_gbps=bw, stream_gbps=moved / step_s / 1e9, stream_share_of_step=moved / step_s / 1e9 / bw)
+            out.update(
+                h2d_gbps=bw, stream_gbps=moved / step_s / 1e9, stream_share_of_step=moved / step_s / 1e9 / bw
+            )
     s1 = opt.stats()
     for k in ("host_update_s", "wait_s", "throttle_s"):
         if k in s1:

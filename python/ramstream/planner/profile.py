@@ -222,7 +222,15 @@ def _profile_device(device) -> torch.device | None:
     return measure.gpu_device(d)
 
 
-def profile_hardware(device=None, quick: bool = True, force: bool = False) -> HardwareProfile:
+def cached_profile(device=None) -> HardwareProfile | None:
+    """profile_hardware(device) when the cache has this machine's rates, else None (measures
+    nothing)."""
+    return profile_hardware(device, _cache_only=True)
+
+
+def profile_hardware(
+    device=None, quick: bool = True, force: bool = False, *, _cache_only: bool = False
+) -> HardwareProfile:
     """Measures (or reads from the cache) what this machine offers and returns a HardwareProfile.
 
     Args:
@@ -253,6 +261,8 @@ def profile_hardware(device=None, quick: bool = True, force: bool = False) -> Ha
     rates = None if force else _read_cache(path, key)
     source = "cache"
     if rates is None:
+        if _cache_only:
+            return None
         rates = measure_rates(name, quick)
         source = "measured"
         _write_cache(path, key, rates)

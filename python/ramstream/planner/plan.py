@@ -90,7 +90,9 @@ def _pcie(ctx: _Ctx, up: float, down: float) -> tuple[float, float]:
     p = ctx.prof
     both = min(up, down)
     t_both = both / (p.duplex_gbps * 1e9) if both else 0.0
-    return t_both + (up - both) / (p.h2d_gbps * 1e9), t_both + (down - both) / (p.d2h_gbps * 1e9)
+    up_s = (up - both) / (p.h2d_gbps * 1e9) if up > both else 0.0
+    down_s = (down - both) / (p.d2h_gbps * 1e9) if down > both else 0.0
+    return t_both + up_s, t_both + down_s
 
 
 def _times(ctx: _Ctx, streamed, paged_bytes: int, recompute, moment: str, share: float) -> dict:
@@ -428,6 +430,13 @@ def plan_training(
                 f"{where} {name}={v!r} is not accepted; accepted: a number in [0, {hi or 'inf'})"
             )
     p = profile
+    rates = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "adamw_gbps") if p.vram_total else ()
+    for name in rates:
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(
+                f"{where} profile.{name}={v!r} is not accepted; accepted: a finite number > 0 (GB/s)"
+            )
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
                min(GRAD_INFLIGHT_MAX, p.vram_total // 10))  # fmt: skip

@@ -20,6 +20,7 @@ from .ops.memory import (  # noqa: E402
     unregister_host_memory,
 )
 from .optim import OffloadAdamW  # noqa: E402
+from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
 __all__ = [
@@ -28,6 +29,13 @@ __all__ = [
     "wrap",
     "unwrap",
     "memory_report",
+    # the planner
+    "profile_hardware",
+    "HardwareProfile",
+    "ModelShape",
+    "plan_training",
+    "Plan",
+    "PlanError",
     "functional",
     # pinned host memory
     "pinned_empty",

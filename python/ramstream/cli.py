@@ -1,10 +1,13 @@
 """`ramstream` command line: info (what ramstream sees), doctor (checks with what to do), bench
-(host AdamW vs torch), demo.
+(host AdamW vs torch), demo, plan (where a model's state would live, without training).
 
     ramstream info
     ramstream doctor [--json]
     ramstream bench [--params N] [--repeat R]
     ramstream demo  [--device cpu|cuda|cuda:N] [--steps N]
+    ramstream plan  (--config PATH | --gpt SIZE) [--vram-gb G] [--ram-gb G] [--batch B] [--seq S]
+                    [--lora R] [--dtype bf16|fp32] [--h2d-gbps X --d2h-gbps X --adamw-gbps X
+                    --tflops X] [--json]
 """
 
 from __future__ import annotations
@@ -130,6 +133,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--steps", type=int, default=20, help="training steps of each run (default: 20)")
     p.set_defaults(fn=_cmd_demo)
+    p = sub.add_parser("plan", help="what would live where and the predicted step time, without training")
+    from .planner import cli_plan
+
+    cli_plan.add_arguments(p)
+    p.set_defaults(fn=cli_plan.run)
     args = ap.parse_args(argv)
     if getattr(args, "params", 1) < 1 or getattr(args, "repeat", 1) < 1 or getattr(args, "steps", 1) < 1:
         ap.error("--params, --repeat and --steps must be >= 1")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .planner.measure import cgroup_limit, copy_rates, host_adamw_seconds
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 KNOWN_ENV = (
@@ -20,6 +21,7 @@ KNOWN_ENV = (
     "RAMSTREAM_CUDA",
     "RAMSTREAM_CUDA_ARCHS",
     "RAMSTREAM_REQUIRE_CUDA",
+    "RAMSTREAM_CACHE_DIR",
 )
 _GIB = 2**30
 
@@ -30,17 +32,6 @@ class Check:
     status: str  # OK, WARN or FAIL
     detail: str
     fix: str = ""
-
-
-def _best(fn, repeat: int = 3) -> float:
-    """Fastest of `repeat` timed calls after one warm-up, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _gpu_usable() -> bool:
@@ -156,25 +147,15 @@ def check_pinned() -> Check:
 
 
 def check_copy(nbytes: int = 64 << 20) -> Check:
-    from . import functional as F
-
     if not _gpu_usable():
-        a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        dt = _best(lambda: b.copy_(a))
-        return Check("copy", OK, f"no GPU; host memcpy {nbytes / dt / 1e9:.1f} GB/s ({nbytes >> 20} MiB)")
-    host = F.pinned_empty((nbytes,), dtype=torch.uint8)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def h2d():
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-
-    def d2h():
-        host.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize()
-
-    up, down = nbytes / _best(h2d) / 1e9, nbytes / _best(d2h) / 1e9
-    text = f"cuda:0 H2D {up:.1f} GB/s, D2H {down:.1f} GB/s ({nbytes >> 20} MiB, pinned)"
+        r = copy_rates(nbytes, "cpu")
+        return Check("copy", OK, f"no GPU; host memcpy {r['h2d_gbps']:.1f} GB/s ({nbytes >> 20} MiB)")
+    r = copy_rates(nbytes, "cuda:0")
+    up, down = r["h2d_gbps"], r["d2h_gbps"]
+    text = (
+        f"cuda:0 H2D {up:.1f} GB/s, D2H {down:.1f} GB/s, both at once {r['duplex_gbps']:.1f} each "
+        f"({nbytes >> 20} MiB, {'pinned' if r['pinned'] else 'NOT pinned'})"
+    )
     if min(up, down) < 5:
         return Check(
             "copy",
@@ -206,13 +187,9 @@ def check_adamw(n: int = 2_000_000) -> Check:
             f"host AdamW differs from torch's fused AdamW in {bad} of {n} values after one step",
             "report this with `ramstream info --json`",
         )
-    step = [1]
+    from .planner.measure import best_seconds
 
-    def ours():
-        step[0] += 1
-        F.adamw_(p, grad, m, v, step=step[0], lr=1e-3)
-
-    t_ours, t_torch = _best(ours), _best(topt.step)
+    t_ours, t_torch = host_adamw_seconds(p, grad, m, v), best_seconds(topt.step)
     ratio = t_torch / t_ours
     text = (
         f"host AdamW {n / t_ours / 1e9:.2f} G params/s, {ratio:.2f}x torch's fused CPU "
@@ -251,20 +228,6 @@ def check_isa() -> Check:
     if C.best_isa() == "scalar" and os.uname().machine == "x86_64":
         return Check("isa", WARN, f"{text}: this CPU has no AVX2", "the host AdamW is slow here")
     return Check("isa", OK, text)
-
-
-def cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup in bytes (v2 or v1), or None when unlimited."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        if raw == "max" or not raw.isdigit() or int(raw) >= 1 << 60:
-            return None
-        return int(raw)
-    return None
 
 
 def check_ram() -> Check:

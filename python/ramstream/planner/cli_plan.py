@@ -1,0 +1,150 @@
+"""`ramstream plan`: the plan for a model (a Hugging Face config.json or a built-in GPT size) on this
+machine or on given sizes and rates, without training and without a GPU; exit code 2 when it
+cannot fit."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .plan import PlanError, plan_training
+from .profile import HardwareProfile
+from .shape import GPT_SIZES, ModelShape
+
+# The H200 machine's rates (DESIGN.md section 3), used when no cached profile exists.
+DEFAULT_RATES = {
+    "h2d_gbps": 55.0,
+    "d2h_gbps": 55.0,
+    "duplex_gbps": 50.0,
+    "adamw_gbps": 115.0,
+    "matmul_tflops": 790.0,
+}
+DEFAULT_VRAM = 140 * 2**30  # an H200's 143771 MiB
+_GB = 2**30
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--config", metavar="PATH", help="a Hugging Face config.json (or its folder): Llama, Qwen2, Mistral"
+    )
+    src.add_argument(
+        "--gpt", metavar="SIZE", choices=sorted(GPT_SIZES), help=f"a built-in GPT: {', '.join(GPT_SIZES)}"
+    )
+    p.add_argument(
+        "--vram-gb", type=float, help="usable GPU memory in GiB (default: this GPU's free memory, else 140)"
+    )
+    p.add_argument(
+        "--ram-gb", type=float, help="available host RAM in GiB (default: this machine's, per rank)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default: 1024)")
+    p.add_argument(
+        "--lora", type=int, metavar="R", help="LoRA rank R on q,k,v,o,gate,up,down; the base frozen"
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="working dtype (default: bf16)")
+    p.add_argument("--chunked-loss", action="store_true", help="the loss never builds the full logits")
+    for name, what in (
+        ("h2d-gbps", "host-to-device GB/s"),
+        ("d2h-gbps", "device-to-host GB/s"),
+        ("duplex-gbps", "GB/s each way when both directions run"),
+        ("adamw-gbps", "host AdamW state traffic GB/s"),
+        ("tflops", "bf16 matmul peak TFLOP/s"),
+    ):
+        p.add_argument(f"--{name}", type=float, help=what)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _machine(args) -> tuple[HardwareProfile, dict]:
+    """The profile to plan on and where each number came from."""
+    from ..ops.memory import pin_budget
+    from .profile import available_ram, cached_profile, local_world_size
+
+    cached = None
+    try:
+        cached = cached_profile()
+    except (RuntimeError, ValueError):
+        cached = None
+    gpu = cached is not None and cached.vram_total > 0
+    rates = {k: getattr(cached, k) for k in DEFAULT_RATES} if gpu else dict(DEFAULT_RATES)
+    sources = {
+        "rates": "cached profile of this machine" if gpu else "H200-machine defaults (no cached GPU profile)"
+    }
+    given = {
+        "h2d_gbps": args.h2d_gbps,
+        "d2h_gbps": args.d2h_gbps,
+        "duplex_gbps": args.duplex_gbps,
+        "adamw_gbps": args.adamw_gbps,
+        "matmul_tflops": args.tflops,
+    }
+    for k, v in given.items():
+        if v is not None:
+            rates[k] = v
+            sources[k] = "given"
+    if args.duplex_gbps is None and (args.h2d_gbps is not None or args.d2h_gbps is not None):
+        rates["duplex_gbps"] = min(rates["h2d_gbps"], rates["d2h_gbps"]) * DEFAULT_RATES["duplex_gbps"] / 55.0
+    if args.vram_gb is not None:
+        vram, sources["vram"] = int(args.vram_gb * _GB), "given"
+    elif gpu:
+        vram, sources["vram"] = cached.vram_free, f"free on {cached.gpu_name}"
+    else:
+        vram, sources["vram"] = DEFAULT_VRAM, "H200 default (140 GiB)"
+    if args.ram_gb is not None:
+        ram = int(args.ram_gb * _GB)
+        ram_total, pin, world = ram, ram // 2, 1
+        sources["ram"] = "given"
+    else:
+        r = available_ram()
+        ram, ram_total, pin, world = r["available"], r["total"], pin_budget(), local_world_size()
+        sources["ram"] = "available on this machine"
+    prof = HardwareProfile(device="cuda", vram_total=vram, vram_free=vram, ram_total=ram_total, ram_available=ram,
+                           pin_budget=pin, local_world_size=world, source="given", **rates)  # fmt: skip
+    return prof, sources
+
+
+def run(args) -> int:
+    """The `ramstream plan` command: prints the plan (or the reason it cannot fit, exit code 2)."""
+    for name in ("batch", "seq", "lora"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            print(f"ramstream plan: --{name} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    dtype = "bfloat16" if args.dtype == "bf16" else "float32"
+    loss = "chunked" if args.chunked_loss else "dense"
+    try:
+        if args.config:
+            shape = ModelShape.from_hf_config(
+                args.config, batch=args.batch, seq=args.seq, dtype=dtype, lora=args.lora, loss=loss
+            )
+        else:
+            if args.lora:
+                print("ramstream plan: --lora applies to --config models only", file=sys.stderr)
+                return 2
+            shape = ModelShape.gpt(args.gpt, batch=args.batch, seq=args.seq, dtype=dtype, loss=loss)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"ramstream plan: {e}", file=sys.stderr)
+        return 2
+    prof, sources = _machine(args)
+    try:
+        plan = plan_training(shape, prof)
+    except PlanError as e:
+        if args.json:
+            print(json.dumps({"fits": False, "error": str(e), "arithmetic": e.arithmetic, "options": e.options,
+                              "profile": prof.to_dict(), "sources": sources}, indent=2))  # fmt: skip
+        print(str(e), file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            json.dumps(
+                {"fits": True, "plan": plan.to_dict(), "profile": prof.to_dict(), "sources": sources},
+                indent=2,
+            )
+        )
+        return 0
+    print(plan.explain())
+    print("numbers: " + "; ".join(f"{k}: {v}" for k, v in sources.items()))
+    print(
+        f"rates: H2D {prof.h2d_gbps:g} GB/s, D2H {prof.d2h_gbps:g}, both at once {prof.duplex_gbps:g} each, host AdamW "
+        f"{prof.adamw_gbps:g} GB/s, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency 0.5"
+    )
+    return 0

@@ -1,0 +1,81 @@
+"""Plan and PlanError: what plan_training() returns or raises (see plan.py for the model)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+_GIB = 2**30
+
+
+class PlanError(MemoryError):
+    """Nothing fits. ``arithmetic``: the per-component numbers; ``options``: what would fit."""
+
+    def __init__(self, message: str, *, arithmetic: dict, options: list[str]) -> None:
+        super().__init__(message)
+        self.arithmetic, self.options = arithmetic, options
+
+
+@dataclass
+class Plan:
+    """What lives where and the predicted step (see the module docstring); to_dict() is JSON-able."""
+
+    mode: str  # "resident", "offload" or "cpu"
+    weights: dict  # {"resident": [block indices], "streamed": [block indices]}
+    activations: list  # per block: "keep", "page" or "recompute"
+    optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype"}
+    quantize: str
+    memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
+    predicted: dict  # {"step_s", "tokens_per_s", "bound"}
+    bounds: dict  # seconds per resource: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, exposed_s
+    reasons: list = field(default_factory=list)
+    shape: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def explain(self) -> str:
+        """The plan as readable lines."""
+
+        def gib(x):
+            return f"{x / _GIB:.2f} GiB"
+
+        s, n = self.shape, len(self.activations)
+        lines = [
+            f"plan for {s.get('name')} ({s.get('dtype')}, batch {s.get('batch')} x seq {s.get('seq')}): {self.mode}"
+        ]
+        st = self.weights["streamed"]
+        lines.append(
+            f"  weights: {n - len(st)} of {n} blocks resident" + (f", streamed: {_ranges(st)}" if st else "")
+        )
+        counts = {
+            k: [i for i, a in enumerate(self.activations) if a == k] for k in ("keep", "page", "recompute")
+        }
+        lines.append("  activations: " + ", ".join(f"{k} {_ranges(v)}" for k, v in counts.items() if v))
+        o = self.optimizer
+        lines.append(
+            f"  optimizer: {o['placement']}, {o['vram_share']:.0%} of the state in VRAM, moments {o['moment_dtype']}"
+        )
+        if self.quantize != "none":
+            lines.append(f"  frozen block weights quantized: {self.quantize}")
+        for where in ("vram", "ram", "pinned"):
+            m = self.memory.get(where, {})
+            parts = ", ".join(f"{k} {gib(v)}" for k, v in m.items() if k not in ("total", "budget") and v)
+            lines.append(
+                f"  {where}: {gib(m.get('total', 0))} of {gib(m.get('budget', 0))}"
+                + (f" ({parts})" if parts else "")
+            )
+        b = self.bounds
+        lines.append(
+            "  step: "
+            + f"{self.predicted['step_s'] * 1e3:.1f} ms predicted, bound by {self.predicted['bound']} ("
+            + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in b.items())
+            + ")"
+        )
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _ranges(idx: list[int]) -> str:
+    from ..activations.blocks import ranges_text
+
+    return ranges_text(idx) if idx else "none"

@@ -1,0 +1,53 @@
+"""The single changes that make a plan that does not fit fit, for PlanError's message."""
+
+from __future__ import annotations
+
+from .result import Plan, PlanError
+from .shape import ModelShape
+
+
+def suggestions(shape, profile, po, ao, om, moment, quant, headroom, slow) -> list[str]:
+    """The single changes that make the plan fit, each with its predicted step."""
+
+    def tryit(sh, **kw) -> Plan | None:
+        args = dict(param_offload=po, activation_offload=ao, optimizer_mode=om, moment_dtype=moment, quantize=quant,
+                    vram_headroom=headroom, max_activation_slowdown=slow)  # fmt: skip
+        args.update(kw)
+        try:
+            from .plan import plan_training
+
+            return plan_training(sh, profile, _suggest=False, **args)
+        except PlanError:
+            return None
+
+    out = []
+
+    def add(text, plan):
+        if plan is not None:
+            out.append(f"{text} (step ~{plan.predicted['step_s'] * 1e3:.0f} ms)")
+
+    if moment != "bfloat16":
+        add("moment_dtype='bfloat16'", tryit(shape, moment_dtype="bfloat16"))
+    if shape.frozen_numel and any(b.frozen_matrix_numel for b in shape.blocks):
+        for q in ("int8", "nf4"):
+            if quant == "none" or (quant == "int8" and q == "nf4"):
+                add(f"quantize={q!r}", tryit(shape, quantize=q))
+    if shape.loss == "dense":
+        add("a chunked loss (ramstream.chunked_cross_entropy)", tryit(_with_loss(shape, "chunked")))
+    if po is False:
+        add("param_offload='auto'", tryit(shape, param_offload="auto"))
+    for name in ("batch", "seq"):
+        v = getattr(shape, name) // 2
+        while v >= 1:
+            plan = tryit(shape.with_tokens(**{name: v}))
+            if plan is not None:
+                add(f"{name}={v}", plan)
+                break
+            v //= 2
+    return out
+
+
+def _with_loss(shape: ModelShape, loss: str) -> ModelShape:
+    from dataclasses import replace
+
+    return replace(shape, loss=loss)

@@ -1,0 +1,290 @@
+"""plan_training() and `ramstream plan`: decisions checked against hand arithmetic on injected
+profiles (80/24/8/4 GiB GPUs, 32/128 GiB RAM), the step-time model by hand, PlanError's numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ramstream.cli import main
+from ramstream.planner import HardwareProfile, ModelShape, PlanError, plan_training
+
+G = 2**30
+V, D = 50304, 2048
+P18 = 32 * (12 * D * D + 13 * D) + 2 * V * D + 1024 * D + 2 * D  # the 1.8B GPT's parameters
+QWEN14 = dict(
+    model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+    num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+)  # fmt: skip
+QWEN7 = dict(QWEN14, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+             num_key_value_heads=4)  # fmt: skip
+
+
+def prof(vram_gib, ram_gib, **kw):
+    base = dict(device="cuda:0", vram_total=int(vram_gib * G), vram_free=int(vram_gib * G), ram_total=int(ram_gib * G),
+                ram_available=int(ram_gib * G), pin_budget=int(ram_gib * G) // 2, h2d_gbps=55.0, d2h_gbps=55.0,
+                duplex_gbps=50.0, adamw_gbps=115.0, matmul_tflops=790.0)  # fmt: skip
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def gpt18(dtype="fp32", batch=1, seq=1024):
+    return ModelShape.gpt("1.8b", batch=batch, seq=seq, dtype=dtype)
+
+
+def act_fp32(tokens, d=D, heads=16, layers=32):
+    return layers * tokens * (4 * 16 * d + 4 * heads + 16)
+
+
+def resident_bytes_fp32(tokens):
+    # weights 4 + gradients 4 + two fp32 moments 8 per parameter, every activation, the logits
+    return 16 * P18 + act_fp32(tokens) + tokens * V * 12 + tokens * (2 * 4 * D + 8)
+
+
+def test_gpt_parameter_count():
+    assert gpt18().numel == P18 and 1.8e9 < P18 < 1.85e9
+
+
+@pytest.mark.parametrize("ram", [32, 128])
+def test_1_8b_fp32_on_80_gib_is_resident(ram):
+    need = resident_bytes_fp32(1024)
+    assert need < 0.9 * 80 * G  # stock training fits
+    p = plan_training(gpt18(), prof(80, ram))
+    assert p.mode == "resident" and p.optimizer["placement"] == "device"
+    assert p.weights["streamed"] == [] and set(p.activations) == {"keep"}
+    assert p.memory["vram"]["total"] == need
+
+
+@pytest.mark.parametrize("ram", [32, 128])
+def test_1_8b_fp32_on_24_gib_keeps_weights_and_moves_the_optimizer(ram):
+    assert resident_bytes_fp32(1024) > 0.9 * 24 * G  # not resident
+    # host optimizer: weights 4 B/param + 1 GiB of gradients in flight + activations + logits fit
+    assert 4 * P18 + G + act_fp32(1024) + 1024 * V * 12 < 0.9 * 24 * G
+    p = plan_training(gpt18(), prof(24, ram))
+    assert p.mode == "offload" and p.optimizer["placement"] == "host"
+    assert p.weights["streamed"] == [] and set(p.activations) == {"keep"}
+    assert 0 < p.optimizer["vram_share"] < 1 and p.optimizer["moment_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("vram", [8, 4])
+def test_1_8b_fp32_on_small_gpus_streams_blocks_from_the_end(vram):
+    # fp32 weights + gradients in flight (min(1 GiB, VRAM / 10)) + the logits do not fit
+    assert 4 * P18 + min(G, vram * G // 10) + 1024 * V * 12 > 0.9 * vram * G
+    p = plan_training(gpt18(), prof(vram, 128))
+    st = p.weights["streamed"]
+    assert st and st == list(range(32 - len(st), 32))
+    assert p.memory["vram"]["total"] <= 0.9 * vram * G
+    assert p.memory["ram"]["streamed_weights"] == len(st) * 4 * (12 * D * D + 13 * D)
+
+
+def test_ram_forces_bf16_moments():
+    # fp32 state 16 B/param (master 4, moments 8, landing 4) + at least the weights that do not fit
+    # in 4 GiB exceeds 28 GiB; bf16 moments (12 B/param) + every block streamed fits
+    assert 16 * P18 + (4 * P18 - 0.9 * 4 * G) > 28 * G
+    assert 12 * P18 + 4 * P18 < 28 * G
+    p = plan_training(gpt18(), prof(4, 28), optimizer_mode="cpu")
+    assert p.optimizer["moment_dtype"] == "bfloat16"
+    assert plan_training(gpt18(), prof(4, 128), optimizer_mode="cpu").optimizer["moment_dtype"] == "float32"
+
+
+def test_bf16_moments_by_hand_and_the_error_without_them():
+    # optimizer_mode="cpu": no VRAM share, so host RAM is exactly the state of every parameter
+    assert 16 * P18 > 24 * G > 12 * P18
+    with pytest.raises(PlanError) as e:
+        plan_training(gpt18(), prof(24, 24), optimizer_mode="cpu", moment_dtype="float32")
+    msg = str(e.value)
+    assert f"needs {16 * P18 / G:.2f} GiB" in msg and "24.00 GiB available per rank" in msg
+    assert "moment_dtype='bfloat16'" in msg and isinstance(e.value, MemoryError)
+    assert e.value.arithmetic["ram"]["optimizer_state"] == 12 * P18
+    p = plan_training(gpt18(), prof(24, 24), optimizer_mode="cpu")
+    assert p.optimizer["moment_dtype"] == "bfloat16"
+    assert p.memory["ram"]["total"] == 12 * P18  # master 4 + bf16 moments 4 + fp32 landing 4
+
+
+def test_local_world_size_divides_ram():
+    ok = plan_training(gpt18(), prof(24, 48), optimizer_mode="cpu")
+    assert ok.optimizer["moment_dtype"] == "float32"  # 16 P < 48 GiB
+    two = plan_training(gpt18(), prof(24, 48, local_world_size=2), optimizer_mode="cpu")
+    assert two.optimizer["moment_dtype"] == "bfloat16" and two.memory["ram"]["budget"] == 24 * G
+
+
+def test_6_85b_fp32_on_an_uncapped_h200_is_resident():
+    d, L = 4096, 32
+    n = L * (12 * d * d + 13 * d) + 2 * V * d + 1024 * d + 2 * d
+    need = 16 * n + act_fp32(1024, d=d, heads=32) + 1024 * V * 12 + 1024 * (8 * d + 8)
+    assert need < 0.9 * 141 * G
+    p = plan_training(ModelShape.gpt("6.85b", batch=1, seq=1024, dtype="fp32"), prof(141, 512))
+    assert p.mode == "resident" and p.memory["vram"]["total"] == need
+
+
+def qwen(cfg, lora=16):
+    return ModelShape.from_hf_config(cfg, batch=1, seq=1024, dtype="bf16", lora=lora)
+
+
+@pytest.mark.parametrize("ram", [32, 128])
+def test_14b_lora_on_24_gib_streams_some_blocks_and_recomputes(ram):
+    s = qwen(QWEN14)
+    assert 2 * s.frozen_numel > 0.9 * 24 * G  # the bf16 base does not fit
+    p = plan_training(s, prof(24, ram))
+    st = p.weights["streamed"]
+    assert 0 < len(st) < 48 and st == list(range(48 - len(st), 48))
+    assert "recompute" in p.activations and "page" not in p.activations  # PCIe carries the weights
+    assert p.predicted["bound"] == "h2d"
+
+
+def test_7b_lora_by_gpu_size():
+    s = qwen(QWEN7)
+    assert plan_training(s, prof(80, 128)).mode == "resident"
+    assert 2 * s.frozen_numel > 0.9 * 8 * G
+    p = plan_training(s, prof(8, 32))
+    assert p.weights["streamed"] and p.optimizer["placement"] == "host"
+
+
+def test_plan_error_shows_the_arithmetic_per_component():
+    s = qwen(QWEN14)
+    with pytest.raises(PlanError) as e:
+        plan_training(s, prof(4, 32))
+    msg = str(e.value)
+    # the least-VRAM plan still holds the bf16 embedding and head (2 x 152064 x 5120 x 2 bytes)
+    # and the dense logits (1024 tokens x vocab x (2 + 8) bytes)
+    assert f"weights {2 * 152064 * 5120 * 2 / G:.2f}" in msg
+    assert f"logits {1024 * 152064 * 10 / G:.2f}" in msg
+    assert f"vs {0.9 * 4:.2f} GiB usable (free 4.00 GiB less 10%)" in msg
+    v = e.value.arithmetic["vram"]
+    assert f"needs {sum(x for k, x in v.items() if k != 'budget') / G:.2f} GiB" in msg
+    assert "RAM (least-RAM plan)" in msg and "32.00 GiB available per rank" in msg
+
+
+def test_step_time_model_by_hand_resident_and_host():
+    tok, mm = 1024, 12 * D * D
+    flops = tok * (32 * (6 * mm + 6 * 1024 * D) + 6 * V * D)
+    p = plan_training(gpt18(), prof(80, 128))
+    want = flops / (790e12 * 0.5) + P18 * 28 / 2000e9
+    assert p.predicted["step_s"] == pytest.approx(want, rel=1e-9)
+    h = plan_training(gpt18(), prof(24, 128), optimizer_mode="cpu")
+    b = h.bounds
+    assert b["gpu_compute_s"] == pytest.approx(flops / (790e12 * 0.5), rel=1e-9)
+    assert b["h2d_s"] == pytest.approx(4 * P18 / 50e9) and b["d2h_s"] == pytest.approx(4 * P18 / 50e9)
+    assert b["host_adamw_s"] == pytest.approx(28 * P18 / 115e9)
+    tail = V * D + 1024 * D + 12 * D * D + 13 * D  # embeddings and block 0: last gradients, first weights
+    assert b["exposed_s"] == pytest.approx(tail * (4 / 55e9 + 28 / 115e9 + 4 / 55e9))
+    assert h.predicted["step_s"] == pytest.approx(max(b["gpu_compute_s"], 28 * P18 / 115e9) + b["exposed_s"])
+    assert h.predicted["bound"] == "host_adamw"
+
+
+def test_large_batch_pages_or_recomputes_from_the_front():
+    s = gpt18(batch=8)
+    assert act_fp32(8192) > 0.9 * 24 * G - 4 * P18  # the activations cannot all stay
+    p = plan_training(s, prof(24, 256), optimizer_mode="cpu")
+    acts = p.activations
+    assert "keep" in acts and set(acts) - {"keep"}
+    first_keep = acts.index("keep")
+    assert all(a != "keep" for a in acts[:first_keep]) and all(a == "keep" for a in acts[first_keep:])
+    assert p.memory["vram"]["total"] <= 0.9 * 24 * G
+    assert p.memory["ram"]["paged_activations"] == acts.count("page") * s.act_bytes(0)
+
+
+def test_explicit_options_constrain_the_plan():
+    s, pr = gpt18(), prof(80, 256)
+    assert plan_training(s, pr, param_offload=True).weights["streamed"] == list(range(32))
+    assert plan_training(s, pr, param_offload=[0, 5]).weights["streamed"] == [0, 5]
+    assert plan_training(s, pr, param_offload=0.25).weights["streamed"] == list(range(24, 32))
+    assert plan_training(s, pr, activation_offload=True).activations == ["page"] * 32
+    assert plan_training(s, pr, optimizer_mode="cpu").optimizer == {
+        "placement": "host", "vram_share": 0.0, "moment_dtype": "float32"
+    }  # fmt: skip
+    with pytest.raises(PlanError, match="param_offload='auto'"):
+        plan_training(s, prof(4, 256), param_offload=False)
+    m = plan_training(s, prof(24, 256), optimizer_mode="gpu")
+    assert m.optimizer["placement"] == "mapped" and m.bounds["host_adamw_s"] == 0
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(param_offload="some"), "param_offload='some' is not accepted"),
+        (dict(param_offload=[40]), "param_offload"),
+        (dict(activation_offload=2), "activation_offload"),
+        (dict(optimizer_mode="tpu"), "optimizer_mode"),
+        (dict(moment_dtype="fp8"), "moment_dtype"),
+        (dict(quantize="fp4"), "quantize='fp4'.*'none', 'int8', 'nf4'"),
+        (dict(vram_headroom=1.0), "vram_headroom"),
+        (dict(max_activation_slowdown=-1), "max_activation_slowdown"),
+    ],
+)
+def test_argument_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan_training(gpt18(), prof(80, 128), **kw)
+    with pytest.raises(TypeError, match="ModelShape"):
+        plan_training("1.8b", prof(80, 128))
+    with pytest.raises(ValueError, match="profile.h2d_gbps=0.0"):
+        plan_training(gpt18(), prof(80, 128, h2d_gbps=0.0))
+
+
+def test_quantized_frozen_weights_take_fewer_bytes():
+    s = qwen(QWEN14)
+    n = s.blocks[0].frozen_matrix_numel
+    p = plan_training(s, prof(24, 128), quantize="nf4")
+    per_block = s.blocks[0].weight_bytes - 2 * n + int(-(-n * (0.5 + 4 / 64) // 1))
+    assert (
+        p.memory["vram"]["weights"]
+        == 2 * 2 * 152064 * 5120 + 2 * 5120 + len(p.weights["resident"]) * per_block
+    )
+    assert len(p.weights["streamed"]) < len(plan_training(s, prof(24, 128)).weights["streamed"])
+
+
+def test_plan_json_and_explain():
+    p = plan_training(qwen(QWEN14), prof(24, 128))
+    d = json.loads(json.dumps(p.to_dict()))
+    assert set(d) >= {"weights", "activations", "optimizer", "predicted", "bounds", "reasons"}
+    assert set(d["weights"]) == {"resident", "streamed"} and len(d["activations"]) == 48
+    text = p.explain()
+    assert "streamed: " in text and "step:" in text and "bound by h2d" in text
+
+
+def test_cpu_profile_plans_everything_in_ram():
+    p = plan_training(gpt18(), HardwareProfile(ram_available=256 * G, ram_total=256 * G, adamw_gbps=10.0))
+    assert p.mode == "cpu" and p.memory["ram"]["total"] == resident_bytes_fp32(1024)
+
+
+# ---- ramstream plan ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAMSTREAM_CACHE_DIR", str(tmp_path / "empty-cache"))
+
+
+def test_cli_plan_config_lora_json(tmp_path, capsys, no_cache):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN14))
+    rc = main(["plan", "--config", str(tmp_path / "config.json"), "--lora", "16", "--vram-gb", "24",
+               "--ram-gb", "128", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] and out["sources"]["rates"].startswith("H200-machine defaults")
+    assert out["profile"]["h2d_gbps"] == 55.0 and out["profile"]["adamw_gbps"] == 115.0
+    assert (
+        out["plan"]["weights"]["streamed"] == plan_training(qwen(QWEN14), prof(24, 128)).weights["streamed"]
+    )
+
+
+def test_cli_plan_text_given_rates(capsys, no_cache):
+    rc = main(["plan", "--gpt", "1.8b", "--dtype", "fp32", "--vram-gb", "80", "--ram-gb", "64", "--tflops", "100",
+               "--h2d-gbps", "20", "--d2h-gbps", "20", "--adamw-gbps", "40"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        rc == 0
+        and ": resident" in out
+        and "matmul 100 TFLOP/s" in out
+        and "tflops" not in out.split("numbers:")[0]
+    )
+    assert "matmul_tflops: given" in out
+
+
+def test_cli_plan_exit_2_when_it_does_not_fit(tmp_path, capsys, no_cache):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN14))
+    rc = main(["plan", "--config", str(tmp_path), "--lora", "16", "--vram-gb", "4", "--ram-gb", "32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit" in err and "VRAM (least-VRAM plan)" in err
+    assert main(["plan", "--config", str(tmp_path / "missing.json")]) == 2
+    assert main(["plan", "--gpt", "1.8b", "--batch", "0"]) == 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, doctor, probe), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -88,6 +88,13 @@ for stage in $STAGES; do
         --rows "${STREAM_ROWS:-F,E,D8,A,C,B,D24}" --deadline "${STREAM_DEADLINE:-450}" \
         --out "$OUT/stream.json" ${STREAM_ARGS:-} > "$OUT/stream.log" 2>&1
       summary "stream rc=$?"; sed -n '/^config /,$p' "$OUT/stream.log" | tee -a "$OUT/summary.txt" ;;
+    doctor)  # issue 9: what this machine offers, one screen
+      timeout 120 ramstream doctor > "$OUT/doctor.log" 2>&1
+      summary "doctor rc=$?"; cat "$OUT/doctor.log" ;;
+    probe)   # issue 10: the weight stream of the 1.8B GPT through a 4 GiB cap (probe_stream.py)
+      timeout "${PROBE_TIMEOUT:-400}" python3 bench/train/probe_stream.py --out "$OUT/probe.json" \
+        ${PROBE_ARGS:-} > "$OUT/probe.log" 2>&1
+      summary "probe rc=$?"; cut -c1-600 "$OUT/probe.log" | tee -a "$OUT/summary.txt" ;;
     dp)    # issue 5 (a machine with 2+ GPUs): scaling, 1/N host state, parity, identical replicas
       timeout 580 python3 bench/train/bench_dp.py --nproc "${NPROC:-2}" --model "${MODEL:-1.8b}" \
         --batch 8 --seq 512 --steps 10 --check --out "$OUT/dp.json" > "$OUT/dp.log" 2>&1

@@ -46,6 +46,9 @@ def _batches(n: int, device):
 
 def _train(m, device, steps=10, **options):
     params = [p for p in m.parameters() if p.requires_grad]
+    # offload=True: on a GPU the unstreamed run would switch to torch's fused AdamW after two
+    # steps (streamed runs never do), whose rounding differs from the host AdamW's
+    options.setdefault("offload", True)
     model, opt = ramstream.wrap(m, torch.optim.AdamW(params, lr=1e-2), device=device, **options)
     accum = options.get("accumulation_steps", 1)
     losses = []
@@ -70,6 +73,7 @@ CONFIGS = [
     ("plain", torch.float32, {"accumulation_steps": 2}),
     ("plain", torch.float32, {"activation_offload": True, "min_offload_bytes": 0}),
     ("plain", torch.float32, {"weight_window": 3}),
+    ("plain", torch.float32, {"activation_checkpointing": True}),
 ]
 
 
@@ -217,3 +221,42 @@ def test_a_model_built_on_the_cpu_never_holds_all_block_weights_on_the_gpu():
     peak = torch.cuda.max_memory_allocated() - base
     assert ramstream.memory_report(model)["params"]["stream"]["peak_loaded_bytes"] <= 3 * block_bytes
     assert peak < 8 * block_bytes, (peak, block_bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_checkpointing_equals_keeping_activations(device):
+    m = _model("plain", torch.float32)
+    _, _, ref, ref_losses = _train(copy.deepcopy(m), device, param_offload=True)
+    model, _, got, losses = _train(m, device, param_offload=True, activation_checkpointing=[0, 2, 4])
+    assert losses == ref_losses and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert ramstream.memory_report(model)["plan"]["recompute"] == [0, 2, 4]
+    plain = ramstream.unwrap(model)
+    assert "forward" not in plain.blocks[0].__dict__  # the checkpointed forward is gone
+
+
+def test_checkpointed_blocks_keep_only_their_inputs():
+    """Saved-tensor count: a checkpointed block saves its input only (the recompute saves the rest
+    in backward)."""
+    m = _model("plain", torch.float32)
+    model, _ = ramstream.wrap(m, device="cpu", activation_checkpointing=True, param_offload=False)
+    idx, tgt = _batches(1, "cpu")[0]
+    counts = []
+
+    def pack(t):
+        counts.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, tgt)
+    saved_ckpt = len(counts)
+    ramstream.unwrap(model)
+    counts.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(idx, tgt)
+    assert saved_ckpt < len(counts) - 5 * 4  # each of 5 blocks saves >= 5 tensors unchecked
+
+
+@pytest.mark.parametrize("value", ["yes", 2.0, [1, "x"], None])
+def test_bad_activation_checkpointing_values_name_the_accepted_ones(value):
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        ramstream.wrap(_model("plain", torch.float32), device="cpu", activation_checkpointing=value)

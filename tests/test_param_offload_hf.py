@@ -55,3 +55,23 @@ def test_lora_streams_the_frozen_base_and_trains_only_adapters():
     st = model._ramstream.streamer
     frozen_bytes = sum(s.nbytes for blk in st.blocks for s in blk.slabs if not s.params[0].requires_grad)
     assert frozen_bytes > 0
+
+
+@pytest.mark.parametrize("make", [_llama, _lora], ids=["llama", "lora"])
+def test_wrap_checkpointing_of_hf_layers_streamed_equals_the_plain_run(make):
+    """activation_checkpointing on HF decoder layers (keyword arguments: attention mask, position
+    embeddings) with their weights streamed: the same losses and weights as keeping everything."""
+    base = make()
+    a, la, _ = _run(copy.deepcopy(base), False)
+    model, opt = ramstream.wrap(
+        base,
+        torch.optim.AdamW([p for p in base.parameters() if p.requires_grad], lr=3e-3),
+        device="cpu",
+        param_offload=True,
+        activation_checkpointing=True,
+    )
+    torch.manual_seed(3)
+    lb = _train(model, opt, _batches(4))
+    assert la == lb
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(pa, pb), na

@@ -243,8 +243,15 @@ def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
     torch.cuda.set_per_process_memory_fraction((used + (64 << 20)) / total, dev)
     try:
         with pytest.raises(MemoryError, match="GiB on cuda"):
-            ramstream.wrap(model, device=DEV)
+            ramstream.wrap(model, device=DEV, param_offload=False)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert getattr(model, "_ramstream", None) is None
+        # the default (param_offload="auto") streams the two Linear "blocks" instead, and trains
+        wrapped, opt = ramstream.wrap(model, device=DEV)
+        assert ramstream.memory_report(wrapped)["params"]["streamed_blocks"] == [0, 1]
+        wrapped(torch.randn(8, 4096, device=DEV)).square().mean().backward()
+        opt.step()
+        opt.synchronize()
+        ramstream.unwrap(wrapped)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
-    assert all(p.device.type == "cpu" for p in model.parameters())
-    assert getattr(model, "_ramstream", None) is None

@@ -111,8 +111,9 @@ STREAM = {"param_offload": True}
 # fmt: off
 CONFIGS = [
     # F: weights streamed through a 4 GiB cap; the same model uncapped is B_stock
-    _c("F_stream4", "F", "gpt1.8b", "ramstream", 4, 8, options=STREAM, build="cpu",
-       baseline="B_stock", bandwidth=True, timeout=180),
+    _c("F_stream4", "F", "gpt1.8b", "ramstream", 4, 8, loss="chunked", build="cpu",
+       options={**STREAM, "activation_checkpointing": True}, baseline="B_stock", bandwidth=True,
+       timeout=180),
     # E: a 14B bf16 base (29.5 GB) under 24 GiB
     _c("E_stock", "E", "qwen14b", "stock", 24, 4, expect="oom", timeout=90),
     _c("E_defaults", "E", "qwen14b", "ramstream", 24, 4, build="cpu", timeout=200),

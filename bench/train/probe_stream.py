@@ -142,10 +142,9 @@ def main() -> int:
         return 0
     results = []
     for name in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--config", name] + [
-            a for a in sys.argv[1:] if not a.startswith("--configs") and not a.startswith("--out")
-        ]
-        cmd = [c for c in cmd if c not in args.configs.split(",") or c == name]
+        cmd = [sys.executable, __file__, "--config", name, "--model", args.model, "--device", args.device]
+        for k in ("batch", "seq", "steps", "warmup"):
+            cmd += [f"--{k}", str(getattr(args, k))]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = (p.stdout.strip().splitlines() or [""])[-1]

@@ -102,6 +102,7 @@ class WrapOptions:
     max_activation_slowdown: float = 0.15
     blocks: Any = None
     param_offload: Any = "auto"
+    activation_checkpointing: Any = "auto"
     weight_window: int = 1
     check_memory: bool = True
     profile: bool = True
@@ -130,6 +131,9 @@ class WrapOptions:
         from .weights.setup import parse_param_offload
 
         o.param_offload = parse_param_offload(o.param_offload)
+        from .activations.recompute import parse_checkpointing
+
+        o.activation_checkpointing = parse_checkpointing(o.activation_checkpointing)
         for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile"):
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")

@@ -27,6 +27,7 @@ class _Wrapped:
         self.plan: dict = {}
         self.activations = None
         self.streamer = None
+        self.recompute = None
 
 
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -197,6 +198,23 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
     w = _Wrapped(model, opt, opts, log)
     engine, device = opt._engine, opt._engine.device
     engine.attach_forward_waits(model)
+    ckpt = opts.activation_checkpointing
+    if ckpt is not False:
+        from .activations.blocks import find_blocks
+        from .activations.recompute import Recompute, auto_checkpointing, checkpoint_indices
+
+        try:
+            blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+        except ValueError:
+            if ckpt != "auto":
+                raise
+            blocks = []
+        if ckpt == "auto":
+            ckpt = auto_checkpointing(model, blocks, device, log)
+    if ckpt is not False:
+        w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)))
+        w.plan["recompute"] = list(w.recompute.indices)
+        log(f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward")
     if opts.activation_offload is not False:
         from .activations import ActivationPolicy
 
@@ -337,6 +355,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         w.streamer.close()  # streamed weights stay in (pinned) host memory
     if w.activations is not None:
         w.activations.close()
+    if w.recompute is not None:
+        w.recompute.close()
     for h in w.handles:
         h.remove()
     if "_apply" in model.__dict__:

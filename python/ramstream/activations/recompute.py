@@ -1,0 +1,117 @@
+"""activation_checkpointing: chosen blocks keep only their inputs in forward and recompute the
+rest in backward (torch.utils.checkpoint, non-reentrant, RNG state restored: dropout-safe).
+
+The block's forward is replaced by a checkpointed call of the original, so module hooks on the
+block (the weight streamer's loads, activation paging) run once per forward, and the recompute
+happens inside the block's backward, after its output-gradient hook (weights are loaded by then).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def parse_checkpointing(value):
+    """ "auto", False, True, a fraction in [0, 1] of the block stack (from the front), or block
+    indices."""
+    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1:
+        return float(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return sorted(set(value))
+    raise ValueError(
+        f"wrap(): option activation_checkpointing={value!r} is not accepted; accepted: 'auto', True, False, "
+        "a fraction in [0, 1], or a list of block indices"
+    )
+
+
+def checkpoint_indices(option, n: int) -> list[int]:
+    if option is False:
+        return []
+    if option is True:
+        return list(range(n))
+    if isinstance(option, float):
+        return list(range(min(n, int(math.floor(option * n + 0.5 + 1e-9)))))
+    bad = [i for i in option if not 0 <= i < n]
+    if bad:
+        raise ValueError(
+            f"wrap(): option activation_checkpointing={option!r}: block indices {bad} out of range; "
+            f"the model has {n} blocks (0 to {n - 1})"
+        )
+    return list(option)
+
+
+# A KV cache written in forward would be written again by the recompute (Hugging Face layers):
+# under checkpointing a layer runs without one, as with HF's own gradient checkpointing.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def _without_cache(kwargs: dict) -> dict:
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for k in _CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = None
+    return kwargs
+
+
+def auto_checkpointing(model, blocks, device, log) -> bool:
+    """activation_checkpointing="auto": every block recomputes when the model is LoRA-like (less
+    than 10 % of the blocks' parameters train: recomputing a frozen layer is cheaper than paging
+    its activations, measured on the Qwen2.5-7B shape) on a GPU whose usable memory the block
+    weights fill to more than a quarter; never when Hugging Face's own gradient checkpointing is
+    on (the layers already recompute)."""
+    if device.type != "cuda" or not blocks:
+        return False
+    if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
+        return False
+    params = [p for b in blocks for p in b.parameters()]
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    if total == 0 or trained >= 0.10 * total:
+        return False
+    from ..hardware import gpu_memory
+
+    usable = gpu_memory(device)["cap"]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if nbytes <= usable / 4:
+        return False
+    log(
+        f"activation_checkpointing=auto: {trained / total:.1%} of the blocks' parameters train "
+        f"(LoRA-like) and their weights ({nbytes / 2**30:.2f} GiB) fill more than a quarter of "
+        f"{usable / 2**30:.2f} GiB: every block recomputes in backward"
+    )
+    return True
+
+
+class Recompute:
+    """Checkpoints the forward of `blocks[i]` for i in `indices`; close() restores them."""
+
+    def __init__(self, blocks, indices: list[int]) -> None:
+        self.indices = list(indices)
+        self._patched: list = []
+        for i in self.indices:
+            m = blocks[i]
+            had = "forward" in m.__dict__
+            orig = m.__dict__.get("forward", None)
+            fwd = m.forward
+
+            def run(*args, _fwd=fwd, **kwargs):
+                if not torch.is_grad_enabled():
+                    return _fwd(*args, **kwargs)
+                return checkpoint(_fwd, *args, use_reentrant=False, **_without_cache(kwargs))
+
+            m.forward = run
+            self._patched.append((m, had, orig))
+
+    def close(self) -> None:
+        for m, had, orig in self._patched:
+            if had:
+                m.forward = orig
+            else:
+                del m.forward
+        self._patched = []

@@ -73,5 +73,5 @@ def test_wrap_checkpointing_of_hf_layers_streamed_equals_the_plain_run(make):
     torch.manual_seed(3)
     lb = _train(model, opt, _batches(4))
     assert la == lb
-    for (na, pa), (nb, pb) in zip(a.state_dict().items(), model.state_dict().items()):
+    for (na, pa), (_nb, pb) in zip(a.state_dict().items(), model.state_dict().items()):
         assert torch.equal(pa, pb), na

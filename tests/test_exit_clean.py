@@ -25,6 +25,8 @@ for _ in range(3):
 def test_exit_with_queued_updates_is_clean():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     for _ in range(3):
-        p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         assert "terminate called" not in p.stderr

@@ -89,7 +89,9 @@ VALID = {
         st.booleans(), st.just("auto"), st.floats(0, 1), st.lists(st.integers(0, 1), max_size=2)
     ),
     "weight_window": st.integers(1, 4),
-    "activation_checkpointing": st.one_of(st.booleans(), st.just("auto"), st.floats(0, 1), st.lists(st.integers(0, 1), max_size=2)),
+    "activation_checkpointing": st.one_of(
+        st.booleans(), st.just("auto"), st.floats(0, 1), st.lists(st.integers(0, 1), max_size=2)
+    ),
     "check_memory": st.booleans(),
     "profile": st.booleans(),
 }

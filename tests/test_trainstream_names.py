@@ -38,9 +38,11 @@ def _attach_loop(device: str) -> None:
         assert max_diff(ref, attached) < 1e-5
         assert not opt.resident
         assert opt.stats()["steps"] == w_opt.stats()["steps"] == 8
-        if device == "cuda":  # every step uploads each fp32 weight once
+        if device == "cuda":  # every step uploads each fp32 weight once (with the alignment
+            # padding between parameters inside one copied range: at most the buckets' sizes)
             numel = opt.stats()["numel"]
-            assert opt.stats()["param_bytes_uploaded"] == 8 * numel * 4
+            padded = sum(b.numel for b in opt._engine.buckets)
+            assert 8 * numel * 4 <= opt.stats()["param_bytes_uploaded"] <= 8 * padded * 4
     finally:
         ramstream.unwrap(attached)
         ramstream.unwrap(wrapped)

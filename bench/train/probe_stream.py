@@ -63,6 +63,8 @@ def one(args) -> dict:
 
     dtype_name, autocast, cap, options = CONFIGS[args.config]
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # the memory cap needs an index
     cuda = dev.type == "cuda"
     if cuda and cap is not None:
         total = torch.cuda.get_device_properties(dev).total_memory

@@ -214,7 +214,9 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
     if ckpt is not False:
         w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)))
         w.plan["recompute"] = list(w.recompute.indices)
-        log(f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward")
+        log(
+            f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward"
+        )
     if opts.activation_offload is not False:
         from .activations import ActivationPolicy
 

@@ -19,9 +19,16 @@ def parse_checkpointing(value):
     indices."""
     if value is True or value is False or (isinstance(value, str) and value == "auto"):
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1:
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 1
+    ):
         return float(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
         return sorted(set(value))
     raise ValueError(
         f"wrap(): option activation_checkpointing={value!r} is not accepted; accepted: 'auto', True, False, "

@@ -99,8 +99,10 @@ class Engine:
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
         if max_inflight_bytes is None and self.dev.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            max_inflight_bytes = min(1 << 30, total // 10)
+            from ..hardware import gpu_memory
+
+            # a tenth of what the process may use (a per-process cap included), at most 1 GiB
+            max_inflight_bytes = max(1 << 20, min(1 << 30, gpu_memory(device)["cap"] // 10))
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = {
             "steps": 0,

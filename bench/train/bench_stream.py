@@ -121,6 +121,10 @@ CONFIGS = [
     # D at 8 GiB: the 7B base streamed
     _c("D8_stream", "D8", "qwen7b", "ramstream", 8, 4, options=STREAM, build="cpu",
        baseline="D24_stock_ckpt", timeout=180),
+    _c("D8_stream_w2", "D8", "qwen7b", "ramstream", 8, 4, options={**STREAM, "weight_window": 2},
+       build="cpu", baseline="D24_stock_ckpt", timeout=180),
+    _c("E_defaults_w2", "E", "qwen14b", "ramstream", 24, 4, options={"weight_window": 2}, build="cpu",
+       timeout=200),
     _c("D8_stream_ckpt", "D8", "qwen7b", "ramstream", 8, 4, options=STREAM, ckpt=True,
        build="cpu", baseline="D24_stock_ckpt", timeout=180),
     # A: 1.8B full FT at 24 GiB; the target (no slower than torchao) is this script's assumption

@@ -71,7 +71,7 @@ for stage in $STAGES; do
       summary "soak rc=$?"; tail -12 "$OUT/soak.log" ;;
     sanitize)  # compute-sanitizer memcheck and racecheck over the CUDA kernel tests, once
       cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-      for tool in memcheck racecheck; do
+      for tool in ${SAN_TOOLS:-memcheck racecheck}; do
         (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 240 "$cs" --tool "$tool" --error-exitcode 99 \
           --target-processes all python3 -m pytest -q -m cuda -p no:cacheprovider \
           ${SAN_TESTS:-test_cuda_kernels.py test_cuda_adamw.py} > "$OUT/sanitize_$tool.log" 2>&1)

@@ -255,3 +255,18 @@ def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
         ramstream.unwrap(wrapped)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
+
+
+@pytest.mark.cuda
+def test_a_build_without_cuda_kernels_updates_on_the_host_for_auto_and_refuses_gpu(monkeypatch):
+    """optimizer_mode='auto' on a build whose CUDA kernels cannot run: the host updates every
+    parameter and the log says why; 'gpu' raises naming the problem (issue 9)."""
+    from ramstream import hardware
+
+    monkeypatch.setattr(hardware, "kernels_problem", lambda: "this build of ramstream has no CUDA kernels")
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(DEV)
+    opt = ramstream.OffloadAdamW(m.parameters(), mode="auto")
+    assert opt._engine.mapped_numel == 0 and "no CUDA kernels" in opt.split_info["reason"]
+    opt.close()
+    with pytest.raises(RuntimeError, match="mode='gpu' needs ramstream's CUDA kernels"):
+        ramstream.OffloadAdamW(m.parameters(), mode="gpu")

@@ -207,6 +207,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                     "state kept in pinned host memory)"
                 )
             return 0.0
+        from . import hardware
+
+        problem = hardware.kernels_problem()
+        if problem and mode == "gpu":
+            raise RuntimeError(f"OffloadAdamW: mode='gpu' needs ramstream's CUDA kernels, but {problem}")
+        if problem:  # "auto": the host threads update everything, and the log says why
+            self._log(f"optimizer_mode=auto: the host updates every parameter ({problem})")
+            self.split_info = {"fraction": 0.0, "reason": problem}
+            return 0.0
         if mode == "gpu":
             return 1.0
         from .engine.split import choose_mapped_fraction, measure

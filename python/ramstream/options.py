@@ -103,7 +103,7 @@ class WrapOptions:
     blocks: Any = None
     param_offload: Any = "auto"
     activation_checkpointing: Any = "auto"
-    weight_window: int = 1
+    weight_window: int = 2
     check_memory: bool = True
     profile: bool = True
     _extra: dict = field(default_factory=dict, repr=False)

@@ -75,7 +75,7 @@ def frozen_slabs(module: torch.nn.Module, skip: set, copier) -> list[Slab]:
 class WeightStreamer:
     """Streams the weights of `blocks` (Block objects, in forward order) through the device."""
 
-    def __init__(self, blocks: list[Block], *, copier, window: int = 1, log=None) -> None:
+    def __init__(self, blocks: list[Block], *, copier, window: int = 2, log=None) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"WeightStreamer: window must be an int >= 1, got {window!r}")
         self.blocks = blocks

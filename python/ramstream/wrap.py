@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from .hardware import host_memory
+from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog
@@ -155,33 +155,6 @@ def _use_data_parallel(option) -> bool:
     return bool(option)
 
 
-def _pick_moment_dtype(opts: WrapOptions, numel: int, log: EventLog) -> torch.dtype:
-    if opts.moment_dtype == "float32":
-        return torch.float32
-    if opts.moment_dtype == "bfloat16":
-        return torch.bfloat16
-    avail = host_memory()["available"]
-    need32 = numel * (4 + 8 + 4)  # master + two fp32 moments + landing
-    need16 = numel * (4 + 4 + 4)
-    if need32 <= 0.9 * avail:
-        log(
-            f"moment_dtype=auto -> float32 ({need32 / 2**30:.2f} GiB of host state <= 90% of "
-            f"{avail / 2**30:.2f} GiB available)"
-        )
-        return torch.float32
-    if need16 <= 0.9 * avail:
-        log(
-            f"moment_dtype=auto -> bfloat16 (float32 needs {need32 / 2**30:.2f} GiB > 90% of "
-            f"{avail / 2**30:.2f} GiB available; bfloat16 needs {need16 / 2**30:.2f} GiB)"
-        )
-        return torch.bfloat16
-    raise MemoryError(
-        f"wrap(): host state does not fit: {numel:,} trained parameters x 12 bytes (fp32 master + "
-        f"bf16 moments + landing buffer) = {need16 / 2**30:.2f} GiB > 90% of "
-        f"{avail / 2**30:.2f} GiB available RAM"
-    )
-
-
 def _param_kinds(model: torch.nn.Module) -> set:
     return {(p.device, p.dtype) for p in model.parameters()}
 
@@ -273,6 +246,36 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         _check_cuda_device(device, opts.optimizer_mode)
     use_dp = _use_data_parallel(opts.distributed)
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log)
+    # the host memory check comes before anything moves: a refusal leaves the model as it was
+    if optimizer is not None and not isinstance(
+        optimizer, (torch.optim.AdamW, torch.optim.Adam, OffloadAdamW)
+    ):
+        _convert_optimizer(optimizer, model, opts)  # raises, naming the accepted types
+    trained = [
+        p
+        for p in (
+            [q for g in optimizer.param_groups for q in g["params"]]
+            if optimizer is not None
+            else model.parameters()
+        )
+        if p.requires_grad
+    ]
+    if not trained:
+        raise ValueError(
+            "wrap(): none of the optimizer's parameters requires grad; set "
+            "requires_grad on the parameters to train before wrap()"
+        )
+    moment_dtype = pick_moment_dtype(
+        opts.moment_dtype,
+        numel=sum(p.numel() for p in dict.fromkeys(trained)),
+        working_bytes=trained[0].element_size(),
+        accumulate=opts.accumulation_steps > 1,
+        streamed=sum(
+            p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()) if id(p) in streamed
+        ),
+        check=opts.check_memory,
+        log=log,
+    )
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):
         if device.type == "cuda" and opts.check_memory:
             from .hardware import gpu_memory
@@ -298,7 +301,6 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "wrap(): none of the optimizer's parameters requires grad; set "
             "requires_grad on the parameters to train before wrap()"
         )
-    moment_dtype = _pick_moment_dtype(opts, numel, log)
     g0 = groups[0]
     opt = OffloadAdamW(
         groups,

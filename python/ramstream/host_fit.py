@@ -1,0 +1,87 @@
+"""wrap()'s host-RAM arithmetic: the moment dtype for moment_dtype="auto", and the refusal (a
+MemoryError showing every component) when the host state and the streamed weights cannot fit."""
+
+from __future__ import annotations
+
+import torch
+
+GIB = 2**30
+SHARE = 0.9  # of the available RAM that ramstream's host memory may take
+
+
+def host_components(
+    numel: int, working_bytes: int, moment_bytes: int, accumulate: bool, streamed: int
+) -> dict:
+    """Host bytes by component for `numel` trained elements: fp32 master, two moments, the
+    pinned landing buffer (working dtype), the fp32 accumulator (accumulation_steps > 1) and the
+    streamed blocks' weights at home in pinned memory."""
+    out = {
+        "fp32 master": numel * 4,
+        "moments": numel * 2 * moment_bytes,
+        "landing buffer": numel * working_bytes,
+        "streamed weights": streamed,
+    }
+    if accumulate:
+        out["accumulator"] = numel * 4
+    return out
+
+
+def _text(parts: dict) -> str:
+    return (
+        " + ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
+        + f" = {sum(parts.values()) / GIB:.2f} GiB"
+    )
+
+
+def pick_moment_dtype(
+    option: str,
+    *,
+    numel: int,
+    working_bytes: int,
+    accumulate: bool,
+    streamed: int,
+    check: bool,
+    log,
+    ram: dict | None = None,
+) -> torch.dtype:
+    """float32 or bfloat16 for moment_dtype=`option` ("auto", "float32", "bfloat16"): "auto" takes
+    fp32 unless the host memory (host_components) would exceed 90 % of the available RAM (cgroup
+    limit included), then bf16; MemoryError (when `check`) if the chosen dtype does not fit, with
+    each component and what would fit. `ram`: planner.profile.available_ram() (tests inject it)."""
+    if ram is None:
+        from .planner.profile import available_ram
+
+        ram = available_ram()
+    avail = ram["available"]
+    budget = SHARE * avail
+    fp32 = host_components(numel, working_bytes, 4, accumulate, streamed)
+    bf16 = host_components(numel, working_bytes, 2, accumulate, streamed)
+    where = f"{SHARE:.0%} of {avail / GIB:.2f} GiB available RAM" + (
+        f" (cgroup limit {ram['cgroup_limit'] / GIB:.2f} GiB)" if ram.get("cgroup_limit") else ""
+    )
+    if option == "auto":
+        if sum(fp32.values()) <= budget:
+            log(f"moment_dtype=auto -> float32 (host memory {_text(fp32)} <= {where})")
+            return torch.float32
+        if sum(bf16.values()) <= budget:
+            log(f"moment_dtype=auto -> bfloat16 (float32: {_text(fp32)} > {where}; bfloat16: {_text(bf16)})")
+            return torch.bfloat16
+        parts, dtype = bf16, torch.bfloat16
+    else:
+        dtype = torch.float32 if option == "float32" else torch.bfloat16
+        parts = fp32 if dtype == torch.float32 else bf16
+        if sum(parts.values()) <= budget:
+            return dtype
+    if not check:
+        log(f"check_memory=False: host memory {_text(parts)} > {where}; going on")
+        return dtype
+    hints = []
+    if dtype == torch.float32:
+        hints.append(f"moment_dtype='bfloat16' (needs {_text(bf16)})")
+    if streamed:
+        hints.append("quantized frozen weights (quantize='int8' or 'nf4') or fewer streamed blocks")
+    hints.append("LoRA or fewer trained parameters, or a machine with more RAM")
+    raise MemoryError(
+        f"wrap(): host memory does not fit: {_text(parts)} for {numel:,} trained elements "
+        f"({str(dtype).replace('torch.', '')} moments) > {where}. What would fit: " + "; ".join(hints)
+    )

@@ -73,3 +73,35 @@ def test_wrap_refuses_with_the_arithmetic_and_check_memory_false_trains(monkeypa
     opt.step()
     opt.synchronize()
     assert any("check_memory=False" in e for e in ramstream.memory_report(model)["events"])
+
+
+def test_the_hardware_profile_seeds_the_optimizer_split_rates(monkeypatch):
+    """profile=True on a GPU: the profile's rates (here injected) become optimizer_mode="auto"'s
+    host AdamW and PCIe rates (params/s = GB/s of fp32 state / 28 B), and its figures the plan's."""
+    import importlib
+
+    from ramstream import planner
+    from ramstream.engine import split
+
+    wrap = importlib.import_module("ramstream.wrap")  # the module (ramstream.wrap is the function)
+    from ramstream.options import WrapOptions
+
+    prof = planner.HardwareProfile(
+        device="cuda:0", h2d_gbps=50.0, d2h_gbps=51.0, adamw_gbps=112.0, source="given"
+    )
+    monkeypatch.setattr(planner, "profile_hardware", lambda device=None, **k: prof)
+    monkeypatch.setattr(split, "_MEASURED", {})
+    lines: list[str] = []
+    dev = torch.device("cuda", 0)
+    out = wrap._use_profile(WrapOptions.parse(), dev, lines.append)
+    assert out == prof.to_dict()
+    assert split._MEASURED["cuda:0"] == {"host_params_per_s": 112e9 / 28, "pcie_bytes_per_s": 50e9}
+    assert "H2D 50.0 GB/s" in lines[0]
+    assert wrap._use_profile(WrapOptions.parse(profile=False), dev, lines.append) is None
+
+    def broken(device=None, **k):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(planner, "profile_hardware", broken)
+    assert wrap._use_profile(WrapOptions.parse(), dev, lines.append) is None
+    assert "measures in-process" in lines[-1]

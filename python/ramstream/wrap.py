@@ -87,6 +87,29 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
 
 
+def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
+    """profile=True on a GPU: the hardware profile (read from its cache, or measured once and
+    cached: planner.profile_hardware) gives optimizer_mode="auto" its host AdamW and PCIe rates;
+    its figures go to memory_report(model)["plan"]["profile"]."""
+    if not opts.profile or device.type != "cuda":
+        return None
+    from .engine import split
+    from .planner import profile_hardware
+
+    try:
+        prof = profile_hardware(device)
+        split.seed(device, prof.adamw_gbps * 1e9 / 28, prof.h2d_gbps * 1e9)
+        log(
+            f"profile ({prof.source}): H2D {prof.h2d_gbps:.1f} GB/s, D2H {prof.d2h_gbps:.1f} GB/s, "
+            f"host AdamW {prof.adamw_gbps:.0f} GB/s of fp32 state, VRAM free "
+            f"{prof.vram_free / 2**30:.2f} GiB, RAM available {prof.ram_available / 2**30:.2f} GiB"
+        )
+        return prof.to_dict()
+    except Exception as exc:  # noqa: BLE001 - the in-process measurement takes over
+        log(f"profile: the hardware profile failed ({exc!r}); optimizer_mode=auto measures in-process")
+        return None
+
+
 def _bytes_to_move(model: torch.nn.Module, device: torch.device, skip=()) -> int:
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.device != device)
@@ -293,6 +316,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()} "
             f"({dist.get_backend()}); rank 0's weights broadcast"
         )
+    profile = _use_profile(opts, device, log)
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
     # frozen parameters (a LoRA model's base) get no host state: see Engine._make_slots
     numel = sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)
@@ -330,6 +354,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         log("optimizer state migrated from the given optimizer")
     w = attach_model(model, opt, opts, log)
     engine = opt._engine
+    if profile is not None:
+        w.plan["profile"] = profile
     if stream_idx:
         w.streamer = build_streamer(blocks, stream_idx, streamed, engine, opts.weight_window, log)
         engine.on_abandon.append(w.streamer.evict_all)

@@ -47,6 +47,16 @@ def choose_mapped_fraction(
     return f, info
 
 
+def seed(device: torch.device, host_params_per_s: float, pcie_bytes_per_s: float) -> None:
+    """Uses the hardware profile's rates (planner.profile_hardware, cached on disk) instead of
+    measuring them again in this process."""
+    if host_params_per_s > 0 and pcie_bytes_per_s > 0:
+        _MEASURED[str(device)] = {
+            "host_params_per_s": host_params_per_s,
+            "pcie_bytes_per_s": pcie_bytes_per_s,
+        }
+
+
 def measure(device: torch.device) -> dict:
     """Host AdamW rate (params/s) and one-way pinned PCIe bandwidth (bytes/s), measured once
     per process (about 0.1 s)."""

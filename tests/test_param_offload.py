@@ -260,3 +260,18 @@ def test_checkpointed_blocks_keep_only_their_inputs():
 def test_bad_activation_checkpointing_values_name_the_accepted_ones(value):
     with pytest.raises(ValueError, match="activation_checkpointing"):
         ramstream.wrap(_model("plain", torch.float32), device="cpu", activation_checkpointing=value)
+
+
+def test_memory_report_plan_says_where_the_optimizer_state_lives():
+    m = _model("plain", torch.float32)
+    model, opt, _, _ = _train(m, "cpu", steps=1, param_offload=[0, 1])
+    plan = ramstream.memory_report(model)["plan"]
+    engine = opt._engine
+    streamed = sum(1 for b in engine.buckets if b.streamed)
+    assert plan["optimizer"]["buckets"] == {
+        "host": len(engine.buckets) - streamed,
+        "mapped": 0,
+        "streamed": streamed,
+    }
+    assert streamed >= 2 and plan["weights"]["streamed"] == [0, 1] and not plan["optimizer"]["resident"]
+    assert plan["history"] == []  # offload=True: no switch decided

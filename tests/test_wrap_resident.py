@@ -445,3 +445,12 @@ def test_resident_peak_reuses_the_offloaded_runs_transient_memory_for_gradients(
     b16 = SimpleNamespace(numel=1000, dtype=torch.bfloat16, exp_avg=torch.empty(0, dtype=torch.bfloat16))
     p16, _ = resident_peak(SimpleNamespace(buckets=[b16]), {"now": 0, "peak": 0})
     assert p16 == (2 * 1000 * 2 + 1000 * 4) + (1000 * 2 + 1000 * 4)
+
+
+def test_the_switch_is_recorded_in_the_plan_history(roomy):
+    model, opt = _wrap(device="cpu")
+    train_torch(model, opt, batches(3))
+    hist = ramstream.memory_report(model)["plan"]["history"]
+    assert [h["change"] for h in hist] == ["resident"] and hist[0]["step"] == 2
+    assert hist[0]["predicted_resident_peak_bytes"] <= hist[0]["room_bytes"]
+    assert ramstream.memory_report(model)["plan"]["optimizer"]["resident"] is True

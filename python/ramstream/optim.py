@@ -156,6 +156,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._resident = None
         self._closed = False
         self._step_callbacks: list = []
+        self.plan_history: list[dict] = []  # the plan's changes (memory_report(model)["plan"])
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
         for i, g in enumerate(self.param_groups):  # a group may set its own hyper-parameters
@@ -463,6 +464,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         peak, text = resident_peak(self._engine, mem)
         room = mem["usable"] * (1 - self.vram_headroom)
         verdict = peak <= room
+        self.plan_history.append(
+            {
+                "step": SWITCH_AFTER_STEPS,
+                "change": "resident" if verdict else "keep offloading",
+                "measured_peak_bytes": mem["peak"],
+                "predicted_resident_peak_bytes": peak,
+                "room_bytes": int(room),
+            }
+        )
         self._log(
             f"offload=auto after {SWITCH_AFTER_STEPS} steps: a resident run would peak at {text}; "
             f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {self.vram_headroom:g}) = "

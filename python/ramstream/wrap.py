@@ -441,7 +441,19 @@ def memory_report(model: torch.nn.Module) -> dict:
         },
         "plan": {
             **w.plan,
-            "history": list(w.plan.get("history", [])),
+            "optimizer": {
+                "resident": w.optimizer.resident,
+                "buckets": {
+                    where: sum(1 for b in e.buckets if (b.placement, b.streamed) == key)
+                    for where, key in (
+                        ("host", ("host", False)),
+                        ("mapped", ("mapped", False)),
+                        ("streamed", ("host", True)),
+                    )
+                },
+                "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
+            },
+            "history": list(w.plan.get("history", [])) + list(w.optimizer.plan_history),
             "activations": w.activations.report() if w.activations is not None else None,
         },
     }

@@ -255,3 +255,24 @@ def test_prefetch_waits_for_the_gpu_to_reach_the_block_before(depth, expected):
     owner = {id(c.bwd_event): c.index for c in calls}
     # prefetching from block k first waits for backward to have reached block k + 1
     assert [owner[id(e)] for e in waits] == expected
+
+
+def test_a_failed_step_is_forgotten_and_its_buffers_dropped_at_once():
+    """HostPool.forget_failed_pass: the needs of the passes since the last successful step are
+    dropped, and so are the free buffers beyond what completed steps needed, newest first."""
+    pool = buffers.HostPool(pinned=False, window=2)
+    small = [pool.take(4096) for _ in range(3)]
+    for b in small:
+        pool.give(b, None)
+    pool.new_pass()  # the small step's need is recorded
+    pool.commit()  # ... and its optimizer step succeeded
+    need = pool.needs[-1]
+    big = [pool.take(1 << 20) for _ in range(4)]  # a large step: two passes (accumulation)
+    for b in big:
+        pool.give(b, None)
+    pool.new_pass()
+    assert pool.stats()["host_bytes_held"] >= 4 * (1 << 20)
+    gone = pool.forget_failed_pass()  # ... and its step failed
+    st = pool.stats()
+    assert gone >= 4 * (1 << 20) and st["host_bytes_held"] <= need
+    assert list(pool.needs) == [need]  # the failed passes' needs are gone

@@ -156,6 +156,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._resident = None
         self._closed = False
         self._step_callbacks: list = []
+        self._zero_grad_callbacks: list = []
         self.plan_history: list[dict] = []  # the plan's changes (memory_report(model)["plan"])
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         super().__init__(params, defaults)
@@ -268,13 +269,20 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         if not self._had_grads:
             self._check_first_gradients()
+        try:
+            if self._resident is not None:
+                self._resident.step()
+            else:
+                self._engine.step()
+        except BaseException:
+            for fn in self._zero_grad_callbacks:  # the failed step's pooled buffers go back
+                fn(failed=True)
+            raise
         if self._resident is not None:
-            self._resident.step()
             self._engine.stats["steps"] += 1
             self._after_step()
             return loss
         e = self._engine
-        e.step()
         if not e.forward_waits and not e.guard_params:
             e.synchronize()
         if self.offload == "auto" and e.stats["steps"] == SWITCH_AFTER_STEPS:
@@ -333,6 +341,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             target = self._resident or self._engine
             target.recover_if_abandoned()  # after a failed backward: start clean
             target.discard_if_gathered()  # between backward and step: drop, as torch
+            for fn in self._zero_grad_callbacks:  # a failed step's pooled buffers go back
+                fn()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:

@@ -218,6 +218,8 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
 
         w.activations = ActivationPolicy(model, device, opts, log)
         opt._step_callbacks.append(w.activations.on_step)
+        opt._zero_grad_callbacks.append(w.activations.off.after_failed_step)
+        opt._step_callbacks.append(w.activations.off._pool.commit)
         engine.on_abandon.append(w.activations.off.release_abandoned)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(

@@ -96,6 +96,7 @@ class HostPool:
         self.reuses = 0
         self.step_peak = 0  # the highest bytes_in_use since the last new_pass
         self.needs: deque[int] = deque(maxlen=window)  # step_peak of the last `window` steps
+        self.committed: list[int] = []  # needs as of the last successful optimizer step
         self.bytes_dropped = 0
         self.trims = 0
 
@@ -170,11 +171,34 @@ class HostPool:
         with self.lock:
             self.needs.append(self.step_peak)
             self.step_peak = self.bytes_in_use
-            keep = self.high_water
+        return self._drop_free_beyond(lambda: self.high_water)
+
+    def commit(self) -> None:
+        """An optimizer step succeeded: the needs recorded so far belong to completed steps."""
+        with self.lock:
+            self.committed = list(self.needs)
+
+    def forget_failed_pass(self) -> int:
+        """A step failed (out of memory in forward, say): the needs of its passes do not count,
+        and free buffers beyond what the completed steps needed (and what is in use now) are
+        dropped at once, so the failed step leaves the pinned bytes in use as they were. Returns
+        the bytes dropped."""
+        with self.lock:
+            self.step_peak = self.bytes_in_use
+            self.needs = deque(self.committed, maxlen=self.window)
+        return self._drop_free_beyond(lambda: max([self.bytes_in_use, *self.needs]), newest_first=True)
+
+    def _drop_free_beyond(self, keep_fn, newest_first: bool = False) -> int:
+        """Drops free buffers, least recently used first (the failed pass's: newest first), until
+        the pool holds at most keep_fn() bytes."""
+        with self.lock:
+            keep = keep_fn()
             excess = self.bytes_held - keep
             dropped: list[HostBuf] = []
             if excess > 0 and self.free:
                 lru = sorted((b for lst in self.free.values() for b in lst), key=lambda b: (b.tick, -b.size))
+                if newest_first:
+                    lru.reverse()
                 for b in lru:
                     if excess <= 0:
                         break

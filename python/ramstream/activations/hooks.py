@@ -37,26 +37,11 @@ from .buffers import (
     check_version,
     version_probe,
 )
-from .records import PassRecords
+from .records import PassRecords, top_hooks_are_checkpoint
 
 __all__ = ["ActivationOffloader"]
 
 _NO_CALL = 1 << 62  # "no block called yet": the next call starts a forward pass
-
-
-def _top_hooks_are_checkpoint() -> bool:
-    """True inside torch.utils.checkpoint's own saved-tensor hooks (its frame owns the tensors)."""
-    try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except Exception:  # pragma: no cover - older torch
-        return False
-    if not top:
-        return False
-    fn = top[0]
-    fn = getattr(fn, "__wrapped__", fn)
-    return "checkpoint" in (getattr(fn, "__module__", "") or "") or "checkpoint" in (
-        getattr(fn, "__qualname__", "") or ""
-    )
 
 
 # ---- the offloader ------------------------------------------------------------------------------
@@ -147,6 +132,7 @@ class ActivationOffloader:
         self._live: weakref.WeakSet = weakref.WeakSet()  # entries holding a host buffer
         self._aged_pass = -1
         self._backward_seen = False  # since the pool last aged: a new pass then starts a step
+        self._abandoned = False  # the last pass's backward raised (release_abandoned)
         self._last_index = _NO_CALL
         self._last_call: Call | None = None
         self._records = PassRecords(len(blocks))
@@ -255,7 +241,7 @@ class ActivationOffloader:
             and torch.is_grad_enabled()
             and not torch.is_inference_mode_enabled()
             and torch._C._current_graph_task_id() == -1  # not inside backward (recompute)
-            and not _top_hooks_are_checkpoint()
+            and not top_hooks_are_checkpoint()
         )
 
     def _pre(self, i: int, module: nn.Module) -> None:
@@ -479,11 +465,26 @@ class ActivationOffloader:
             self._counters["unpack_s"] += time.perf_counter() - t0
         return out
 
+    def after_failed_step(self, failed: bool = False) -> int:
+        """zero_grad(), or step() that raised (failed=True): when the last pass saw no backward
+        (it failed in forward), was abandoned or its step failed, and nothing paged is alive, its
+        buffers leave the pool's cache now (HostPool.forget_failed_pass), not two steps later."""
+        with self._lock:
+            alive = self._counters["live_entries"]
+        if alive or (self._backward_seen and not self._abandoned and not failed):
+            return 0
+        self._abandoned = False
+        gone = self._pool.forget_failed_pass()
+        if gone:
+            self.log(f"activation offload: a failed step's {gone / 2**20:.1f} MiB of host buffers given back")
+        return gone
+
     def release_abandoned(self) -> int:
         """A backward pass raised: torch (2.13, CPU) keeps the failed graph's unexecuted nodes
         alive, with the host buffers and device copies of their paged activations. Frees those of
         every pass but, when a new backward runs, the current one's (it is that backward's)."""
         keep = self._pass if torch._C._current_graph_task_id() != -1 else None
+        self._abandoned = keep is None  # outside a backward: the failed pass is the last one
         freed = 0
         for e in list(self._live):
             if e.call.pass_id == keep or e.buf is None:

@@ -85,3 +85,18 @@ class PassRecords:
         """Records t's storage range [lo, hi) as measured (entry None) or held by `entry`."""
         ref = weakref.ref(entry) if entry is not None else None
         recs.append((weakref.ref(t.untyped_storage()), t._version, ref, lo, hi))
+
+
+def top_hooks_are_checkpoint() -> bool:
+    """True inside torch.utils.checkpoint's own saved-tensor hooks (its frame owns the tensors)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except Exception:  # pragma: no cover - older torch
+        return False
+    if not top:
+        return False
+    fn = top[0]
+    fn = getattr(fn, "__wrapped__", fn)
+    return "checkpoint" in (getattr(fn, "__module__", "") or "") or "checkpoint" in (
+        getattr(fn, "__qualname__", "") or ""
+    )

@@ -275,3 +275,26 @@ def test_memory_report_plan_says_where_the_optimizer_state_lives():
     }
     assert streamed >= 2 and plan["weights"]["streamed"] == [0, 1] and not plan["optimizer"]["resident"]
     assert plan["history"] == []  # offload=True: no switch decided
+
+
+def test_streamed_blocks_under_autocast_train_as_the_unstreamed_model():
+    """bf16 autocast (CPU) over fp32 weights: the streamer clears autocast's weight-cast cache
+    after each block (it would keep every streamed block's cast alive): same results."""
+    runs = []
+    for offload in (False, True):
+        m = _model("plain", torch.float32)
+        model, opt = ramstream.wrap(
+            m, torch.optim.AdamW(m.parameters(), lr=1e-2), device="cpu", param_offload=offload, offload=True
+        )
+        losses = []
+        for idx, tgt in _batches(4, "cpu"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

@@ -155,6 +155,11 @@ class WeightStreamer:
     def _post_forward(self, k: int, out) -> None:
         if self._in_backward():
             return
+        if torch.is_autocast_enabled(self.copier.device.type):
+            # autocast caches the low-precision cast of every weight that requires grad until its
+            # region ends: all streamed blocks' casts would stay on the device. (A cleared cache
+            # only means a weight used again is cast again, to the same values.)
+            torch.clear_autocast_cache()
         y = _first_grad_tensor(out)
         if y is not None:
             y.register_hook(lambda g, k=k: self._output_grad(k))

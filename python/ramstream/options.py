@@ -184,18 +184,9 @@ class WrapOptions:
 
 def parse_activation_offload(value: Any):
     """ "auto", True, False, or a fraction in [0, 1] of the block stack."""
-    if value is True or value is False:
-        return value
-    if isinstance(value, str) and value == "auto":
-        return "auto"
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0.0 <= value <= 1.0
-    ):
-        return float(value)
-    raise _fail("activation_offload", value, "'auto', True, False, or a fraction in [0, 1]")
+    from .activations.blocks import parse_block_choice
+
+    return parse_block_choice("activation_offload", value, lists=False)
 
 
 def parse_device(value: Any, where: str = "wrap(): option") -> torch.device | None:

@@ -59,3 +59,52 @@ def ranges_text(idx: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(out)
+
+
+def parse_block_choice(name: str, value, *, auto: bool = True, lists: bool = True):
+    """A wrap() option that chooses blocks: "auto" (if `auto`), True, False, a fraction in [0, 1]
+    of the stack (from the front), or (if `lists`) a list of block indices (sorted, unique);
+    ValueError naming `name` and the accepted values otherwise."""
+    import math
+
+    if value is True or value is False or (auto and isinstance(value, str) and value == "auto"):
+        return value
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 1
+    ):
+        return float(value)
+    if (
+        lists
+        and isinstance(value, (list, tuple))
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        return sorted(set(value))
+    accepted = (
+        ("'auto', " if auto else "")
+        + "True, False, a fraction in [0, 1]"
+        + (", or a list of block indices" if lists else "")
+    )
+    raise ValueError(f"wrap(): option {name}={value!r} is not accepted; accepted: {accepted}")
+
+
+def chosen_blocks(name: str, option, n: int) -> list[int]:
+    """The block indices for a parsed choice other than "auto": False none, True all, a fraction
+    the first round(fraction * n) (halves up), a list those (ValueError when out of range)."""
+    from ..planner import fraction_to_blocks
+
+    if option is False:
+        return []
+    if option is True:
+        return list(range(n))
+    if isinstance(option, float):
+        return fraction_to_blocks(option, n)
+    bad = [i for i in option if not 0 <= i < n]
+    if bad:
+        raise ValueError(
+            f"wrap(): option {name}={option!r}: block indices {bad} out of range; the model has "
+            f"{n} blocks (0 to {n - 1})"
+        )
+    return list(option)

@@ -8,48 +8,20 @@ happens inside the block's backward, after its output-gradient hook (weights are
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .blocks import chosen_blocks, parse_block_choice
 
 
 def parse_checkpointing(value):
     """ "auto", False, True, a fraction in [0, 1] of the block stack (from the front), or block
     indices."""
-    if value is True or value is False or (isinstance(value, str) and value == "auto"):
-        return value
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value <= 1
-    ):
-        return float(value)
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    ):
-        return sorted(set(value))
-    raise ValueError(
-        f"wrap(): option activation_checkpointing={value!r} is not accepted; accepted: 'auto', True, False, "
-        "a fraction in [0, 1], or a list of block indices"
-    )
+    return parse_block_choice("activation_checkpointing", value)
 
 
 def checkpoint_indices(option, n: int) -> list[int]:
-    if option is False:
-        return []
-    if option is True:
-        return list(range(n))
-    if isinstance(option, float):
-        return list(range(min(n, int(math.floor(option * n + 0.5 + 1e-9)))))
-    bad = [i for i in option if not 0 <= i < n]
-    if bad:
-        raise ValueError(
-            f"wrap(): option activation_checkpointing={option!r}: block indices {bad} out of range; "
-            f"the model has {n} blocks (0 to {n - 1})"
-        )
-    return list(option)
+    return chosen_blocks("activation_checkpointing", option, n)
 
 
 # A KV cache written in forward would be written again by the recompute (Hugging Face layers):

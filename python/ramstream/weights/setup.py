@@ -3,11 +3,11 @@ wrapped model (policy here; the mechanism is slab.py and streamer.py)."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
 
+from ..activations.blocks import chosen_blocks, parse_block_choice
 from .slab import make_copier
 from .streamer import Block, WeightStreamer, frozen_slabs
 
@@ -16,25 +16,7 @@ GIB = 2**30
 
 def parse_param_offload(value):
     """ "auto", True, False, a fraction in [0, 1] of the block stack, or a list of block indices."""
-    if value is True or value is False:
-        return value
-    if isinstance(value, str) and value == "auto":
-        return "auto"
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value <= 1
-    ):
-        return float(value)
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    ):
-        return sorted(set(value))
-    raise ValueError(
-        f"wrap(): option param_offload={value!r} is not accepted; accepted: 'auto', True, False, "
-        "a fraction in [0, 1], or a list of block indices"
-    )
+    return parse_block_choice("param_offload", value)
 
 
 def _nbytes(params) -> int:
@@ -55,20 +37,10 @@ def choose_streamed(model, blocks, option, device: torch.device, headroom: float
     streaming brings the resident weights under that share.
     """
     n = len(blocks)
-    if option is False or n == 0:
+    if n == 0:
         return []
-    if option is True:
-        return list(range(n))
-    if isinstance(option, float):
-        return list(range(min(n, int(math.floor(option * n + 0.5 + 1e-9)))))
-    if isinstance(option, list):
-        bad = [i for i in option if not 0 <= i < n]
-        if bad:
-            raise ValueError(
-                f"wrap(): option param_offload={option!r}: block indices {bad} out of range; the "
-                f"model has {n} blocks (0 to {n - 1})"
-            )
-        return option
+    if option != "auto":
+        return chosen_blocks("param_offload", option, n)
     if device.type != "cuda":
         return []  # "auto" on the CPU: nothing to save
     from ..hardware import gpu_memory

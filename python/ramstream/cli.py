@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
@@ -50,16 +49,6 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _time(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _cmd_bench(args) -> int:
     from . import functional as F
 
@@ -77,8 +66,10 @@ def _cmd_bench(args) -> int:
     tp = torch.nn.Parameter(p.clone())
     tp.grad = grad.clone()
     topt = torch.optim.AdamW([tp], lr=1e-3, fused=True)
-    t_ours = _time(ours, args.repeat)
-    t_torch = _time(topt.step, args.repeat)
+    from .planner.measure import best_seconds
+
+    t_ours = best_seconds(ours, args.repeat)
+    t_torch = best_seconds(topt.step, args.repeat)
     print(f"host AdamW fp32, {n / 1e6:.0f}M params, {torch.get_num_threads()} torch threads")
     print(f"  ramstream        {n / t_ours / 1e9:6.2f} G params/s  {32 * n / t_ours / 1e9:6.1f} GB/s")
     print(f"  torch fused CPU  {n / t_torch / 1e9:6.2f} G params/s  {32 * n / t_torch / 1e9:6.1f} GB/s")

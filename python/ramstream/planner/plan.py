@@ -305,20 +305,12 @@ def _resident(ctx: _Ctx, moment: str) -> dict:
 
 
 def _parse_param_offload(v, n: int) -> list[int] | None:
-    """None for "auto", else the streamed block indices."""
-    accepted = "'auto', True, False, a fraction in [0, 1] or a list of block indices"
-    if isinstance(v, str) and v == "auto":
-        return None
-    if v is True or v is False:
-        return list(range(n)) if v else []
-    if isinstance(v, float) and math.isfinite(v) and 0.0 <= v <= 1.0:
-        k = fraction_to_blocks(v, n)
-        return list(range(n - len(k), n))  # from the end of the stack
-    if isinstance(v, (list, tuple)) and all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in v
-    ):
-        return sorted(set(v))
-    raise ValueError(f"plan_training: param_offload={v!r} is not accepted; accepted: {accepted} (0..{n - 1})")
+    """None for "auto", else the streamed block indices, as wrap() reads the option (a fraction
+    streams the front of the stack)."""
+    from ..activations.blocks import chosen_blocks, parse_block_choice
+
+    choice = parse_block_choice("param_offload", v)
+    return None if choice == "auto" else chosen_blocks("param_offload", choice, n)
 
 
 def _make_plan(ctx: _Ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
@@ -388,7 +380,7 @@ def plan_training(
     Args:
         param_offload: "auto" (the fewest streamed blocks that give the shortest step), True (all
             blocks streamed), False (none; PlanError when that cannot fit), a fraction in [0, 1]
-            (that share of the blocks, from the end) or a list of block indices.
+            (that share of the blocks, from the front, as wrap()) or a list of block indices.
         activation_offload: "auto" (keep, page or recompute per block), True (page every block),
             False (keep every block), or a fraction in [0, 1] (page that share, from the front).
         optimizer_mode: "auto" (resident when it fits, else host with a VRAM share), "cpu" (host
@@ -467,7 +459,7 @@ def plan_training(
                 why = _line("resident: stock training fits, VRAM", c["vram"], budget, "usable")
                 return _make_plan(ctx, c, "resident", head + [why])
     # (b) offload: every number of streamed blocks (or the given ones), each moment dtype
-    sets = [forced] if forced is not None else [list(range(n - k, n)) for k in range(n + 1)]
+    sets = [forced] if forced is not None else [list(range(k)) for k in range(n + 1)]
     tried = []
     for m in moments:
         best = None
@@ -484,7 +476,7 @@ def plan_training(
             reasons = head + [
                 _line("VRAM", c["vram"], budget, "usable"),
                 _line("RAM", c["ram"], ctx.ram, "available"),
-                f"weights: {len(c['streamed'])} of {n} blocks streamed (from the end of the stack)"
+                f"weights: {len(c['streamed'])} of {n} blocks streamed (from the front of the stack, as wrap())"
                 + (f", param_offload={param_offload!r}" if forced is not None else ""),
                 c["act_why"],
                 f"optimizer: host AdamW on {1 - c['share']:.0%} of {shape.trained_numel / 1e6:.1f}M trained params, "

@@ -460,46 +460,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._resident is not None
 
     def _maybe_go_resident(self) -> None:
-        from .engine.resident import Resident, device_memory, resident_peak
+        from .engine.resident import maybe_switch
 
-        mem = device_memory(self._engine.device)
-        if mem is None:
-            return
-        if self._engine.dp is not None:
-            self._log("offload=auto: data parallel keeps offloading (no resident switch)")
-            return
-        if self._engine.streamed:
-            self._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
-            return
-        peak, text = resident_peak(self._engine, mem)
-        room = mem["usable"] * (1 - self.vram_headroom)
-        verdict = peak <= room
-        self.plan_history.append(
-            {
-                "step": SWITCH_AFTER_STEPS,
-                "change": "resident" if verdict else "keep offloading",
-                "measured_peak_bytes": mem["peak"],
-                "predicted_resident_peak_bytes": peak,
-                "room_bytes": int(room),
-            }
-        )
-        self._log(
-            f"offload=auto after {SWITCH_AFTER_STEPS} steps: a resident run would peak at {text}; "
-            f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {self.vram_headroom:g}) = "
-            f"{room / 2**30:.2f} GiB -> "
-            + ("switching to fused AdamW on the device" if verdict else "keep offloading")
-        )
-        if verdict:
-            try:
-                resident = Resident(self._engine, self.param_groups)
-            except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
-                msg = (
-                    f"offload=auto: the device ran out of memory building the resident state "
-                    f"({exc}); the partial copies are freed and the optimizer keeps offloading"
-                )
-                self._log(msg)
-                warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=3)
-                return
+        resident = maybe_switch(self, SWITCH_AFTER_STEPS)
+        if resident is not None:
             self._resident = resident
             self._engine.close()
             for b in self._engine.buckets:  # the state lives on the device now

@@ -16,6 +16,7 @@ raises (README "When a backward pass raises").
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -339,3 +340,49 @@ class Resident:
         for h in list(self._hooks.values()) + self._frozen_hooks:
             h.remove()
         self._hooks, self._frozen_hooks, self.grads = {}, [], {}
+
+
+def maybe_switch(opt, after_steps: int):
+    """offload="auto" after `after_steps` steps: the Resident that replaces opt's engine when a
+    resident run is predicted to fit (resident_peak) and its state could be built, else None; the
+    decision and its numbers go to opt's log and plan_history."""
+    engine = opt._engine
+    mem = device_memory(engine.device)
+    if mem is None:
+        return None
+    if engine.dp is not None:
+        opt._log("offload=auto: data parallel keeps offloading (no resident switch)")
+        return None
+    if engine.streamed:
+        opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
+        return None
+    peak, text = resident_peak(engine, mem)
+    room = mem["usable"] * (1 - opt.vram_headroom)
+    verdict = peak <= room
+    opt.plan_history.append(
+        {
+            "step": after_steps,
+            "change": "resident" if verdict else "keep offloading",
+            "measured_peak_bytes": mem["peak"],
+            "predicted_resident_peak_bytes": peak,
+            "room_bytes": int(room),
+        }
+    )
+    opt._log(
+        f"offload=auto after {after_steps} steps: a resident run would peak at {text}; "
+        f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {opt.vram_headroom:g}) = "
+        f"{room / 2**30:.2f} GiB -> "
+        + ("switching to fused AdamW on the device" if verdict else "keep offloading")
+    )
+    if not verdict:
+        return None
+    try:
+        return Resident(engine, opt.param_groups)
+    except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
+        msg = (
+            f"offload=auto: the device ran out of memory building the resident state "
+            f"({exc}); the partial copies are freed and the optimizer keeps offloading"
+        )
+        opt._log(msg)
+        warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=4)
+        return None

@@ -8,10 +8,8 @@ plan is "resident": everything on the GPU, torch's fused AdamW.
 
 Otherwise "offload": the optimizer state lives in host RAM (optionally a share of the trained
 parameters keeps its whole state in VRAM, sized to the VRAM left over); weights are resident or
-the fewest blocks are streamed, from the END of the stack (the last blocks' forward is followed at
-once by their backward, so the streamed window is reused there, and the front blocks, whose
-activations page best, keep their weights); per block the activations are kept, paged (from the
-front: choose_paged_blocks) or recomputed. Every number of streamed blocks is tried and the
+the fewest blocks are streamed, from the front of the stack as wrap() streams them; per block the
+activations are kept, paged (from the front: choose_paged_blocks) or recomputed. Every number of streamed blocks is tried and the
 fitting plan with the shortest predicted step wins (fewer streamed blocks on a tie).
 
 Step-time model (seconds; rates from the profile):
@@ -42,7 +40,7 @@ MATMUL_EFFICIENCY = 0.5  # share of the profile's matmul peak a training step re
 DEVICE_ADAMW_GBPS = 2000.0  # torch's fused AdamW on the GPU: state traffic in GB/s (HBM bound)
 ACT_OVERLAP = 0.9  # share of activation copies hidden behind compute, until measured
 GRAD_INFLIGHT_MAX = 1 << 30  # gradients crossing PCIe at once: min(1 GiB, VRAM / 10), as the engine
-STREAM_WINDOW = 2  # streamed blocks on the GPU at once: the one running and the one prefetched
+STREAM_WINDOW = 3  # streamed blocks on the GPU at once: the one running and weight_window=2 ahead
 FROZEN_BASE_SHARE = 0.1  # blocks with less trained share than this are a frozen base (LoRA)
 QUANT_BYTES = {"none": None, "int8": 1 + 4 / 64, "nf4": 0.5 + 4 / 64}  # bytes per quantized value
 _GIB = 2**30

@@ -272,3 +272,38 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, where):
     m, opt, sched = _wrapped()  # the next save removes what the dead process left
     ramstream.save_checkpoint(root / "ck", m, opt, step=0)
     assert sorted(os.listdir(root)) == (["ck"] if where == "first" else ["ck", "copy"])
+
+
+def test_tied_embeddings_with_streamed_weights_resume_exactly(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+        m = transformers.GPT2LMHeadModel(cfg)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        return ramstream.wrap(m, opt, device="cpu", param_offload=True, threads=1)
+
+    def steps(m, opt, rng):
+        for s in rng:
+            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(s))
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    ref, ropt = gpt2()
+    steps(ref, ropt, range(6))
+    m, opt = gpt2()
+    steps(m, opt, range(3))
+    ramstream.save_checkpoint(tmp_path / "ck", m, opt)
+    _, meta = tf.read_safetensors(str(tmp_path / "ck" / "model.safetensors"))
+    assert json.loads(meta["ramstream_ties"]) == {"lm_head.weight": "transformer.wte.weight"}
+    m2, opt2 = gpt2()
+    ramstream.load_checkpoint(tmp_path / "ck", m2, opt2)
+    assert m2.lm_head.weight is m2.transformer.wte.weight
+    assert ramstream.memory_report(m2)["params"]["streamed_blocks"] == [0, 1]
+    steps(m2, opt2, range(3, 6))
+    for (n, p), q in zip(ref.named_parameters(), m2.parameters()):
+        assert torch.equal(p, q), n

@@ -213,11 +213,11 @@ class OffloadTrainer(transformers.Trainer):
     max_grad_norm and accumulation_steps). fp16=True is refused (bf16 or fp32)."""
 
     def __init__(self, *args, ramstream: dict | None = None, **kwargs) -> None:
-        opts = dict(ramstream or {})
         if ramstream is not None and not isinstance(ramstream, dict):
             raise TypeError(
                 f"OffloadTrainer: ramstream= must be a dict of wrap() options, got {type(ramstream).__name__}"
             )
+        opts = dict(ramstream or {})
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if targs is not None and (getattr(targs, "fp16", False) or getattr(targs, "fp16_full_eval", False)):
             raise ValueError(

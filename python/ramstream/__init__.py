@@ -8,6 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import functional  # noqa: E402
+from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402
     empty_cache,
@@ -29,6 +30,9 @@ __all__ = [
     "wrap",
     "unwrap",
     "memory_report",
+    # checkpoints (safetensors + JSON, atomic)
+    "save_checkpoint",
+    "load_checkpoint",
     # the planner
     "profile_hardware",
     "HardwareProfile",

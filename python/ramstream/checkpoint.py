@@ -1,0 +1,326 @@
+"""save_checkpoint / load_checkpoint: model, optimizer and extras in one folder, atomically, no pickle.
+
+A checkpoint folder holds
+  model.safetensors      the model's state dict; tied tensors (one tensor under several names,
+                         such as a tied embedding and LM head) are stored once, the other names
+                         recorded in the file's metadata ("ramstream_ties")
+  optimizer.safetensors  the optimizer's tensors, named "state.<param id>.<key>"
+  optimizer.json         the rest of the optimizer's state dict (param groups, steps)
+  extra.safetensors, extra.json   the **extra given to save_checkpoint
+  meta.json              format, version, and "complete": true
+It is written in a temporary folder beside `path` and renamed to `path` only when complete; an
+existing checkpoint at `path` is exchanged with the new one in one rename (renameat2
+RENAME_EXCHANGE where the kernel offers it, else two renames) and then removed. An interrupted
+save leaves the previous checkpoint as it was and at most a hidden `.<name>.tmp-<pid>-*` folder
+without meta.json, which the next save removes.
+
+ramstream.OffloadAdamW's state (torch's AdamW format plus the fp32 masters) is written from the
+engine's host buffers one tensor at a time, without building its state dict first: saving holds
+no second copy of the host state. Moments are stored in their own dtype (bf16 moments as bf16), so
+loading restores them exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from ._tensorfile import entry, fsync_dir, read_safetensors, write_json, write_safetensors
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+FORMAT = "ramstream-checkpoint"
+VERSION = 1
+
+
+def _check_args(where: str, path, model, optimizer) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    return os.path.abspath(os.fspath(path))
+
+
+# ---- the model -----------------------------------------------------------------------------------
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+def _save_model(folder: str, model: torch.nn.Module) -> None:
+    sd = model.state_dict()  # a wrapped model waits for its pending updates first
+    first: dict = {}
+    ties: dict[str, str] = {}
+    entries = []
+    for name, t in sd.items():
+        if not torch.is_tensor(t):
+            raise TypeError(f"save_checkpoint: model state {name!r} is a {type(t).__name__}, not a tensor")
+        key = _tensor_key(t)
+        if t.numel() and key in first:
+            ties[name] = first[key]
+            continue
+        first[key] = name
+        entries.append(entry(name, t))
+    meta = {"format": FORMAT, "ramstream_ties": json.dumps(ties, sort_keys=True)}
+    write_safetensors(os.path.join(folder, "model.safetensors"), entries, meta)
+
+
+def _load_model(folder: str, model: torch.nn.Module) -> None:
+    tensors, meta = read_safetensors(os.path.join(folder, "model.safetensors"))
+    for alias, target in json.loads(meta.get("ramstream_ties", "{}")).items():
+        tensors[alias] = tensors[target]
+    model.load_state_dict(tensors)
+
+
+# ---- the optimizer -------------------------------------------------------------------------------
+def _groups_json(param_groups: list[dict], ids: list[list]) -> list[dict]:
+    out = []
+    for g, params in zip(param_groups, ids):
+        entry_ = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if torch.is_tensor(v):
+                v = v.item()
+            if isinstance(v, tuple):
+                v = list(v)
+            entry_[k] = v
+        entry_["params"] = list(params)
+        out.append(entry_)
+    return out
+
+
+def _offload_entries(opt) -> tuple[list, dict]:
+    """OffloadAdamW: (entries, json state) read from where the state lives, tensor by tensor."""
+    from .engine.layout import master_flat
+    from .engine.state import _slot_tensors
+
+    opt.synchronize()
+    e = opt._engine
+    entries, steps = [], {}
+    for s in e.slots:
+        step, m, v = _slot_tensors(opt, s)
+        if step == 0:
+            continue
+        steps[str(s.index)] = {"step": float(step)}
+        i, shape = s.index, tuple(s.param.shape)
+        if opt._resident is not None:
+            master = opt._resident.masters[i]
+        else:
+            master = master_flat(s.bucket)[s.offset : s.offset + s.numel]
+        entries += [
+            (f"state.{i}.exp_avg", m.dtype, shape, lambda m=m: m),
+            (f"state.{i}.exp_avg_sq", v.dtype, shape, lambda v=v: v),
+            (f"state.{i}.master", torch.float32, shape, lambda t=master, sh=shape: t.float().view(sh)),
+        ]
+    n, ids = 0, []
+    for g in opt.param_groups:
+        ids.append(list(range(n, n + len(g["params"]))))
+        n += len(g["params"])
+    return entries, {"state": steps, "param_groups": _groups_json(opt.param_groups, ids)}
+
+
+def _generic_entries(optimizer) -> tuple[list, dict]:
+    """Any torch optimizer: its state dict's tensors to safetensors, everything else to JSON."""
+    sd = optimizer.state_dict()
+    entries, state = [], {}
+    for pid, st in sd["state"].items():
+        rest = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                entries.append(entry(f"state.{pid}.{k}", v))
+            else:
+                rest[k] = v
+        state[str(pid)] = rest
+    groups = sd["param_groups"]
+    return entries, {"state": state, "param_groups": _groups_json(groups, [g["params"] for g in groups])}
+
+
+def _save_optimizer(folder: str, optimizer) -> None:
+    from .optim import OffloadAdamW
+
+    if isinstance(optimizer, OffloadAdamW) and optimizer._engine.dp is None:
+        entries, js = _offload_entries(optimizer)
+    else:  # a torch optimizer, or data parallel (state_dict() gathers from the owners)
+        entries, js = _generic_entries(optimizer)
+    js["type"] = type(optimizer).__name__
+    try:
+        text = json.dumps(js)
+    except TypeError as exc:
+        raise TypeError(
+            f"save_checkpoint: the optimizer's state has a value JSON cannot store ({exc})"
+        ) from None
+    write_safetensors(os.path.join(folder, "optimizer.safetensors"), entries, {"format": FORMAT})
+    write_json(os.path.join(folder, "optimizer.json"), json.loads(text))
+
+
+def _load_optimizer(folder: str, optimizer) -> None:
+    from .optim import OffloadAdamW
+
+    path = os.path.join(folder, "optimizer.json")
+    if not os.path.exists(path):
+        raise ValueError(f"load_checkpoint: {folder} holds no optimizer state (saved with optimizer=None)")
+    with open(path) as f:
+        js = json.load(f)
+    tensors, _ = read_safetensors(os.path.join(folder, "optimizer.safetensors"))
+    key = lambda pid: int(pid) if pid.lstrip("-").isdigit() else pid  # noqa: E731
+    state: dict = {key(pid): dict(rest) for pid, rest in js["state"].items()}
+    for name, t in tensors.items():
+        _, pid, k = name.split(".", 2)
+        state.setdefault(key(pid), {})[k] = t
+    for st in state.values():
+        if "step" in st and not torch.is_tensor(st["step"]) and not isinstance(optimizer, OffloadAdamW):
+            st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+    groups = []
+    for g in js["param_groups"]:
+        g = dict(g)
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        g["params"] = [key(str(p)) for p in g["params"]]
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---- extras --------------------------------------------------------------------------------------
+def _save_extra(folder: str, extra: dict) -> None:
+    tensors, rest = [], {}
+    for k, v in extra.items():
+        if torch.is_tensor(v):
+            tensors.append(entry(k, v))
+            continue
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"save_checkpoint: extra {k}= is a {type(v).__name__}; accepted: a tensor or a value "
+                "JSON can store (numbers, strings, bools, None, lists and dicts of them)"
+            ) from None
+        rest[k] = v
+    write_json(os.path.join(folder, "extra.json"), rest)
+    write_safetensors(os.path.join(folder, "extra.safetensors"), tensors, {"format": FORMAT})
+
+
+def _load_extra(folder: str) -> dict:
+    with open(os.path.join(folder, "extra.json")) as f:
+        out = json.load(f)
+    tensors, _ = read_safetensors(os.path.join(folder, "extra.safetensors"))
+    out.update({k: v.clone() for k, v in tensors.items()})
+    return out
+
+
+# ---- the folder ----------------------------------------------------------------------------------
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _discard(folder: str) -> None:
+    """Removes a folder, its meta.json first, so that no part of it looks complete."""
+    try:
+        os.remove(os.path.join(folder, "meta.json"))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_stale(parent: str, name: str) -> None:
+    """Temporary folders of saves to the same path whose process is gone."""
+    prefix = f".{name}.tmp-"
+    for entry_ in os.listdir(parent):
+        if not entry_.startswith(prefix):
+            continue
+        pid = entry_[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _discard(os.path.join(parent, entry_))
+        except PermissionError:
+            pass
+
+
+def _publish(tmp: str, path: str) -> None:
+    parent = os.path.dirname(path)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif not os.path.isdir(path) or os.path.islink(path):
+        raise ValueError(f"save_checkpoint: path {path} exists and is not a folder")
+    elif _exchange(tmp, path):
+        _discard(tmp)  # now the previous checkpoint
+    else:
+        old = tmp + "-old"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _discard(old)
+    fsync_dir(parent)
+
+
+def save_checkpoint(path, model: torch.nn.Module, optimizer=None, **extra) -> str:
+    """Saves `model` (its state dict, safetensors), `optimizer` (any torch optimizer whose state
+    is tensors and JSON values; a ramstream.OffloadAdamW's with its fp32 masters, streamed from
+    host RAM) and `extra` (tensors, or values JSON can store: the step, an LR scheduler's
+    state_dict(), the data position) into the folder `path`, which appears only when complete
+    and replaces an existing checkpoint there only then. Returns the absolute path. One process
+    (under data parallel, call it on every rank with a distinct path, or use rank 0's)."""
+    path = _check_args("save_checkpoint", path, model, optimizer)
+    parent, name = os.path.split(path)
+    if not name:
+        raise ValueError(f"save_checkpoint: path {path!r} names no folder")
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent, name)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)
+    try:
+        _save_model(tmp, model)
+        if optimizer is not None:
+            _save_optimizer(tmp, optimizer)
+        _save_extra(tmp, extra)
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "optimizer": optimizer is not None,
+            "complete": True,
+        }
+        write_json(os.path.join(tmp, "meta.json"), meta)  # last: only a complete folder has it
+        fsync_dir(tmp)
+        _publish(tmp, path)
+    except BaseException:
+        _discard(tmp)
+        raise
+    return path
+
+
+def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> dict:
+    """Loads a folder written by save_checkpoint into `model` (strict: every key must match) and
+    `optimizer` (if given; the model first, so that a bf16 model's fp32 masters are restored),
+    and returns the `extra` it was saved with. Nothing is unpickled. ValueError when `path` is
+    not a complete checkpoint."""
+    path = _check_args("load_checkpoint", path, model, optimizer)
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"load_checkpoint: {path} is not a complete ramstream checkpoint (no meta.json)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or not meta.get("complete"):
+        raise ValueError(f"load_checkpoint: {path} is not a complete ramstream checkpoint ({meta})")
+    if meta.get("version", 0) > VERSION:
+        raise ValueError(
+            f"load_checkpoint: {path} has format version {meta['version']}; this ramstream reads <= {VERSION}"
+        )
+    _load_model(path, model)
+    if optimizer is not None:
+        _load_optimizer(path, optimizer)
+    return _load_extra(path)

@@ -21,6 +21,7 @@ from .ops.memory import (  # noqa: E402
 )
 from .optim import OffloadAdamW  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
+from .quant import dequantize_model, quantize_model  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
 __all__ = [
@@ -29,6 +30,9 @@ __all__ = [
     "wrap",
     "unwrap",
     "memory_report",
+    # packed int8/NF4 frozen weights (quant/)
+    "quantize_model",
+    "dequantize_model",
     # the planner
     "profile_hardware",
     "HardwareProfile",

@@ -17,7 +17,7 @@ from .safetensors_files import checkpoint_files, read_header
 __all__ = ["load_model"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_REOPEN_BYTES = 256 << 20  # a file is re-opened after this much is read: its mapped pages leave RSS
+_REOPEN_BYTES = 16 << 20  # a file is re-opened after this much is read: its mapped pages leave RSS
 
 
 def _available_ram() -> int:
@@ -285,6 +285,7 @@ def _fill(model, headers, owners, weight_of, fmt, block):
                         t = f.get_tensor(key)
                         read += t.nbytes
                         _store(owners[pid], t, weight_of.get(pid), fmt, block)
+                        del t
                         done += 1
                         if bar is not None:
                             bar.update(1)
@@ -300,13 +301,15 @@ def _current(entries) -> torch.Tensor:
 
 
 def _store(entries, t, module, fmt, block):
+    """``t`` views the memory-mapped file: what is kept is a copy, so that no tensor holds the
+    mapping (and the pages it touched, counted in RSS) once the file is closed."""
     old = _current(entries)
     if t.is_floating_point() and old.is_floating_point():
         t = t.to(old.dtype)
     if module is not None and fmt in ("int8", "nf4"):
         quantize_module_(module, fmt, block, weight=t)
         return
-    _place(entries, t.contiguous(), getattr(old, "requires_grad", False))
+    _place(entries, t.clone(memory_format=torch.contiguous_format), getattr(old, "requires_grad", False))
 
 
 def _fill_random(model, owners, weight_of, fmt, block):

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import ramstream
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
 from ramstream.integrations import hf_load
 from ramstream.integrations.hf_load import load_model
 from ramstream.quant import is_quantized
@@ -220,3 +222,26 @@ def test_shapes_that_do_not_match_the_config(tmp_path):
         load_model(folder, quantize="nf4", intermediate_size=128)
     with pytest.raises(ValueError, match=r"lacks .* tensor"):
         load_model(folder, quantize="nf4", num_hidden_layers=4)
+
+
+def test_keys_without_the_base_model_prefix_load_like_from_pretrained(tmp_path):
+    """Hub GPT-2 checkpoints name h.0.attn... without 'transformer.'."""
+    folder = _save(tmp_path, "gpt2", tied=True)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = safetensors_torch.load_file(path)
+    stripped = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    assert stripped.keys() != tensors.keys()
+    safetensors_torch.save_file(stripped, path, metadata={"format": "pt"})
+    got = load_model(folder, quantize="none")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    _assert_same_tensors(got, ref)
+
+
+def test_a_failed_load_leaves_no_patch_behind(tmp_path):
+    folder = _save(tmp_path, "llama")
+    register = torch.nn.Module.register_parameter
+    with pytest.raises(ValueError, match="has shape"):
+        load_model(folder, quantize="nf4", hidden_size=128, num_attention_heads=4)
+    assert torch.nn.Module.register_parameter is register
+    lin = torch.nn.Linear(2, 2)
+    assert lin.weight.device.type == "cpu"

@@ -94,6 +94,9 @@ VALID = {
     ),
     "check_memory": st.booleans(),
     "profile": st.booleans(),
+    "quantize": st.sampled_from(["auto", "none", None, False, "int8", "nf4"]),
+    "quant_block_size": st.sampled_from([2, 64, 128]),
+    "prefer": st.sampled_from(["exact", "speed"]),
 }
 
 

@@ -22,6 +22,7 @@ from .ops.memory import (  # noqa: E402
 )
 from .optim import OffloadAdamW  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
+from .quant import dequantize_model, quantize_model  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
 __all__ = [
@@ -33,6 +34,9 @@ __all__ = [
     # checkpoints (safetensors + JSON, atomic)
     "save_checkpoint",
     "load_checkpoint",
+    # packed int8/NF4 frozen weights (quant/)
+    "quantize_model",
+    "dequantize_model",
     # the planner
     "profile_hardware",
     "HardwareProfile",

@@ -106,6 +106,9 @@ class WrapOptions:
     weight_window: int = 2
     check_memory: bool = True
     profile: bool = True
+    quantize: Any = "auto"
+    quant_block_size: int = 64
+    prefer: str = "exact"
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -179,6 +182,11 @@ class WrapOptions:
             or not 0.0 <= o.vram_headroom < 1.0
         ):
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")
+        from .quant.plan import parse_prefer, parse_quant_block_size, parse_quantize_option
+
+        o.quantize = parse_quantize_option(o.quantize)
+        o.quant_block_size = parse_quant_block_size(o.quant_block_size)
+        o.prefer = parse_prefer(o.prefer)
         return o
 
 

@@ -270,6 +270,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if device.type == "cuda":
         _check_cuda_device(device, opts.optimizer_mode)
     use_dp = _use_data_parallel(opts.distributed)
+    # --- quantize (issue 11): pack frozen block weights before any streaming decision ---
+    from .quant.plan import apply_quantize
+
+    quant_report, quant_removed = apply_quantize(model, opts, device, log)
+    # --- end quantize ---
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log)
     # the host memory check comes before anything moves: a refusal leaves the model as it was
     if optimizer is not None and not isinstance(
@@ -320,6 +325,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         )
     profile = _use_profile(opts, device, log)
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
+    if quant_removed:  # quantized weights left the model: drop them from the optimizer's groups
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) not in quant_removed]
     # frozen parameters (a LoRA model's base) get no host state: see Engine._make_slots
     numel = sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)
     if not any(p.requires_grad for g in groups for p in g["params"]):
@@ -355,6 +363,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")
     w = attach_model(model, opt, opts, log)
+    w.plan["quantize"] = quant_report
     engine = opt._engine
     if profile is not None:
         w.plan["profile"] = profile
@@ -396,6 +405,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if w.orig_apply is not None:
         model._apply = w.orig_apply
     del model._ramstream
+    from .quant import dequantize_model
+
+    dequantize_model(model)  # quantized weights become permanent (dequantized) parameters
     return model
 
 
@@ -425,7 +437,7 @@ def memory_report(model: torch.nn.Module) -> dict:
             "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,  # block weight loads
             "streamed_blocks": [b.index for b in w.streamer.blocks] if w.streamer is not None else [],
             "stream": dict(w.streamer.stats) if w.streamer is not None else {},
-            "quantize": None,
+            "quantize": w.plan.get("quantize"),
         },
         "activations": {
             "packed_bytes": act.get("bytes_d2h", 0),  # saved activations paged to host, in all

@@ -24,8 +24,16 @@ except ImportError as exc:  # pragma: no cover - transformers is optional
 
 from .. import loss as _loss
 from ..wrap import memory_report, wrap
+from .hf_load import load_model
 
-__all__ = ["OffloadTrainer", "TrainStreamTrainer", "RamstreamCallback", "wrap_hf", "find_decoder_layers"]
+__all__ = [
+    "OffloadTrainer",
+    "TrainStreamTrainer",
+    "RamstreamCallback",
+    "wrap_hf",
+    "find_decoder_layers",
+    "load_model",
+]
 
 logger = logging.getLogger("ramstream")
 

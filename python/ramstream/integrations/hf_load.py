@@ -1,0 +1,334 @@
+"""load_model(): a Hugging Face causal LM from local .safetensors files, read tensor by tensor and
+quantized while reading (frozen block weights as int8/NF4), so the full-precision base never
+exists in RAM at once; random_weights builds the shapes without a checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+
+from ..quant.model import parse_block_size, parse_format
+from ..quant.packed import quantizable, quantize_module_
+from .safetensors_files import checkpoint_files, read_header
+
+__all__ = ["load_model"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_REOPEN_BYTES = 16 << 20  # a file is re-opened after this much is read: its mapped pages leave RSS
+
+
+def _available_ram() -> int:
+    from ..hardware import host_memory  # noqa: PLC0415
+
+    return host_memory()["available"]
+
+
+def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction):
+    if quantize is None or quantize is False or quantize == "none":
+        fmt = "none"
+    elif quantize == "auto":
+        fmt = "auto"
+    else:
+        fmt = parse_format(quantize, "load_model(): quantize")  # lists int8, nf4
+    if fmt != "none" and not isinstance(quantize, str):
+        raise ValueError(f"load_model(): quantize={quantize!r} is not accepted")
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"load_model(): dtype={dtype!r} is not accepted; accepted: torch.bfloat16, torch.float16, torch.float32"
+        )
+    block = parse_block_size(quant_block_size, "load_model(): quant_block_size")
+    if not isinstance(random_weights, bool):
+        raise ValueError(
+            f"load_model(): random_weights={random_weights!r} is not accepted; accepted: True, False"
+        )
+    if (
+        isinstance(ram_fraction, bool)
+        or not isinstance(ram_fraction, (int, float))
+        or not 0 < ram_fraction <= 1
+    ):
+        raise ValueError(
+            f"load_model(): ram_fraction={ram_fraction!r} is not accepted; accepted: a number in (0, 1]"
+        )
+    return fmt, block
+
+
+def _resolve(name_or_path) -> str:
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load_model(): name_or_path must be a str or path, got {type(name_or_path).__name__}"
+        )
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        return path
+    try:  # a Hub id already in the local Hugging Face cache; nothing is downloaded
+        from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+        return snapshot_download(path, local_files_only=True)
+    except Exception:
+        raise ValueError(
+            f"load_model(): {path!r} is neither a local folder nor a model in the Hugging Face cache "
+            "(load_model downloads nothing: fetch it first, e.g. `huggingface-cli download`)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Parameters registered while this runs live on the meta device (no memory); buffers are built
+    normally, so the values models compute at construction (rotary frequencies) are real."""
+    orig = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        orig(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def _skeleton(config, dtype, trust_remote_code):
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    with _params_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _owners(model) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """id(parameter or persistent buffer) -> [(module, attribute, full name)], tied ones together."""
+    out: dict[int, list] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        pre = mname + "." if mname else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, n, pre + n))
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out.setdefault(id(b), []).append((m, n, pre + n))
+    return out
+
+
+def _decide(fmt, model, targets, block, ram_fraction):
+    """'none', 'int8' or 'nf4' for quantize='auto': quantize only if the model in its dtype does not
+    fit in ram_fraction of the available RAM (int8 before NF4); MemoryError when NF4 does not either."""
+    seen, total, packable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for m in targets:
+        packable += m.weight.numel()
+    w_bytes = sum(m.weight.numel() * m.weight.element_size() for m in targets)
+    sizes = {"none": total}
+    sizes["int8"] = total - w_bytes + packable * (1 + 4 / block)
+    sizes["nf4"] = total - w_bytes + packable * (0.5 + 4 / block)
+    if fmt != "auto":
+        return fmt, sizes
+    limit = ram_fraction * _available_ram()
+    for f in ("none", "int8", "nf4"):
+        if sizes[f] <= limit:
+            return f, sizes
+    gib = 2**30
+    raise MemoryError(
+        f"load_model(): the model does not fit: {sizes['none'] / gib:.2f} GiB in its dtype, "
+        f"{sizes['int8'] / gib:.2f} as int8, {sizes['nf4'] / gib:.2f} as NF4 > ram_fraction "
+        f"{ram_fraction} x {_available_ram() / gib:.2f} GiB available = {limit / gib:.2f} GiB"
+    )
+
+
+def _plan(headers, owners, prefix):
+    """{file: [(key, owners entry id)]} and the model names no file provides."""
+    by_name = {o[2]: pid for pid, os_ in owners.items() for o in os_}
+    plan, found = {}, set()
+    for path, header in headers.items():
+        rows = []
+        for key in header:
+            name = key if key in by_name else None
+            if name is None and prefix:
+                alt = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else f"{prefix}.{key}"
+                name = alt if alt in by_name else None
+            if name is None:
+                continue  # not part of this model (e.g. an old checkpoint's buffers)
+            rows.append((key, by_name[name]))
+            found.add(by_name[name])
+        plan[path] = rows
+    return plan, [os_[0][2] for pid, os_ in owners.items() if pid not in found]
+
+
+def _place(entries, value, requires_grad):
+    for m, attr, _ in entries:
+        if attr in m._parameters:
+            m._parameters[attr] = (
+                value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad)
+            )
+            value = m._parameters[attr]
+        else:
+            m._buffers[attr] = value
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }[name]
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        return tqdm(total=total, desc=desc, unit="tensor", disable=None)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def load_model(
+    name_or_path,
+    *,
+    quantize="auto",
+    dtype=torch.bfloat16,
+    quant_block_size=64,
+    random_weights=False,
+    ram_fraction=0.85,
+    trust_remote_code=False,
+    **config_overrides,
+):
+    """A Hugging Face causal LM (AutoModelForCausalLM) from a local folder or the HF cache holding
+    config.json and .safetensors files (one, or shards with model.safetensors.index.json).
+
+    The model is built without memory (parameters on the meta device), then filled tensor by
+    tensor from the memory-mapped files: each frozen weight of the block stack is packed as
+    ``quantize`` codes right after it is read (int8/NF4; ``"auto"``: only when the model in
+    ``dtype`` does not fit in ``ram_fraction`` of the available RAM, int8 before NF4), so the
+    full-precision base never exists in RAM at once. Packed weights are frozen; the others keep
+    requires_grad=True, as from_pretrained leaves them. With ``quantize="none"`` the result equals
+    ``AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)`` tensor for tensor.
+    ``random_weights=True`` reads no checkpoint (the model's own initialisation, block by block).
+    ``config_overrides`` set config attributes (``num_hidden_layers=4``). Returns the model in
+    eval mode, on the CPU.
+
+    Raises ValueError for a bad argument, a folder without .safetensors files, a pickle
+    checkpoint (never unpickled), a truncated or inconsistent file or a shape that does not match
+    the config (naming the file and tensor); MemoryError when even NF4 does not fit. Nothing is
+    returned half-loaded.
+    """
+    fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction)
+    folder = _resolve(name_or_path)
+    headers = {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **config_overrides)
+    model = _skeleton(config, dtype, trust_remote_code)
+    from ..activations.blocks import find_blocks  # noqa: PLC0415
+
+    try:
+        blocks = find_blocks(model)
+    except ValueError:
+        blocks = []
+    targets = {id(m): m for b in blocks for m in b.modules() if quantizable(m)}
+    fmt, _sizes = _decide(fmt, model, list(targets.values()), block, ram_fraction)
+    owners = _owners(model)
+    weight_of = {id(m._parameters["weight"]): m for m in targets.values()}
+    if random_weights:
+        _fill_random(model, owners, weight_of, fmt, block)
+    else:
+        _fill(model, headers, owners, weight_of, fmt, block)
+    left = [
+        n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"
+    ]
+    if left:
+        raise ValueError(
+            f"load_model(): the checkpoint in {folder} lacks {len(left)} tensor(s): {', '.join(left[:8])}"
+        )
+    model.eval()
+    return model
+
+
+def _fill(model, headers, owners, weight_of, fmt, block):
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+    plan, missing = _plan(headers, owners, getattr(model, "base_model_prefix", ""))
+    for path, rows in plan.items():  # shapes, before anything is read
+        for key, pid in rows:
+            want, got = tuple(_current(owners[pid]).shape), tuple(headers[path][key]["shape"])
+            if got != want:
+                raise ValueError(
+                    f"load_model(): {path}, tensor {key!r} has shape {got}, the config's model expects {want} "
+                    f"for {owners[pid][0][2]}"
+                )
+    if missing:
+        raise ValueError(
+            f"load_model(): the checkpoint lacks {len(missing)} tensor(s) of the model: {', '.join(missing[:8])}"
+        )
+    bar = _progress(sum(len(r) for r in plan.values()), "load_model")
+    for path, rows in plan.items():
+        done = 0
+        while done < len(rows):
+            try:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    read = 0
+                    while done < len(rows) and read < _REOPEN_BYTES:
+                        key, pid = rows[done]
+                        t = f.get_tensor(key)
+                        read += t.nbytes
+                        _store(owners[pid], t, weight_of.get(pid), fmt, block)
+                        del t
+                        done += 1
+                        if bar is not None:
+                            bar.update(1)
+            except SafetensorError as e:
+                raise ValueError(f"load_model(): {path}, tensor {rows[done][0]!r}: {e}") from None
+    if bar is not None:
+        bar.close()
+
+
+def _current(entries) -> torch.Tensor:
+    m, attr, _ = entries[0]
+    return m._parameters[attr] if attr in m._parameters else m._buffers[attr]
+
+
+def _store(entries, t, module, fmt, block):
+    """``t`` views the memory-mapped file: what is kept is a copy, so that no tensor holds the
+    mapping (and the pages it touched, counted in RSS) once the file is closed."""
+    old = _current(entries)
+    if t.is_floating_point() and old.is_floating_point():
+        t = t.to(old.dtype)
+    if module is not None and fmt in ("int8", "nf4"):
+        quantize_module_(module, fmt, block, weight=t)
+        return
+    _place(entries, t.clone(memory_format=torch.contiguous_format), getattr(old, "requires_grad", False))
+
+
+def _fill_random(model, owners, weight_of, fmt, block):
+    """Each module's parameters get memory and the model's own initialisation, one module at a
+    time; block weights are packed right away."""
+    init = getattr(model, "_init_weights", None)
+    targets = {id(m) for m in weight_of.values()}
+    mods = [m for m in model.modules() if any(p is not None and p.is_meta for p in m._parameters.values())]
+    bar = _progress(len(mods), "load_model (random weights)")
+    for m in mods:
+        for p in list(m._parameters.values()):
+            if p is not None and p.is_meta:
+                _place(owners[id(p)], torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+        if init is not None:
+            with torch.no_grad():
+                init(m)
+        if fmt in ("int8", "nf4") and id(m) in targets:
+            quantize_module_(m, fmt, block)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()

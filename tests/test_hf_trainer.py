@@ -354,31 +354,45 @@ def test_find_decoder_layers_and_the_loss_helper(kind):
 
 
 def test_wrap_hf_trains_like_torch_with_tied_streamed_embeddings():
+    """wrap_hf with streamed blocks and tied embeddings: bit-identical to the unstreamed wrap_hf
+    run, and the losses follow torch's AdamW loop. (Weights are not compared with torch's:
+    c_attn's key bias gets a gradient of rounding noise only, softmax being blind to it, which
+    AdamW's normalisation turns into +-lr steps that differ between any two summation orders;
+    with 2 threads that was 1.2e-5 here.)"""
     torch.manual_seed(0)
-    ref = _tiny("gpt2")
-    model = _tiny("gpt2")
-    model.load_state_dict(ref.state_dict())
-    for m in (ref, model):
-        m.config.resid_pdrop = 0.0
+    base = _tiny("gpt2")
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    runs = []
+    for offload in (None, False, True):
+        m = _tiny("gpt2")
+        m.load_state_dict(base.state_dict())
         for mod in m.modules():
             if isinstance(mod, torch.nn.Dropout):
                 mod.p = 0.0
-    ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
-    ref_loss = CausalLMLoss(ref)  # the same loss on the plain model: what differs is only ramstream
-    model, opt, loss_fn = wrap_hf(
-        model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", param_offload=True
-    )
-    assert model.lm_head.weight is model.transformer.wte.weight
-    for step in range(6):
-        batch = _data(2, seed=step)
-        kw = {k: torch.stack([r[k] for r in batch]) for k in ("input_ids", "attention_mask", "labels")}
-        ref_loss(**kw).backward()
-        ropt.step()
-        ropt.zero_grad()
-        loss_fn(**kw).backward()
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert _close(_params(model), _params(ref), 1e-5) < 1e-5
-    assert ramstream.memory_report(model)["params"]["streamed_blocks"] == [0, 1]
+        if offload is None:  # torch's own loop, the same loss function
+            opt, loss_fn = torch.optim.AdamW(m.parameters(), lr=3e-3, foreach=False), CausalLMLoss(m)
+        else:
+            m, opt, loss_fn = wrap_hf(
+                m, torch.optim.AdamW(m.parameters(), lr=3e-3), device="cpu", param_offload=offload
+            )
+            assert m.lm_head.weight is m.transformer.wte.weight
+        losses = []
+        for step in range(6):
+            batch = _data(2, seed=step)
+            kw = {k: torch.stack([r[k] for r in batch]) for k in ("input_ids", "attention_mask", "labels")}
+            loss = loss_fn(**kw)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if offload is not None:
+            opt.synchronize()
+            assert m.lm_head.weight is m.transformer.wte.weight
+        runs.append((m, losses))
+    (_, l_torch), (plain, l_plain), (streamed, l_streamed) = runs
+    assert l_streamed == l_plain
+    assert all(torch.equal(a, b) for a, b in zip(_params(plain).values(), _params(streamed).values()))
+    assert l_plain == pytest.approx(l_torch, rel=1e-4)
+    assert ramstream.memory_report(streamed)["params"]["streamed_blocks"] == [0, 1]

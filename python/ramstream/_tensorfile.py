@@ -12,6 +12,7 @@ file in place. Files are written to a temporary name, flushed to disk and rename
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -105,32 +106,65 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
     """(tensors, metadata) of a safetensors file. The tensors are views of the file mapped
     privately (copy-on-write), so reading a large file costs page cache, not a second copy in
     RAM; a tensor not aligned to its element size (a file from another writer) is copied.
-    ValueError naming the file when it is not a safetensors file."""
+    ValueError naming the file (and tensor) when it is not a valid safetensors file (read_header)."""
+    header, meta, start = read_header(path, "load_checkpoint")
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"load_checkpoint: {path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"load_checkpoint: {path} is not a safetensors file (bad header length)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise ValueError(f"load_checkpoint: {path} has an unreadable header ({exc})") from None
-    meta = header.pop("__metadata__", None) or {}
     base = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else None
-    start = 8 + n
     out = {}
     for name, info in header.items():
-        dtype = _DTYPES.get(info.get("dtype"))
-        a, b = info.get("data_offsets", (0, -1))
-        shape = tuple(info.get("shape", ()))
-        width = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
-        if dtype is None or start + b > size or b - a != torch.Size(shape).numel() * width:
-            raise ValueError(f"load_checkpoint: {path}: tensor {name!r} is malformed ({info})")
+        dtype, shape, (a, b) = _DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+        width = dtype.itemsize
         raw = base[start + a : start + b] if b > a else torch.empty(0, dtype=torch.uint8)
         if (start + a) % width:
             raw = raw.clone()
         out[name] = raw.view(dtype).view(shape)
     return out, meta
+
+
+_MAX_HEADER = 100 << 20
+
+
+def read_header(path: str, where: str) -> tuple[dict[str, dict], dict[str, str], int]:
+    """(tensors' header entries, metadata, offset of the data) of a safetensors file, checked: the
+    header is JSON, every dtype known, every tensor's byte range matches its shape and lies inside
+    the file. ValueError naming `where` (the caller), the file and the tensor otherwise."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{where}: {path} is truncated ({size} bytes, not even a header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(
+                f"{where}: {path}: header length {n} runs past the end of the file ({size} bytes)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {path}: the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: {path}: the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    data = size - 8 - n
+    for name, info in header.items():
+        at = f"{where}: {path}, tensor {name!r}"
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{at}: malformed header entry {info!r}") from None
+        if dtype not in _DTYPES:
+            raise ValueError(f"{at}: dtype {dtype!r} is not supported; accepted: {', '.join(_DTYPES)}")
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(
+            isinstance(o, int) for o in (begin, end)
+        ):
+            raise ValueError(f"{at}: malformed shape {shape!r} or offsets {(begin, end)!r}")
+        want = math.prod(shape) * _DTYPES[dtype].itemsize
+        if not 0 <= begin <= end or end - begin != want:
+            raise ValueError(f"{at}: offsets {begin}..{end} do not hold {shape} {dtype} ({want} bytes)")
+        if end > data:
+            raise ValueError(
+                f"{at}: offsets {begin}..{end} run past the end of the data ({data} bytes): the file is "
+                "truncated or its header is wrong"
+            )
+    return header, meta, 8 + n

@@ -18,7 +18,9 @@ def _gate(tmp_path, ours: float, theirs: float) -> subprocess.CompletedProcess:
         ("test_torch_foreach_fp32", 1.0),
     ]
     path = tmp_path / "bench_adamw.json"
-    path.write_text(json.dumps({"benchmarks": [{"name": n, "stats": {"min": t, "median": 2 * t}} for n, t in rows]}))
+    path.write_text(
+        json.dumps({"benchmarks": [{"name": n, "stats": {"min": t, "median": 2 * t}} for n, t in rows]})
+    )
     return subprocess.run([sys.executable, GATE, str(path)], capture_output=True, text=True)
 
 

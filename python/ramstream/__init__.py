@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from . import functional  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
+from .offload_model import OffloadModel, StepResult  # noqa: E402
 from .ops.memory import (  # noqa: E402
     empty_cache,
     memory_stats,
@@ -31,6 +32,9 @@ __all__ = [
     "wrap",
     "unwrap",
     "memory_report",
+    # explicit weight streaming over user-cut chunks (RamTorch's API)
+    "OffloadModel",
+    "StepResult",
     # checkpoints (safetensors + JSON, atomic)
     "save_checkpoint",
     "load_checkpoint",

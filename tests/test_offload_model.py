@@ -313,3 +313,15 @@ def test_bad_chunks_and_step_arguments():
     model.close()
     with pytest.raises(ValueError, match="closed"):
         model(x)
+
+
+def test_readme_example_runs():
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md")) as f:
+        section = f.read().split("## `ramstream.OffloadModel`", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md (OffloadModel)", "exec"), scope)  # noqa: S102 - our README
+    assert scope["res"].loss.ndim == 0 and scope["model"].streamer is None  # closed by `with`

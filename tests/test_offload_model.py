@@ -325,3 +325,17 @@ def test_readme_example_runs():
     scope: dict = {}
     exec(compile(code, "README.md (OffloadModel)", "exec"), scope)  # noqa: S102 - our README
     assert scope["res"].loss.ndim == 0 and scope["model"].streamer is None  # closed by `with`
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_hand_run_backward_on_cpu(keep):
+    chunks = _chunks()
+    ref = nn.Sequential(*copy.deepcopy(chunks))
+    model = ramstream.OffloadModel(chunks, device="cpu", keep_activations=keep)
+    x, y = _data(1)[0]
+    F.mse_loss(ref(x), y).backward()
+    F.mse_loss(model(x), y).backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert model.streamer.loaded_bytes() == 0
+    model.close()

@@ -28,14 +28,13 @@ configuration that would start with too little time left is skipped.
     python bench/train/bench_stream.py --tiny --device cpu          # every code path, seconds
 
 Models are built without their initialisation (meta device or transformers' no_init_weights) and
-filled cheaply (bench/train/bench_stream.py:fast_init_): on the GPU with normal_, on the CPU by
+filled cheaply (bench/train/stream_models.py:fast_init_): on the GPU with normal_, on the CPU by
 tiling a small random pool (normal_ runs at ~0.5-1.5 GB/s per core on the CPU, a copy at ~25).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -44,36 +43,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-QWEN = {
-    "qwen7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-    ),
-    "qwen14b": dict(
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-    ),
-    "qwen_tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
-}
-GPT_MODELS = {"gpt1.8b": "1.8b", "gpt6.85b": "6.85b", "gpt_tiny": "tiny"}
-TINY = {"gpt1.8b": "gpt_tiny", "gpt6.85b": "gpt_tiny", "qwen7b": "qwen_tiny", "qwen14b": "qwen_tiny"}
+sys.path.insert(0, HERE)
+from stream_models import TINY, build_gpt, build_qwen, h2d_gbps  # noqa: E402
+from stream_report import summarize, write_results  # noqa: E402
 
 BEST = {"optimizer_mode": "auto", "activation_offload": "auto"}
 
@@ -151,109 +123,12 @@ ROWS = list(dict.fromkeys(c["row"] for c in CONFIGS))
 DEFAULT_ROWS = "F,E,D8,A,C,B,D24"
 
 
-# ---- models -----------------------------------------------------------------------------------
-def fast_init_(model, std: float = 0.02, seed: int = 0) -> None:
-    """Fills every parameter in place, cheaply: matrices ~N(0, std) (on the CPU: a tiled random
-    pool at a random offset per tensor), 1-D "bias" zeros, other 1-D (norm weights) ones."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    pools = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() < 2:
-                p.zero_() if name.endswith("bias") else p.fill_(1.0)
-            elif p.device.type != "cpu":
-                p.normal_(0.0, std)
-            else:
-                key = p.dtype
-                if key not in pools:
-                    n = (1 << 22) + 17  # not a multiple of any row length: rows do not repeat
-                    pools[key] = (torch.randn(n, generator=gen) * std).to(p.dtype)
-                pool = pools[key]
-                flat, n, k = p.view(-1), p.numel(), pool.numel()
-                off = int(torch.randint(0, k, (1,), generator=gen))
-                s = 0
-                while s < n:
-                    m = min(k - off, n - s)
-                    flat[s : s + m].copy_(pool[off : off + m])
-                    s, off = s + m, 0
-
-
-def build_gpt(key: str, seq: int, dev):
-    import torch
-
-    sys.path.insert(0, HERE)
-    from gpt import CONFIGS as GPT_CONFIGS
-    from gpt import GPT
-
-    cfg = dict(GPT_CONFIGS[GPT_MODELS[key]], ctx=max(1024, seq))
-    with torch.device("meta"):
-        model = GPT(**cfg)
-    model = model.to_empty(device=dev)
-    fast_init_(model)
-    return model, cfg["vocab"]
-
-
-def build_qwen(key: str, dev, layers: int | None, ckpt: bool):
-    """A Qwen2.5-shaped causal LM with random bf16 weights and LoRA r16 on q,k,v,o,gate,up,down
-    (peft); the base frozen. ImportError when transformers or peft is missing."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        try:
-            from transformers.modeling_utils import no_init_weights
-        except ImportError:
-            no_init_weights = contextlib.nullcontext
-    shape = dict(QWEN[key])
-    if layers:
-        shape["num_hidden_layers"] = layers
-    cfg = Qwen2Config(**shape, tie_word_embeddings=False, use_cache=False, max_position_embeddings=32768)
-    with no_init_weights(), torch.device(dev):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    fast_init_(model)
-    model.train()
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lcfg = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
-    )
-    model = get_peft_model(model, lcfg)
-    return model, cfg.vocab_size
-
-
 # ---- one configuration, in its own process ----------------------------------------------------
 def _sync(dev) -> None:
     import torch
 
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _h2d_gbps(dev) -> float | None:
-    """GB/s of a 256 MiB pinned host -> device copy (median of 3), buffers freed after."""
-    import torch
-
-    if dev.type != "cuda":
-        return None
-    n = 256 << 20
-    host = torch.empty(n, dtype=torch.uint8).pin_memory()
-    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
-    gpu.copy_(host, non_blocking=True)
-    _sync(dev)
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        gpu.copy_(host, non_blocking=True)
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    del host, gpu
-    torch.cuda.empty_cache()
-    return n / sorted(ts)[1] / 1e9
 
 
 def _numeric(d: dict) -> dict:
@@ -348,7 +223,7 @@ def _train(args, cfg: dict, res: dict) -> None:
         if not cuda:
             raise _Unavailable("SKIP", "torchao's CPUOffloadOptimizer needs CUDA")
     if cfg["bandwidth"]:
-        res["h2d_gbps"] = _h2d_gbps(dev)
+        res["h2d_gbps"] = h2d_gbps(dev)
     torch.manual_seed(0)
     build_dev = torch.device("cpu") if cfg["build"] == "cpu" else dev
     t0 = time.perf_counter()
@@ -516,68 +391,6 @@ def plan_configs(rows: list[str]) -> list[dict]:
     return chosen
 
 
-def summarize(results: list[dict]) -> list[str]:
-    by = {r["name"]: r for r in results}
-    lines = [
-        f"{'config':16s} {'s/step':>8s} {'peak GiB':>8s} {'ratio':>7s} {'vs':14s} {'target':>7s} "
-        f"{'result':8s} notes"
-    ]
-    for r in results:
-        cfg = BY_NAME.get(r["name"], {})
-        ok = r.get("status") == "OK"
-        s = f"{r['s_per_step']:8.3f}" if ok else f"{'-':>8s}"
-        pk = r.get("peak_gib")
-        pk = f"{pk:8.2f}" if ok and pk is not None else f"{'-':>8s}"
-        b = by.get(cfg.get("baseline") or "")
-        ratio = None
-        if ok and b is not None and b.get("status") == "OK":
-            ratio = r["s_per_step"] / b["s_per_step"]
-            r["ratio"] = ratio
-            r["baseline"] = b["name"]
-        target = cfg.get("target")
-        result = r.get("status", "?")
-        if ok and target is not None:
-            result = "-" if ratio is None else ("PASS" if ratio <= target else "FAIL")
-        elif result == "OOM" and cfg.get("expect") == "oom":
-            result = "OOM(exp)"
-        notes = []
-        if ok:
-            ps = r.get("per_step") or {}
-            if ps:
-                h2d, d2h = ps.get("bytes_h2d", 0) / 1e9, ps.get("bytes_d2h", 0) / 1e9
-                notes.append(
-                    f"host {ps.get('host_update_s', 0):.3f}s wait {ps.get('wait_s', 0):.3f}s "
-                    f"thr {ps.get('throttle_s', 0):.3f}s h2d {h2d:.2f}GB d2h {d2h:.2f}GB"
-                )
-            if ps.get("bytes_h2d_weights") is not None:
-                notes.append(f"weights h2d {ps['bytes_h2d_weights'] / 1e9:.2f}GB")
-            if ps.get("stream_wait_s") is not None:
-                notes.append(f"stream wait {ps['stream_wait_s']:.3f}s")
-            if r.get("loads_per_step") is not None:
-                notes.append(f"loads/step {r['loads_per_step']:.1f}")
-            if r.get("h2d_weights_util") is not None:
-                notes.append(f"weight H2D {r['h2d_weights_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
-            elif r.get("h2d_total_util") is not None:
-                notes.append(f"all H2D {r['h2d_total_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
-            if r.get("mode"):
-                notes.append(f"mode {r['mode']}")
-        else:
-            notes.append((r.get("error") or "")[:110].replace("\n", " "))
-        lines.append(
-            f"{r['name']:16s} {s} {pk} {'' if ratio is None else f'{ratio:.3f}':>7s} "
-            f"{(cfg.get('baseline') or '-'):14s} {'' if target is None else f'<={target:g}':>7s} "
-            f"{result:8s} {'; '.join(notes)}"
-        )
-    return lines
-
-
-def _write(path: str, results: list[dict]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default=os.environ.get("STREAM_ROWS", DEFAULT_ROWS))
@@ -595,7 +408,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.summarize:
         with open(args.summarize) as f:
-            print("\n".join(summarize(json.load(f))))
+            print("\n".join(summarize(json.load(f), BY_NAME)))
         return 0
     if args.config:
         print("RESULT " + json.dumps(run_config(args, json.loads(args.config)), default=str), flush=True)
@@ -629,13 +442,13 @@ def main() -> int:
         brief = {k: r.get(k) for k in ("name", "status", "s_per_step", "peak_gib", "wall_s", "error")}
         print(json.dumps(brief, default=str), flush=True)
         if args.out:
-            _write(args.out, results)
+            write_results(args.out, results)
     print()
-    lines = summarize(results)
+    lines = summarize(results, BY_NAME)
     print("\n".join(lines))
     print(f"total {time.perf_counter() - t_run:.0f} s")
     if args.out:
-        _write(args.out, results)
+        write_results(args.out, results)
     return 0
 
 

@@ -35,23 +35,6 @@ CONFIGS = {
 }
 
 
-def h2d_gbps(nbytes: int = 256 << 20) -> float:
-    import torch
-
-    import ramstream
-
-    src = ramstream.functional.pinned_empty(nbytes, torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def one(args) -> dict:
     import torch
 
@@ -115,7 +98,9 @@ def one(args) -> dict:
             streamed_blocks=len(st.blocks),
         )
         if cuda:
-            bw = h2d_gbps()
+            from stream_models import h2d_gbps
+
+            bw = h2d_gbps(dev)
             out.update(
                 h2d_gbps=bw, stream_gbps=moved / step_s / 1e9, stream_share_of_step=moved / step_s / 1e9 / bw
             )

@@ -480,17 +480,13 @@ def test_pinned_pool_gives_memory_back_after_a_large_batch():
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(
-    reason="H200 run 2026-12-01: after the pool gave back 403 MB, the arena's pinned bytes fell "
-    "by 101 MB only (1015 -> 914 MB): its cache releases a block only when the whole block is "
-    "free. Open: the arena's trim after a large batch (issue 8 note).",
-    strict=False,
-)
 def test_pinned_pool_large_batch_reaches_the_driver_in_full():
     model = _model(layers=3)
     off = _offloader(model)
-    try:  # the large batch's pinned memory went back to the driver, not just to the arena's cache
+    try:  # the large batch's pinned memory went back to the driver, not just to the arena's cache:
+        # its buffers (>= 256 KiB here) have their own pages, which no slab keeps pinned
         need, big, pinned_big = _large_batch_then_small(model, off)
-        assert ramstream.memory_stats()["bytes_pinned"] <= pinned_big - 0.5 * (big - need)
+        given_back = pinned_big - ramstream.memory_stats()["bytes_pinned"]
+        assert given_back >= 0.95 * (big - need), (given_back, big, need)
     finally:
         off.detach()

@@ -30,8 +30,10 @@ nb::dlpack::dtype dlpack_dtype(DType t) {
 
 void release_block(void* p) noexcept { (void)global_arena().release(p); }
 
-// An arena-backed tensor of `shape` with elements of DLPack type `dt` (bits a multiple of 8).
-TorchArray arena_tensor(const std::vector<std::int64_t>& shape, nb::dlpack::dtype dt) {
+// An arena-backed tensor of `shape` with elements of DLPack type `dt` (bits a multiple of 8);
+// own_pages: HostArena::allocate's.
+TorchArray arena_tensor(const std::vector<std::int64_t>& shape, nb::dlpack::dtype dt,
+                        bool own_pages = false) {
   std::vector<std::size_t> dims(shape.size());
   std::size_t bytes = (dt.bits * dt.lanes + 7) / 8;
   bool overflow = false;
@@ -45,7 +47,7 @@ TorchArray arena_tensor(const std::vector<std::int64_t>& shape, nb::dlpack::dtyp
   }
   if (overflow) raise_value_error("pinned_empty: the tensor's byte size overflows 64 bits");
   void* p = nullptr;
-  check_without_gil([&] { return global_arena().allocate(bytes, &p); });
+  check_without_gil([&] { return global_arena().allocate(bytes, &p, nullptr, own_pages); });
   nb::capsule owner(p, &release_block);  // frees the block when the tensor's storage dies
   return TorchArray(p, dims.size(), dims.data(), owner, nullptr, dt, nb::device::cpu::value, 0);
 }
@@ -57,7 +59,8 @@ TorchArray pinned_empty(const std::vector<std::int64_t>& shape, int dtype_code) 
   return arena_tensor(shape, dlpack_dtype(static_cast<DType>(dtype_code)));
 }
 
-TorchArray pinned_empty_dlpack(const std::vector<std::int64_t>& shape, int type_code, int bits) {
+TorchArray pinned_empty_dlpack(const std::vector<std::int64_t>& shape, int type_code, int bits,
+                               bool own_pages) {
   using C = nb::dlpack::dtype_code;
   const bool known = type_code == static_cast<int>(C::Int) || type_code == static_cast<int>(C::UInt) ||
                      type_code == static_cast<int>(C::Float) ||
@@ -65,8 +68,10 @@ TorchArray pinned_empty_dlpack(const std::vector<std::int64_t>& shape, int type_
   if (!known || bits < 8 || bits > 64 || bits % 8 != 0 || (bits & (bits - 1)) != 0)
     raise_value_error("pinned_empty_dlpack: unsupported DLPack dtype (code " +
                       std::to_string(type_code) + ", " + std::to_string(bits) + " bits)");
-  return arena_tensor(shape, nb::dlpack::dtype{static_cast<std::uint8_t>(type_code),
-                                               static_cast<std::uint8_t>(bits), 1});
+  return arena_tensor(shape,
+                      nb::dlpack::dtype{static_cast<std::uint8_t>(type_code),
+                                        static_cast<std::uint8_t>(bits), 1},
+                      own_pages);
 }
 
 nb::dict stats_dict() {
@@ -110,9 +115,10 @@ void bind_memory(nb::module_& m) {
         "when a driver exists; the block returns to the arena when the tensor dies. dtype_code: "
         "0 float32, 1 bfloat16, 2 float16, 3 uint8, 4 int8. Thread-safe; releases the GIL.");
   m.def("pinned_empty_dlpack", &pinned_empty_dlpack, nb::arg("shape"), nb::arg("type_code"),
-        nb::arg("bits"),
+        nb::arg("bits"), nb::arg("own_pages") = false,
         "Internal: pinned_empty for any DLPack element type (type_code: 0 int, 1 uint, 2 float, "
-        "4 bfloat, 6 bool; bits 8/16/32/64).");
+        "4 bfloat, 6 bool; bits 8/16/32/64). own_pages: a dedicated allocation (no slab), given "
+        "back to the driver by trim() once released.");
   m.def("memory_stats", &stats_dict, "A snapshot of the host arena's counters (a dict).");
   m.def(
       "set_pin_budget",

@@ -188,7 +188,7 @@ Status HostArena::fallback_locked(std::size_t bytes, const std::string& reason, 
   return Status::ok();
 }
 
-Status HostArena::allocate(std::size_t bytes, void** out, bool* pinned) {
+Status HostArena::allocate(std::size_t bytes, void** out, bool* pinned, bool own_pages) {
   if (out == nullptr) return Status::invalid("allocate: out is null");
   *out = nullptr;
   if (pinned) *pinned = false;
@@ -200,8 +200,10 @@ Status HostArena::allocate(std::size_t bytes, void** out, bool* pinned) {
   if (!pinning_available_locked()) return fallback_locked(bytes, no_pinning_reason_, out);
 
   const std::size_t req = std::max<std::size_t>(bytes, 1);
-  const bool dedicated = req > kMaxSlabBlock;
-  const std::size_t cls = dedicated ? round_up(req, kDedicatedGranule) : host_size_class(req);
+  const bool dedicated = own_pages || req > kMaxSlabBlock;
+  const std::size_t cls = !dedicated ? host_size_class(req)
+                          : own_pages ? round_up(req, kAlignment)
+                                      : round_up(req, kDedicatedGranule);
 
   for (int attempt = 0;; ++attempt) {
     // 1. A cached block of the right size: no driver call.

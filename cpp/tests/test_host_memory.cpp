@@ -255,6 +255,39 @@ void test_dedicated() {
   check_invariants(a);
 }
 
+// own_pages blocks: dedicated at any size (4096-byte granule), reused from the cache like large
+// ones, and given back to the driver in full by trim() while slab blocks keep their slab pinned.
+void test_own_pages() {
+  fake::reset();
+  HostArena a(fake::driver);
+  void* keep = alloc(a, 100 * 1024);  // a slab block that stays live: its slab stays pinned
+  std::vector<void*> big;
+  for (int i = 0; i < 6; ++i) {
+    void* p = nullptr;
+    CHECK_OK(a.allocate(300 * 1024 + 1, &p, nullptr, true));
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 4096 == 0);
+    big.push_back(p);
+  }
+  HostMemoryStats s = a.stats();
+  const std::uint64_t own = 6 * ((300 * 1024 + 1 + 4095) / 4096 * 4096);
+  CHECK(s.slabs == 1 && s.dedicated_blocks == 6);
+  CHECK(s.bytes_pinned == 64 * MiB + own);
+  CHECK_OK(a.release(big[0]));
+  void* again = nullptr;
+  CHECK_OK(a.allocate(300 * 1024, &again, nullptr, true));  // the cached block, no driver call
+  CHECK(again == big[0] && a.stats().pin_calls == 7);
+  big[0] = again;
+  for (void* p : big) CHECK_OK(a.release(p));
+  check_invariants(a);
+  CHECK_OK(a.trim());
+  s = a.stats();
+  CHECK(s.dedicated_blocks == 0 && s.bytes_pinned == 64 * MiB);  // all of it back; the slab stays
+  CHECK_OK(a.release(keep));
+  CHECK_OK(a.trim());
+  CHECK(a.stats().bytes_pinned == 0);
+  check_invariants(a);
+}
+
 void test_budget_partial_slab_and_fallback() {
   fake::reset();
   HostArena a(fake::driver);
@@ -462,6 +495,7 @@ int main() {
   test_reuse();
   test_many_blocks_disjoint();
   test_dedicated();
+  test_own_pages();
   test_budget_partial_slab_and_fallback();
   test_make_room_unpins_cache();
   test_reclaim_free_slab();

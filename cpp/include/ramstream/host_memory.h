@@ -4,7 +4,7 @@
 // Layout. Requests up to kMaxSlabBlock bytes are rounded up to a size class (powers of two with
 // four sub-steps, multiples of 4096, at least 4096 bytes) and carved from 64 MiB page-locked slabs
 // (cudaHostAlloc, Portable | Mapped). Larger requests get one dedicated page-locked allocation,
-// rounded up to 2 MiB. A released block goes to a cache (per size class; dedicated blocks by
+// rounded up to 2 MiB (own_pages requests: any size, rounded up to 4096 bytes). A released block goes to a cache (per size class; dedicated blocks by
 // size) and is handed out again without a new driver call. trim() gives fully free slabs and
 // cached dedicated blocks back to the driver (cudaFreeHost). Every block is 4096-byte aligned.
 //
@@ -99,8 +99,11 @@ class HostArena {
 
   // A block of at least `bytes` bytes (0 is allowed and gives a minimal block), 4096-aligned.
   // *pinned (optional) tells whether it is page-locked or a fallback. kOutOfMemory, with the
-  // arithmetic, when neither page-locked nor ordinary memory can be had.
-  Status allocate(std::size_t bytes, void** out, bool* pinned = nullptr);
+  // arithmetic, when neither page-locked nor ordinary memory can be had. `own_pages`: the block
+  // is a dedicated allocation rounded to 4096 bytes whatever its size, sharing no slab with other
+  // blocks, so that trim() gives it back to the driver as soon as it is released (for pools whose
+  // size follows the batch: a slab keeps all of its 64 MiB pinned while any block in it lives).
+  Status allocate(std::size_t bytes, void** out, bool* pinned = nullptr, bool own_pages = false);
   // Returns a block from allocate() to the arena (nullptr: no-op). kInvalidArgument for a
   // pointer the arena did not hand out (or already got back).
   Status release(void* ptr);

@@ -39,6 +39,12 @@ __all__ = [
 
 
 # ---- host buffer pool --------------------------------------------------------------------------
+# Pooled buffers of at least this size get their own page-locked allocation (not a slab block),
+# so that what the pool gives back after a large batch goes back to the driver in full: pinned
+# bytes then exceed the pool's kept bytes by at most the slabs holding its smaller buffers.
+OWN_PAGES_MIN = 256 << 10
+
+
 def _size_class(n: int) -> int:
     """Rounds a byte count up to one of 8 classes per power of two (<= 12.5 % waste, >= 4 KiB)."""
     if n <= 4096:
@@ -136,7 +142,7 @@ class HostPool:
                 if self.pinned:
                     from ..ops.memory import pinned_empty
 
-                    t = pinned_empty(size, torch.uint8)
+                    t = pinned_empty(size, torch.uint8, own_pages=size >= OWN_PAGES_MIN)
                 else:
                     t = torch.empty(size, dtype=torch.uint8)
             except BaseException:  # out of memory: the buffer was never handed out

@@ -129,12 +129,16 @@ def _too_large(dims: tuple[int, ...], dtype: torch.dtype, itemsize: int, why: st
     )
 
 
-def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def pinned_empty(shape, dtype: torch.dtype = torch.float32, *, own_pages: bool = False) -> torch.Tensor:
     """An uninitialised, C-contiguous CPU tensor whose memory comes from the pinned host arena.
 
     Args:
         shape: an int or a sequence of non-negative ints (0 allowed).
         dtype: float32, bfloat16, float16, uint8, int8, float64, int16, int32, int64 or bool.
+        own_pages: give the tensor its own page-locked allocation (rounded up to 4 KiB) instead of
+            a block of a shared 64 MiB slab, so that ``empty_cache()`` returns it to the driver as
+            soon as it is freed (a slab stays page-locked while any block in it lives). For pools
+            whose size follows the batch; costs one driver call when no cached block fits.
 
     Returns a CPU tensor usable like any other. With a CUDA driver and GPU its memory is
     page-locked (``is_pinned()`` is True, ``.to("cuda", non_blocking=True)`` is asynchronous);
@@ -157,7 +161,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if not _State.device_set:
         _before_pinning()
     try:
-        t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1])
+        t = lib().pinned_empty_dlpack(list(dims), dl[0], dl[1], bool(own_pages))
     except MemoryError as e:
         raise _too_large(dims, dtype, itemsize, str(e)) from None
     # torch reports data_ptr() == 0 for empty tensors: nothing to check there.
@@ -225,7 +229,8 @@ def set_pin_budget(bytes_or_fraction) -> int:
 
 
 def empty_cache() -> None:
-    """Gives fully free pinned slabs and cached large blocks back to the driver (cudaFreeHost).
+    """Gives fully free pinned slabs and cached dedicated blocks (large or ``own_pages``) back to
+    the driver (cudaFreeHost).
 
     Blocks in use are untouched. cudaFreeHost synchronises the device: call it between steps.
     """

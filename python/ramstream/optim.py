@@ -65,8 +65,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         threads: host threads for the update (None: RAMSTREAM_NUM_THREADS or all cores).
         device: the compute device (default: the parameters' device).
         offload: True (always offload) or "auto" (after two steps, move the update to a CUDA
-            device when its state fits there with `vram_headroom` to spare; never on a CPU
-            device or with `distributed`).
+            device when its state fits there with `vram_headroom` to spare, otherwise keep in
+            VRAM the share of it that fits and update it there; never on a CPU device or with
+            `distributed`).
         vram_headroom: share of usable device memory the "auto" switch leaves free.
         guard_params: reads of a weight whose update is in flight wait for it.
         bucket_bytes: gradients and weights cross PCIe in buckets of about this size.
@@ -463,7 +464,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         from .engine.resident import maybe_switch
 
         resident = maybe_switch(self, SWITCH_AFTER_STEPS)
-        if resident is not None:
+        if resident is None:  # what VRAM is left holds a share of the state (vram_share.py)
+            from .engine.vram_share import maybe_share
+
+            maybe_share(self, SWITCH_AFTER_STEPS)
+        else:
             self._resident = resident
             self._engine.close()
             for b in self._engine.buckets:  # the state lives on the device now

@@ -462,6 +462,7 @@ def memory_report(model: torch.nn.Module) -> dict:
                     for where, key in (
                         ("host", ("host", False)),
                         ("mapped", ("mapped", False)),
+                        ("device", ("device", False)),
                         ("streamed", ("host", True)),
                     )
                 },

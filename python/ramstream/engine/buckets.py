@@ -44,7 +44,7 @@ class Bucket:
     numel: int
     state_offset: int  # element offset of this bucket in the whole state
     small_lo: int = 0  # small slots (gathered on the device first) start here
-    placement: str = "host"  # "host" or "mapped" (see layout.py)
+    placement: str = "host"  # "host", "mapped" or "device" (see layout.py)
     dtype: torch.dtype = torch.float32  # working (model) dtype
     device: torch.device = torch.device("cpu")
     device_flat: torch.Tensor | None = None  # the model's params are views of it
@@ -80,6 +80,7 @@ class Bucket:
         return self.numel * torch.empty((), dtype=dtype).element_size()
 
 
+GPU_UPDATED = ("mapped", "device")  # placements whose AdamW is the CUDA kernel (gpu_updates.py)
 DIRECT_BYTES = 1 << 20  # a gradient this large is copied to the host on its own
 ALIGN_BYTES = 512  # every parameter starts 512-byte aligned, as torch's allocator places
 # tensors (GPU kernels pick their code path by pointer alignment)

@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from .._faults import fault_point
-from .buckets import Bucket, Slot
+from .buckets import GPU_UPDATED, Bucket, Slot
 from .devices import check_param
 
 _NESTED = (
@@ -221,7 +221,7 @@ class GradientIntake:
         if p.grad is None:
             return
         s.micro_arrived = True
-        if b.placement == "mapped":
+        if b.placement in GPU_UPDATED:
             s.arrivals += 1  # the GPU updates it; its gradient stays on the device until then
             if self.final_micro:  # (earlier micro-batches: autograd sums the next into .grad)
                 self.updater.mapped_gradient(b, s)

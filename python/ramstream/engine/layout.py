@@ -6,13 +6,16 @@ Placements:
   "mapped": moments (and the fp32 master of a low-precision model) in pinned host memory mapped
             into the GPU's address space; the CUDA kernel updates over PCIe as gradients arrive;
             an fp32 model's weights on the GPU are their own master (optimizer_mode="gpu").
+  "device": as "mapped", with the moments (and a low-precision model's master) in device memory:
+            the same CUDA kernel updates them at device bandwidth, nothing crosses PCIe. Buckets
+            move there with relocate() when the planner finds VRAM to spare (vram_share.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .buckets import Bucket
+from .buckets import GPU_UPDATED, Bucket
 
 
 def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
@@ -67,6 +70,49 @@ def _allocate_streamed(engine, b: Bucket, owned: bool) -> None:
     b.acc = torch.empty(b.numel, dtype=torch.float32) if engine.accumulation_steps > 1 else None
 
 
+def relocate(engine, b: Bucket, placement: str) -> None:
+    """Moves a quiescent bucket's optimizer state (no job, update or gradient of it in flight:
+    between steps, after synchronize()) to `placement`, values unchanged: the fp32 master, the
+    moments and the step counts are copied, so the next update reads exactly what the old
+    placement would have read (mapped <-> device: the same kernel, bit for bit)."""
+    if placement not in ("host", "mapped", "device"):
+        raise ValueError(f"relocate: placement={placement!r}; accepted: 'host', 'mapped', 'device'")
+    if b.streamed or b.exp_avg is None or placement == b.placement:
+        return
+    if placement != "host" and engine.dev.type != "cuda":
+        raise ValueError(f"relocate: placement {placement!r} needs a CUDA device")
+    dev, n, fp32 = engine.dev, b.numel, b.dtype == torch.float32
+    master = master_flat(b)
+    if placement == "host":
+        new = dict(
+            master=master.to("cpu", torch.float32, copy=True),
+            exp_avg=b.exp_avg.to("cpu", copy=True),
+            exp_avg_sq=b.exp_avg_sq.to("cpu", copy=True),
+            landing=dev.host_buffer(n, b.dtype),
+            acc=torch.empty(n, dtype=torch.float32) if engine.accumulation_steps > 1 else None,
+        )
+    else:
+
+        def place(t, dtype):
+            if placement == "device":
+                return t.to(engine.device, dtype, copy=True)
+            return dev.host_buffer(n, dtype).copy_(t)
+
+        new = dict(
+            master=None if fp32 else place(master, torch.float32),
+            exp_avg=place(b.exp_avg, b.exp_avg.dtype),
+            exp_avg_sq=place(b.exp_avg_sq, b.exp_avg_sq.dtype),
+            landing=None,
+            acc=None,
+        )
+    if fp32 and b.placement == "host":  # the fp32 weights become their own master: same values
+        b.device_flat.copy_(master)
+    dev.synchronize()
+    for k, t in new.items():
+        setattr(b, k, t)
+    b.placement = placement
+
+
 def weights_flat(b: Bucket) -> torch.Tensor:
     """The flat working-dtype weights of a bucket: a streamed bucket's are at home in its slab."""
     return b.slab.home if b.streamed else b.device_flat
@@ -81,7 +127,7 @@ def snapshot_masters(engine) -> None:
     """Before a dtype conversion: a mapped fp32 bucket keeps its master in the weights
     themselves, so copy it to pinned host memory first (a conversion must not round it)."""
     for b in engine.buckets:
-        if b.placement == "mapped" and b.master is None:
+        if b.placement in GPU_UPDATED and b.master is None:
             b.master = engine.dev.host_buffer(b.numel, torch.float32)
             b.master.copy_(b.device_flat)
     engine.dev.synchronize()
@@ -114,7 +160,7 @@ def rebind(engine, model: torch.nn.Module | None) -> None:
             engine.log(f"bucket {b.index}: working dtype now {dtype} (fp32 master kept)")
         flat = torch.empty(b.numel, dtype=dtype, device=engine.device)
         flat.copy_(master)
-        if b.placement == "mapped" and dtype == torch.float32 and b.master is not None:
+        if b.placement in GPU_UPDATED and dtype == torch.float32 and b.master is not None:
             b.master = None  # the fp32 weights are the master again
         b.device_flat = flat
         b.h2d_event = None

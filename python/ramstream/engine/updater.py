@@ -18,6 +18,7 @@ import time
 import torch
 
 from .._faults import fault_point
+from .buckets import GPU_UPDATED
 from .gpu_updates import MappedUpdates
 from .host_jobs import Piece, add_sq_norm, land, update
 
@@ -160,7 +161,7 @@ class Updater:
                 s.step += 1
             if not self.parallel.owns(b):
                 continue
-            if b.placement == "mapped":
+            if b.placement in GPU_UPDATED:
                 self.mapped.launch(b, slots, hyper_of=lambda g: hypers[g], grad_scale=grad_scale)
                 continue
             pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
@@ -179,7 +180,7 @@ class Updater:
         with eager_updates=False and no max_grad_norm, where landings take no norm)."""
         by_bucket: dict[int, list[Piece]] = {}
         for s in todo:
-            if s.bucket.placement == "mapped":
+            if s.bucket.placement in GPU_UPDATED:
                 self.mapped.norm_add(s.param.grad)  # its gradients wait in .grad
             elif self.parallel.owns(s.bucket):
                 by_bucket.setdefault(s.bucket.index, []).append(

@@ -102,9 +102,14 @@ CONFIGS = [
     # A: 1.8B full FT at 24 GiB; the target (no slower than torchao) is this script's assumption
     _c("A_stock", "A", "gpt1.8b", "stock", 24, 8, expect="oom", timeout=90),
     _c("A_torchao", "A", "gpt1.8b", "torchao", 24, 8, timeout=150),
-    _c("A_defaults", "A", "gpt1.8b", "ramstream", 24, 8, baseline="A_torchao", target=1.0),
+    # (warmup 3: the optimizer state's VRAM share is decided after step 2)
+    _c("A_defaults", "A", "gpt1.8b", "ramstream", 24, 8, baseline="A_torchao", target=1.0, warmup=3),
+    _c("A_ckpt", "A", "gpt1.8b", "ramstream", 24, 8, options={"activation_checkpointing": True},
+       baseline="A_torchao", target=1.0, warmup=3),
     _c("A_chunked_best", "A", "gpt1.8b", "ramstream", 24, 8, loss="chunked", options=BEST,
-       baseline="A_torchao", target=1.0),
+       baseline="A_torchao", target=1.0, warmup=3),
+    _c("A_chunked_ckpt", "A", "gpt1.8b", "ramstream", 24, 8, loss="chunked",
+       options={"activation_checkpointing": True}, baseline="A_torchao", target=1.0, warmup=3),
     # C: 6.85B fp32 uncapped (stock ~110 GiB); the resident switch comes after 2 steps: warmup 3
     _c("C_stock", "C", "gpt6.85b", "stock", 0, 8, warmup=3, timeout=120),
     _c("C_defaults", "C", "gpt6.85b", "ramstream", 0, 8, baseline="C_stock", target=1.05,

@@ -116,6 +116,44 @@ def test_pool_shrinks_after_a_large_batch_to_what_small_batches_need(window):
     assert s["host_trims"] == 0  # the CPU pool has no arena cache to trim
 
 
+def test_a_pinned_pool_releases_its_dropped_buffers_before_it_trims_the_arena(monkeypatch):
+    """The arena can give back to the driver only what reached it: every buffer the pool drops
+    must be dead when the pool calls empty_cache(), and the large ones are own-pages blocks."""
+    import weakref
+
+    import ramstream.ops.memory as memory
+
+    asked, alive_at_trim = [], []
+    refs = []
+
+    def fake_pinned_empty(n, dtype, *, own_pages=False):
+        asked.append((n, own_pages))
+        t = torch.empty(n, dtype=dtype)
+        refs.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(memory, "pinned_empty", fake_pinned_empty)
+    monkeypatch.setattr(
+        memory, "empty_cache", lambda: alive_at_trim.append(sum(r() is not None for r in refs))
+    )
+    pool = buffers.HostPool(pinned=True, window=1)
+    small = [pool.take(8 << 10) for _ in range(2)]
+    big = [pool.take(1 << 20) for _ in range(3)]
+    assert [o for _, o in asked] == [False, False, True, True, True]  # OWN_PAGES_MIN = 256 KiB
+    for b in small + big:
+        pool.give(b, None)
+    del b, big
+    pool.new_pass()  # the step that used everything
+    for _ in range(2):
+        small = [pool.take(8 << 10) for _ in range(2)]
+        for b in small:
+            pool.give(b, None)
+        del b
+        pool.new_pass()
+    assert pool.stats()["host_bytes_held"] == 2 * (8 << 10)
+    assert alive_at_trim and alive_at_trim[-1] == 2  # only the kept small buffers were alive
+
+
 def test_pool_give_back_is_logged_with_its_numbers():
     logs = []
     model = make_model(0, n_blocks=3, d=32)

@@ -271,6 +271,7 @@ def test_memory_report_plan_says_where_the_optimizer_state_lives():
     assert plan["optimizer"]["buckets"] == {
         "host": len(engine.buckets) - streamed,
         "mapped": 0,
+        "device": 0,
         "streamed": streamed,
     }
     assert streamed >= 2 and plan["weights"]["streamed"] == [0, 1] and not plan["optimizer"]["resident"]

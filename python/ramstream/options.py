@@ -81,7 +81,7 @@ class WrapOptions:
     """Every wrap() option with its default. See the README table under "ramstream.wrap" for what
     each does."""
 
-    optimizer_mode: str = "cpu"
+    optimizer_mode: str = "auto"
     offload: Any = "auto"
     device: Any = None
     distributed: Any = None

@@ -206,7 +206,7 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
                 raise
             blocks = []
         if ckpt == "auto":
-            ckpt = auto_checkpointing(model, blocks, device, log)
+            ckpt = auto_checkpointing(model, blocks, device, log, opts.optimizer_mode)
     if ckpt is not False:
         w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)))
         w.plan["recompute"] = list(w.recompute.indices)

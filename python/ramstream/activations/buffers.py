@@ -220,14 +220,19 @@ class HostPool:
                 n = sum(b.size for b in dropped)
                 self.bytes_held -= n
                 self.bytes_dropped += n
+                del lru, b
         _drop(dropped)
-        if dropped and self.pinned:
+        n = sum(b.size for b in dropped)
+        # the last references go before the trim: a buffer still referenced here would reach the
+        # arena's cache only after empty_cache() and stay page-locked there
+        dropped.clear()
+        if n and self.pinned:
             from ..ops.memory import empty_cache
 
             empty_cache()
             with self.lock:
                 self.trims += 1
-        return sum(b.size for b in dropped)
+        return n
 
     def close(self) -> None:
         """Drops the free buffers; buffers still in use are dropped when given back."""

@@ -38,12 +38,16 @@ def _without_cache(kwargs: dict) -> dict:
     return kwargs
 
 
-def auto_checkpointing(model, blocks, device, log) -> bool:
+def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto") -> bool:
     """activation_checkpointing="auto": every block recomputes when the model is LoRA-like (less
     than 10 % of the blocks' parameters train: recomputing a frozen layer is cheaper than paging
     its activations, measured on the Qwen2.5-7B shape) on a GPU whose usable memory the block
-    weights fill to more than a quarter; never when Hugging Face's own gradient checkpointing is
-    on (the layers already recompute)."""
+    weights fill to more than a quarter; and in full fine-tuning whose weights, fp32 moments and
+    gradients cannot all be resident (90 % of usable memory) while the weights alone take less
+    than half of it (optimizer_mode not "cpu"): the VRAM activations would hold keeps a share of
+    the optimizer state instead (engine/vram_share.py), updated on the GPU rather than by the
+    host threads, the bound of such a run (1.8B GPT at 24 GiB: see bench/RESULTS.md). Never when
+    Hugging Face's own gradient checkpointing is on (the layers already recompute)."""
     if device.type != "cuda" or not blocks:
         return False
     if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
@@ -51,11 +55,13 @@ def auto_checkpointing(model, blocks, device, log) -> bool:
     params = [p for b in blocks for p in b.parameters()]
     total = sum(p.numel() for p in params)
     trained = sum(p.numel() for p in params if p.requires_grad)
-    if total == 0 or trained >= 0.10 * total:
+    if total == 0:
         return False
     from ..hardware import gpu_memory
 
     usable = gpu_memory(device)["cap"]
+    if trained >= 0.10 * total:
+        return _full_ft_checkpointing(model, usable, optimizer_mode, log)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     if nbytes <= usable / 4:
         return False
@@ -63,6 +69,28 @@ def auto_checkpointing(model, blocks, device, log) -> bool:
         f"activation_checkpointing=auto: {trained / total:.1%} of the blocks' parameters train "
         f"(LoRA-like) and their weights ({nbytes / 2**30:.2f} GiB) fill more than a quarter of "
         f"{usable / 2**30:.2f} GiB: every block recomputes in backward"
+    )
+    return True
+
+
+def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool:
+    """The full fine-tuning rule of auto_checkpointing."""
+    if optimizer_mode == "cpu":
+        return False
+    from ..hardware import kernels_problem
+
+    if kernels_problem():
+        return False
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trained = [p for p in params if p.requires_grad]
+    state = sum(p.numel() * (8 + p.element_size()) for p in trained)  # moments + gradient
+    if weights + state <= 0.9 * usable or weights >= usable / 2:
+        return False
+    log(
+        f"activation_checkpointing=auto: full fine-tuning; weights {weights / 2**30:.2f} GiB + "
+        f"moments and gradients {state / 2**30:.2f} GiB > 90% of {usable / 2**30:.2f} GiB usable: "
+        "every block recomputes in backward, so that VRAM keeps a share of the optimizer state"
     )
     return True
 

@@ -32,7 +32,7 @@ def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
 
 def _wrap_options(device: str) -> dict:
     extra = {"device": "cpu"} if device == "cpu" else {"offload": True}
-    return dict(bucket_bytes=1 << 14, **extra)
+    return dict(bucket_bytes=1 << 14, optimizer_mode="cpu", **extra)  # (data parallel: the host)
 
 
 def _rank_main(rank: int, store: str, out_dir: str, device: str, options: dict, steps: int) -> None:

@@ -91,7 +91,7 @@ def _wrapped(device, **kw):
         device=device,
         offload=True,
         bucket_bytes=1 << 16,
-        **kw,
+        **{"optimizer_mode": "cpu", **kw},  # the host path's copies are what this file tests
     )
     (b,) = opt._engine.buckets
     assert b.placement == "host" and b.landing.data_ptr() != b.device_flat.data_ptr()

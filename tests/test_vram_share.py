@@ -175,3 +175,24 @@ def test_auto_keeps_the_share_that_fits_in_vram_and_stays_exact(monkeypatch):
     assert plan["optimizer"]["buckets"]["device"] == n_dev
     assert any(h.get("change") == "optimizer state share" for h in plan["history"])
     assert max_diff(ref, model) < 1e-5
+
+
+def test_low_precision_accumulation_stays_on_the_host(monkeypatch):
+    """The GPU update reads the gradient autograd summed in .grad, in bf16 for a bf16 model:
+    with accumulation, "auto" keeps such a model on the host (fp32 sums) and shares no VRAM."""
+    import ramstream.hardware as hardware
+    from ramstream.engine.split import mapped_fraction_for
+
+    monkeypatch.setattr(hardware, "kernels_problem", lambda: None)
+    logs = []
+    opt = SimpleNamespace(
+        _distributed=False,
+        param_groups=[{"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]}],
+        _accumulation_steps=2,
+        _log=logs.append,
+        split_info={},
+        _moment_dtype=torch.float32,
+    )
+    assert mapped_fraction_for(opt, "auto", torch.device("cuda", 0)) == 0.0
+    assert opt.split_info["reason"] == "low-precision gradients accumulated" and "fp32" in logs[-1]
+    assert mapped_fraction_for(opt, "gpu", torch.device("cuda", 0)) == 1.0  # asked for: as asked

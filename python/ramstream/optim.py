@@ -201,47 +201,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         register(self)  # torch.nn.utils.clip_grad_norm_ on these parameters comes here
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
-        if mode == "cpu" or self._distributed:
-            return 0.0
-        if device.type != "cuda":
-            if mode == "gpu":
-                raise ValueError(
-                    "OffloadAdamW: mode='gpu' needs a CUDA device (the GPU updates "
-                    "state kept in pinned host memory)"
-                )
-            return 0.0
-        from . import hardware
+        from .engine.split import mapped_fraction_for
 
-        problem = hardware.kernels_problem()
-        if problem and mode == "gpu":
-            raise RuntimeError(f"OffloadAdamW: mode='gpu' needs ramstream's CUDA kernels, but {problem}")
-        if problem:  # "auto": the host threads update everything, and the log says why
-            self._log(f"optimizer_mode=auto: the host updates every parameter ({problem})")
-            self.split_info = {"fraction": 0.0, "reason": problem}
-            return 0.0
-        if mode == "gpu":
-            return 1.0
-        from .engine.split import choose_mapped_fraction, measure
-
-        params = [p for g in self.param_groups for p in g["params"]]
-        rates = measure(device)
-        f, info = choose_mapped_fraction(
-            numel=sum(p.numel() for p in params),
-            host_params_per_s=rates["host_params_per_s"],
-            pcie_bytes_per_s=rates["pcie_bytes_per_s"],
-            working_bytes=params[0].element_size(),
-            moment_bytes=self._moment_dtype.itemsize,
-            master_on_host=params[0].dtype != torch.float32,
-        )
-        self.split_info = info
-        self._log(
-            f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
-            f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
-            f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
-            f"{info['t_estimate_s'] * 1e3:.0f} ms instead of "
-            f"{info['t_host_only_s'] * 1e3:.0f} ms)"
-        )
-        return f
+        return mapped_fraction_for(self, mode, device)
 
     # ---- torch.optim.Optimizer API --------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

@@ -102,3 +102,56 @@ def measure(device: torch.device) -> dict:
         out["pcie_bytes_per_s"] = 3 * (1 << 26) / (time.perf_counter() - t0)
     _MEASURED[key] = out
     return out
+
+
+def mapped_fraction_for(opt, mode: str, device: torch.device) -> float:
+    """OffloadAdamW's mapped fraction for `mode` ("cpu", "gpu", "auto") on `device`, logged and
+    recorded in opt.split_info."""
+    if mode == "cpu" or opt._distributed:
+        return 0.0
+    if device.type != "cuda":
+        if mode == "gpu":
+            raise ValueError(
+                "OffloadAdamW: mode='gpu' needs a CUDA device (the GPU updates "
+                "state kept in pinned host memory)"
+            )
+        return 0.0
+    from .. import hardware
+
+    problem = hardware.kernels_problem()
+    if problem and mode == "gpu":
+        raise RuntimeError(f"OffloadAdamW: mode='gpu' needs ramstream's CUDA kernels, but {problem}")
+    if problem:  # "auto": the host threads update everything, and the log says why
+        opt._log(f"optimizer_mode=auto: the host updates every parameter ({problem})")
+        opt.split_info = {"fraction": 0.0, "reason": problem}
+        return 0.0
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if mode == "auto" and opt._accumulation_steps > 1 and params[0].dtype != torch.float32:
+        # the GPU update takes the gradient autograd summed in .grad: in bf16/fp16 here
+        opt._log(
+            "optimizer_mode=auto: the host updates every parameter (accumulation of a "
+            f"{str(params[0].dtype).replace('torch.', '')} model sums its gradients in fp32 on the host)"
+        )
+        opt.split_info = {"fraction": 0.0, "reason": "low-precision gradients accumulated"}
+        return 0.0
+    if mode == "gpu":
+        return 1.0
+
+    rates = measure(device)
+    f, info = choose_mapped_fraction(
+        numel=sum(p.numel() for p in params),
+        host_params_per_s=rates["host_params_per_s"],
+        pcie_bytes_per_s=rates["pcie_bytes_per_s"],
+        working_bytes=params[0].element_size(),
+        moment_bytes=opt._moment_dtype.itemsize,
+        master_on_host=params[0].dtype != torch.float32,
+    )
+    opt.split_info = info
+    opt._log(
+        f"optimizer_mode=auto: {f:.0%} of the parameters updated by the GPU over PCIe "
+        f"(host {info['host_params_per_s'] / 1e9:.2f} G params/s, PCIe "
+        f"{info['pcie_bytes_per_s'] / 1e9:.1f} GB/s; estimated optimizer time "
+        f"{info['t_estimate_s'] * 1e3:.0f} ms instead of "
+        f"{info['t_host_only_s'] * 1e3:.0f} ms)"
+    )
+    return f

@@ -61,8 +61,8 @@ def choose_placements(buckets, room: int, mapped_fraction_of) -> tuple[list[str]
 def maybe_share(opt, after_steps: int) -> None:
     """After a declined resident switch: moves the share of the state that fits in the VRAM left
     (with vram_headroom and MARGIN_BYTES to spare) to the device; logs the decision and appends
-    it to opt.plan_history. Does nothing on the CPU, with data parallel, for mode "cpu" or
-    without CUDA kernels."""
+    it to opt.plan_history. Does nothing on the CPU, with data parallel, for mode "cpu", without
+    CUDA kernels, or for a low-precision model with gradient accumulation."""
     from .. import hardware
     from .resident import device_memory
 
@@ -70,6 +70,8 @@ def maybe_share(opt, after_steps: int) -> None:
     mem = device_memory(engine.device)
     if mem is None or engine.dp is not None or opt.mode == "cpu" or hardware.kernels_problem():
         return
+    if engine.accumulation_steps > 1 and any(b.dtype != torch.float32 for b in engine.buckets):
+        return  # the GPU update would take gradients summed in bf16/fp16 (split.mapped_fraction_for)
     room = int(mem["usable"] * (1 - opt.vram_headroom)) - mem["peak"] - MARGIN_BYTES
 
     def mapped_fraction_of(numel: int) -> float:

@@ -40,8 +40,6 @@ def test_full_fine_tuning_recomputes_only_when_the_state_cannot_be_resident(gpu)
     assert auto_checkpointing(model, blocks, CUDA, log.append)
     assert "full fine-tuning" in log[-1] and "share of the optimizer state" in log[-1]
     assert not auto_checkpointing(model, blocks, CUDA, log.append, optimizer_mode="cpu")
-    gpu["cap"] = 2 * weights  # the weights take half of the GPU: no room to win
-    assert not auto_checkpointing(model, blocks, CUDA, log.append)
     assert not auto_checkpointing(model, blocks, torch.device("cpu"), log.append)
 
 

@@ -65,6 +65,7 @@ def _c(name, row, model, kind, cap, batch, **kw) -> dict:
         batch=batch,
         seq=512,
         loss="dense",
+        dtype="fp32",  # the model's weights ("bf16": built in fp32, then cast)
         options={},
         ckpt=False,
         build="gpu",
@@ -114,6 +115,11 @@ CONFIGS = [
     _c("C_stock", "C", "gpt6.85b", "stock", 0, 8, warmup=3, timeout=120),
     _c("C_defaults", "C", "gpt6.85b", "ramstream", 0, 8, baseline="C_stock", target=1.05,
        warmup=3, timeout=300),
+    # G: 6.85B with bf16 weights (fp32 masters on the host) under 24 GiB, chunked loss
+    _c("G_defaults", "G", "gpt6.85b", "ramstream", 24, 8, loss="chunked", dtype="bf16", build="cpu",
+       warmup=3, timeout=300),
+    _c("G_bf16_moments", "G", "gpt6.85b", "ramstream", 24, 8, loss="chunked", dtype="bf16",
+       build="cpu", options={"moment_dtype": "bfloat16"}, warmup=3, timeout=300),
     # B: 1.8B uncapped
     _c("B_stock", "B", "gpt1.8b", "stock", 0, 8, warmup=3, timeout=90),
     _c("B_defaults", "B", "gpt1.8b", "ramstream", 0, 8, baseline="B_stock", target=1.02, warmup=3),
@@ -241,6 +247,8 @@ def _train(args, cfg: dict, res: dict) -> None:
         except ImportError as e:
             raise _Unavailable("SKIP", f"transformers/peft not importable: {e}") from None
         hf = True
+    if cfg["dtype"] == "bf16":
+        model = model.to(torch.bfloat16)
     _sync(dev)
     res["build_s"] = time.perf_counter() - t0
     res["build_device"] = str(build_dev)

@@ -43,10 +43,11 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
     than 10 % of the blocks' parameters train: recomputing a frozen layer is cheaper than paging
     its activations, measured on the Qwen2.5-7B shape) on a GPU whose usable memory the block
     weights fill to more than a quarter; and in full fine-tuning whose weights, fp32 moments and
-    gradients cannot all be resident (90 % of usable memory) while the weights alone take less
-    than half of it (optimizer_mode not "cpu"): the VRAM activations would hold keeps a share of
-    the optimizer state instead (engine/vram_share.py), updated on the GPU rather than by the
-    host threads, the bound of such a run (1.8B GPT at 24 GiB: see bench/RESULTS.md). Never when
+    gradients cannot all be resident (90 % of usable memory; optimizer_mode not "cpu"): the VRAM
+    activations would hold keeps a share of the optimizer state instead (engine/vram_share.py),
+    updated on the GPU rather than by the host threads, the bound of such a run (1.8B GPT at
+    24 GiB: see bench/RESULTS.md), or, when the weights fill most of the GPU, the activations
+    of a batch that would not fit otherwise. Never when
     Hugging Face's own gradient checkpointing is on (the layers already recompute)."""
     if device.type != "cuda" or not blocks:
         return False
@@ -85,7 +86,7 @@ def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool
     weights = sum(p.numel() * p.element_size() for p in params)
     trained = [p for p in params if p.requires_grad]
     state = sum(p.numel() * (8 + p.element_size()) for p in trained)  # moments + gradient
-    if weights + state <= 0.9 * usable or weights >= usable / 2:
+    if weights + state <= 0.9 * usable:
         return False
     log(
         f"activation_checkpointing=auto: full fine-tuning; weights {weights / 2**30:.2f} GiB + "

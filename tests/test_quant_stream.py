@@ -98,9 +98,10 @@ def test_streamed_quantized_base_trains_like_the_resident_one(device, fmt, dtype
         assert_bits_equal(rp[n].detach().cpu(), p.detach().cpu())
 
 
-def test_packed_codes_are_on_the_device_only_while_their_block_runs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_codes_are_on_the_device_only_while_their_block_runs(device):
     model, _ = _pair()
-    m, opt = _wrap(model, "cpu", "nf4", True, activation_checkpointing=False, weight_window=1)
+    m, opt = _wrap(model, device, "nf4", True, activation_checkpointing=False, weight_window=1)
     st = m._ramstream.streamer
     seen = []
 
@@ -108,11 +109,14 @@ def test_packed_codes_are_on_the_device_only_while_their_block_runs():
         slab, hv = _slab_of(st, mod.weight_codes)
         flat = slab.flat
         lo, hi = flat.data_ptr(), flat.data_ptr() + flat.untyped_storage().nbytes()
-        seen.append(lo <= mod.weight_codes.data_ptr() < hi and mod.weight_codes.data_ptr() != hv.data_ptr())
+        on = mod.weight_codes.device.type == device
+        seen.append(
+            on and lo <= mod.weight_codes.data_ptr() < hi and mod.weight_codes.data_ptr() != hv.data_ptr()
+        )
 
     quantized = [x for x in m.modules() if is_quantized(x)]
     hooks = [x.register_forward_pre_hook(record) for x in quantized]
-    ids = _batch()
+    ids = _batch().to(device)
     m(input_ids=ids, labels=ids).loss.backward()
     for h in hooks:
         h.remove()

@@ -399,7 +399,10 @@ def summarize(results: list[dict]) -> list[str]:
     ex = _extrapolate(results)
     if ex:
         vals = ", ".join(f"{k} {ex[k]:.2f}" for k in ("s_per_step", "peak_gib", "host_rss_gib") if k in ex)
-        lines.append(f"G70 at 80 layers, extrapolated linearly from {ex['from_layers']} layers: {vals}")
+        lines.append(
+            f"G70 at 80 layers, extrapolated linearly from {ex['from_layers']} layers: {vals} (every "
+            "block streamed; param_offload='auto' would keep the blocks that fit resident)"
+        )
     return lines
 
 

@@ -31,7 +31,8 @@ def test_bench_quant_tiny_runs_every_row(tmp_path):
     for n in ("G70_L2", "G70_L3"):  # every block streamed, its NF4 codes at home in the slabs
         r = res[n]
         assert r["streamed_blocks"] == r["layers"] and r["plan_weights"]["packed_bytes"] > 0
-        assert r["stream"]["bytes_h2d"] > 0 and r["loss_last"] == r["loss_last"]  # finite, not NaN
+        assert r["weights_h2d_per_step"] >= r["plan_weights"]["streamed_bytes"]  # each block visits
+        assert r["loss_last"] == r["loss_last"]  # not NaN
     w, a, b = res["LOAD_write"], res["LOAD_ramstream"], res["LOAD_hf"]
     assert w["shards"] > 1  # a sharded checkpoint with its index
     assert a["quantized_modules"] == b["quantized_modules"] == 2 * 7

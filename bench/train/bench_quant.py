@@ -168,8 +168,14 @@ def _train(args, cfg: dict, res: dict) -> None:
     x = torch.randint(0, vocab, (cfg["batch"], cfg["seq"]), device=dev)
     if cuda:
         res["peak_setup_gib"] = torch.cuda.max_memory_allocated(dev) / GIB
-    times = []
+    times, h2d0 = [], 0
+
+    def weight_h2d() -> int:
+        return ramstream.memory_report(model)["params"]["stream"].get("bytes_h2d", 0)
+
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            h2d0 = weight_h2d()
         _sync(dev)
         t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
@@ -187,6 +193,7 @@ def _train(args, cfg: dict, res: dict) -> None:
     res.update(status="OK", s_per_step=times[len(times) // 2], min_s=times[0], max_s=times[-1])
     res["stream"] = ramstream.memory_report(model)["params"]["stream"]
     res["bytes_h2d_total"] = st.get("bytes_h2d")
+    res["weights_h2d_per_step"] = (weight_h2d() - h2d0) / args.steps  # streamed slabs, codes included
     res["events_tail"] = list(rep["events"])[-6:]
 
 
@@ -369,6 +376,9 @@ def summarize(results: list[dict]) -> list[str]:
             pw = r.get("plan_weights") or {}
             if pw.get("packed_bytes"):
                 notes.append(f"packed codes in pinned RAM {pw['packed_bytes'] / GIB:.3f} GiB")
+            if r.get("weights_h2d_per_step"):
+                gb = r["weights_h2d_per_step"] / 1e9
+                notes.append(f"weights H2D {gb:.2f} GB/step ({gb / r['s_per_step']:.1f} GB/s)")
             if r.get("load_s") is not None:
                 notes.append(f"load_model {r['load_s']:.1f}s, LoRA {r['lora_s']:.1f}s")
             if r["kind"] == "train70":

@@ -39,7 +39,8 @@ def test_auto_decisions_under_injected_vram():
     assert _decide(t, w, 7 * GIB, prefer="speed") == "nf4"  # NF4 (~4.25 GiB) keeps all resident
     assert _decide(t, w, 7 * GIB, can_stream=False) == "int8"  # int8 (~6.5 GiB) before NF4
     assert _decide(t, w, 5 * GIB, can_stream=False) == "nf4"
-    assert _decide(t, w, 3 * GIB, can_stream=False) == "none"  # even NF4 does not fit: check_memory refuses
+    with pytest.raises(MemoryError, match="even as NF4"):  # even NF4 does not fit: refused
+        _decide(t, w, 3 * GIB, can_stream=False)
     assert _decide(t, w, 3 * GIB, prefer="speed") == "none"
     assert _decide(t, 0, 3 * GIB, can_stream=False) == "none"  # nothing frozen to pack
 

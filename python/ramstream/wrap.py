@@ -11,7 +11,7 @@ from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog
-from .weights.setup import build_streamer, choose_streamed, move_resident, streamed_ids
+from .weights.setup import build_streamer, choose_streamed, move_resident, streamed_bytes, streamed_ids
 
 
 class _Wrapped:
@@ -300,9 +300,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         numel=sum(p.numel() for p in dict.fromkeys(trained)),
         working_bytes=trained[0].element_size(),
         accumulate=opts.accumulation_steps > 1,
-        streamed=sum(
-            p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()) if id(p) in streamed
-        ),
+        streamed=streamed_bytes(model, streamed),  # packed quantized codes included
         check=opts.check_memory,
         log=log,
     )
@@ -373,7 +371,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         w.plan["weights"] = {
             "streamed": stream_idx,
             "resident": [i for i in range(len(blocks)) if i not in set(stream_idx)],
+            **w.streamer.home_bytes(),
         }
+        if quant_report is not None and quant_report.get("format"):
+            quant_report["packed_streamed_bytes"] = w.plan["weights"]["packed_bytes"]
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
     log(

@@ -10,7 +10,14 @@ import torch.nn as nn
 
 from .._native import lib
 
-__all__ = ["FORMATS", "QuantLinearFn", "is_quantized", "quantize_module_", "dequantize_module_"]
+__all__ = [
+    "FORMATS",
+    "QuantLinearFn",
+    "is_quantized",
+    "packed_buffers",
+    "quantize_module_",
+    "dequantize_module_",
+]
 
 FORMATS = ("int8", "nf4")
 
@@ -139,6 +146,33 @@ def _quant_class(cls: type) -> type:
 
 def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, _QuantMixin)
+
+
+def packed_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """[(owner, buffer name, tensor)] of the packed codes and absmax of every quantized module in
+    ``module`` (itself included), each once, in module order: what the weight streamer carries in
+    a block's slabs next to its parameters."""
+    out, seen = [], set()
+    for m in module.modules():
+        if is_quantized(m):
+            for name in (_CODES, _ABSMAX):
+                t = m._buffers.get(name)
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((m, name, t))
+    return out
+
+
+def quantized_numel(module: nn.Module) -> int:
+    """Elements of the full-precision weights that ``module``'s quantized modules pack."""
+    n = 0
+    for m in module.modules():
+        if is_quantized(m):
+            k = 1
+            for d in m.quant_shape:
+                k *= d
+            n += k
+    return n
 
 
 def quantizable(module: nn.Module) -> str | None:

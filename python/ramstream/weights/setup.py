@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 
 from ..activations.blocks import chosen_blocks, parse_block_choice
+from ..quant.packed import packed_buffers, quantized_numel
 from .slab import make_copier
 from .streamer import Block, WeightStreamer, frozen_slabs
 
@@ -27,14 +28,35 @@ def block_params(blocks) -> list[list[torch.nn.Parameter]]:
     return [list(dict.fromkeys(b.parameters())) for b in blocks]
 
 
+def weight_tensors(module) -> list[torch.Tensor]:
+    """What streaming a module moves: its parameters and its quantized layers' packed buffers."""
+    return list(dict.fromkeys(module.parameters())) + [t for _, _, t in packed_buffers(module)]
+
+
+def streamed_bytes(model, streamed: dict) -> int:
+    """Bytes of the streamed parameters and packed buffers (at home in pinned host memory)."""
+    return _nbytes(t for t in weight_tensors(model) if id(t) in streamed)
+
+
+def weight_share(blocks) -> float:
+    """The share of the device memory the process may use that the weights may take: 70 % for a
+    LoRA-like model (< 10 % of the blocks' elements train, quantized weights counted at their
+    full-precision size; its blocks recompute: activation_checkpointing="auto"), 50 % otherwise
+    (a full fine-tune keeps room for activations and gradients). quantize="auto" plans with it."""
+    trained = sum(p.numel() for ps in block_params(blocks) for p in ps if p.requires_grad)
+    total_numel = sum(p.numel() for ps in block_params(blocks) for p in ps)
+    total_numel += sum(quantized_numel(b) for b in blocks)
+    return 0.7 if total_numel and trained < 0.10 * total_numel else 0.5
+
+
 def choose_streamed(model, blocks, option, device: torch.device, headroom: float, log) -> list[int]:
     """The indices of the blocks whose weights stream, for param_offload=`option`.
 
-    "auto" streams nothing when every weight fits in a share of what the process may still take
-    on the device: 70 % for a LoRA-like model (< 10 % of the blocks' parameters train; its blocks
-    recompute), 50 % otherwise (the rest is for activations, gradients in flight and the
-    optimizer's share); otherwise the fewest blocks, from the front of the stack, whose
-    streaming brings the resident weights under that share.
+    "auto" streams nothing when every weight (packed quantized codes included) fits in a share of
+    what the process may still take on the device (weight_share: 70 % for a LoRA-like model, 50 %
+    otherwise; the rest is for activations, gradients in flight and the optimizer's share);
+    otherwise the fewest blocks, from the front of the stack, whose streaming brings the resident
+    weights under that share.
     """
     n = len(blocks)
     if n == 0:
@@ -46,41 +68,49 @@ def choose_streamed(model, blocks, option, device: torch.device, headroom: float
     from ..hardware import gpu_memory
 
     mem = gpu_memory(device)
-    on_device = _nbytes(p for p in model.parameters() if p.device == device)
-    per_block = [_nbytes(ps) for ps in block_params(blocks)]
-    trained = sum(p.numel() for ps in block_params(blocks) for p in ps if p.requires_grad)
-    total_numel = sum(p.numel() for ps in block_params(blocks) for p in ps)
-    # a LoRA-like model (its blocks recompute: activation_checkpointing="auto") needs little
-    # besides its weights; a full fine-tune keeps room for activations and gradients
-    share = 0.7 if total_numel and trained < 0.10 * total_numel else 0.5
+    weights = weight_tensors(model)  # packed codes of quantized layers count as their weights
+    on_device = _nbytes(t for t in weights if t.device == device)
+    per_block = [_nbytes(weight_tensors(b)) for b in blocks]
+    share = weight_share(blocks)
     room = (mem["free"] + on_device) * (1 - headroom) * share
-    total = _nbytes(model.parameters())
+    total = _nbytes(weights)
     k, resident = 0, total
     while resident > room and k < n:
         resident -= per_block[k]
         k += 1
+    packed = _nbytes(t for b in blocks for _, _, t in packed_buffers(b))
+    what = f" (packed codes {packed / GIB:.2f} GiB included)" if packed else ""
     if k:
         log(
-            f"param_offload=auto: weights {total / GIB:.2f} GiB > {share:.0%} of the "
+            f"param_offload=auto: weights {total / GIB:.2f} GiB{what} > {share:.0%} of the "
             f"{room / share / GIB:.2f} GiB the process may use on {device} (after "
             f"{headroom:.0%} headroom): streaming blocks 0-{k - 1} of {n} "
             f"({(total - resident) / GIB:.2f} GiB in pinned host memory)"
+        )
+    elif packed:
+        log(
+            f"param_offload=auto: weights {total / GIB:.2f} GiB{what} <= {share:.0%} of the "
+            f"{room / share / GIB:.2f} GiB the process may use on {device}: every block resident"
         )
     return list(range(k))
 
 
 def streamed_ids(model, blocks, indices: list[int], log) -> dict[int, int]:
-    """{id(parameter): block index} for the parameters of the streamed blocks; a parameter also
-    used outside its block (tied weights) stays resident."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    """{id(tensor): block index} for the parameters and packed quantized buffers of the streamed
+    blocks; one also used outside its block (tied weights) stays resident."""
+
+    def named(module):
+        yield from module.named_parameters(remove_duplicate=False)
+        yield from module.named_buffers(remove_duplicate=False)
+
+    uses = Counter(id(p) for _, p in named(model))
     inside = Counter()
-    per_block = block_params(blocks)
     for k in indices:
-        for _, p in blocks[k].named_parameters(remove_duplicate=False):
+        for _, p in named(blocks[k]):
             inside[id(p)] += 1
     out, shared = {}, 0
     for k in indices:
-        for p in per_block[k]:
+        for p in weight_tensors(blocks[k]):
             if uses[id(p)] > inside[id(p)]:
                 shared += 1
                 continue
@@ -91,15 +121,15 @@ def streamed_ids(model, blocks, indices: list[int], log) -> dict[int, int]:
 
 
 def move_resident(model, device: torch.device, streamed: dict) -> None:
-    """Moves every parameter not streamed, and every buffer, to `device`; streamed ones stay
-    where they are (their slabs take them)."""
+    """Moves every parameter and buffer not streamed to `device`; streamed ones (packed codes of
+    quantized layers included) stay where they are (their slabs take them)."""
     with torch.no_grad():
         for m in model.modules():
             for p in list(m._parameters.values()):
                 if p is not None and id(p) not in streamed and p.device != device:
                     p.data = p.data.to(device)
             for name, buf in list(m._buffers.items()):
-                if buf is not None and buf.device != device:
+                if buf is not None and id(buf) not in streamed and buf.device != device:
                     m._buffers[name] = buf.to(device)
 
 
@@ -117,16 +147,19 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
         trained = by_block[k]
         skip = {id(s.param) for b in trained for s in b.slots}
         skip |= {pid for pid, blk in streamed.items() if blk != k}
+        packed = [t for _, _, t in packed_buffers(blocks[k]) if streamed.get(id(t)) == k]
         slabs = [b.slab for b in trained] + frozen_slabs(
-            blocks[k], skip | _not_streamed(blocks[k], streamed), copier
+            blocks[k], skip | _not_streamed(blocks[k], streamed), copier, extra=packed
         )
         ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
         out.append(Block(k, blocks[k], slabs, ready))
     st = WeightStreamer(out, copier=copier, window=window, log=log)
     nbytes = sum(b.nbytes for b in out)
+    packed = sum(t.nbytes for k in indices for _, _, t in packed_buffers(blocks[k]) if id(t) in streamed)
+    what = f", {packed / GIB:.2f} GiB of them packed quantized codes" if packed else ""
     log(
         f"param_offload: {len(out)} of {len(blocks)} blocks streamed ({nbytes / GIB:.2f} GiB of weights "
-        f"in pinned host memory, window {window})"
+        f"in pinned host memory{what}, window {window})"
     )
     return st
 

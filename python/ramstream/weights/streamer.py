@@ -16,7 +16,9 @@ block's weights are slabs (slab.py) at home in pinned host memory. The streamer:
 
 Trained parameters' updates are written by the host optimizer into the slab's home copy; a load
 first waits (`ready`, the engine's bucket wait) for the update of the buckets it reads.
-Frozen parameters (a LoRA base) never change: their slabs are built here.
+Frozen parameters (a LoRA base) never change: their slabs are built here, and so are those of a
+quantized block's packed codes and absmax (buffers, carried like frozen parameters: at home in
+pinned memory at rest, on the device while the block runs, where the layer expands them).
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def _first_grad_tensor(x):
     return None
 
 
-def frozen_slabs(module: torch.nn.Module, skip: set, copier) -> list[Slab]:
-    """Slabs for the parameters of `module` whose ids are not in `skip` (one per dtype)."""
+def frozen_slabs(module: torch.nn.Module, skip: set, copier, extra=()) -> list[Slab]:
+    """Slabs for the parameters of `module` whose ids are not in `skip`, and the tensors in
+    `extra` (a quantized block's packed codes and absmax buffers), one slab per dtype."""
     by_dtype: dict = {}
-    for p in dict.fromkeys(module.parameters()):
+    for p in list(dict.fromkeys(module.parameters())) + list(extra):
         if id(p) not in skip and p.numel() > 0:
             by_dtype.setdefault(p.dtype, []).append(p)
     out = []
@@ -129,6 +132,15 @@ class WeightStreamer:
             for s in blk.slabs:
                 s.evict()
             self.stats["evictions"] += 1
+
+    def home_bytes(self) -> dict:
+        """{"streamed_bytes": the streamed blocks' slabs, "packed_bytes": the packed quantized
+        codes and absmax among them}, at home in pinned host memory."""
+        from ..quant.packed import packed_buffers  # noqa: PLC0415
+
+        packed = {id(t) for b in self.blocks for _, _, t in packed_buffers(b.module)}
+        carried = sum(p.nbytes for b in self.blocks for s in b.slabs for p in s.params if id(p) in packed)
+        return {"streamed_bytes": sum(b.nbytes for b in self.blocks), "packed_bytes": carried}
 
     def loaded_bytes(self) -> int:
         return sum(s.device_bytes() for b in self.blocks for s in b.slabs)
@@ -201,13 +213,26 @@ class WeightStreamer:
         self.evict_all()
         self.copier.synchronize()
         slabs = [s for b in self.blocks for s in b.slabs]
+        # Module._apply replaces buffers (packed codes) by new tensors: they are put back after
+        ids = {id(p) for s in slabs for p in s.params}
+        buffers = [
+            (m, name, t)
+            for b in self.blocks
+            for m in b.module.modules()
+            for name, t in m._buffers.items()
+            if t is not None and id(t) in ids
+        ]
         for s in slabs:
             for p in s.params:
                 p.data = torch.empty(0, dtype=s.dtype)
         try:
             out = run()
-            changed = sorted({str(p.dtype) for s in slabs for p in s.params if p.dtype != s.dtype})
+            changed = {str(p.dtype) for s in slabs for p in s.params if p.dtype != s.dtype}
+            changed |= {str(m._buffers[n].dtype) for m, n, t in buffers if m._buffers[n].dtype != t.dtype}
+            changed = sorted(changed)
         finally:
+            for m, name, t in buffers:
+                m._buffers[name] = t
             for s in slabs:
                 for p, v in zip(s.params, s.hviews):
                     p.data = v

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, doctor, probe), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, doctor, probe), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -88,6 +88,10 @@ for stage in $STAGES; do
         --rows "${STREAM_ROWS:-F,E,D8,A,C,B,D24}" --deadline "${STREAM_DEADLINE:-450}" \
         --out "$OUT/stream.json" ${STREAM_ARGS:-} > "$OUT/stream.log" 2>&1
       summary "stream rc=$?"; sed -n '/^config /,$p' "$OUT/stream.log" | tee -a "$OUT/summary.txt" ;;
+    quant)   # issue 11: NF4 14B LoRA, the 70B shape streamed, load_model vs from_pretrained
+      timeout $(( ${QUANT_DEADLINE:-380} + 30 )) python3 bench/train/bench_quant.py \
+        --deadline "${QUANT_DEADLINE:-380}" --out "$OUT/quant.json" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1
+      summary "quant rc=$?"; tail -14 "$OUT/quant.log" | tee -a "$OUT/summary.txt" ;;
     doctor)  # issue 9: what this machine offers, one screen
       timeout 120 ramstream doctor > "$OUT/doctor.log" 2>&1
       summary "doctor rc=$?"; cat "$OUT/doctor.log" ;;

@@ -93,6 +93,15 @@ class Tracer:
             self.spans.append((lane, name, t0, t1, args))
 
     @contextmanager
+    def stream_span(self, lane: str, name: str, stream, **args):
+        """A span of the work queued inside the block on `stream` (None: host time)."""
+        t0 = self.now(stream)
+        try:
+            yield
+        finally:
+            self.span(lane, name, t0, self.now(stream), **args)
+
+    @contextmanager
     def host_span(self, lane: str, name: str, **args):
         t0 = time.perf_counter()
         try:

@@ -42,6 +42,9 @@ class Copier:
         dst.copy_(src)
         return None
 
+    def after_compute(self) -> None:
+        """Copies queued from now on start after the compute queued so far (CUDA)."""
+
     def wait(self, event) -> None:
         """Work queued on the current stream after this call sees the filled slab."""
 
@@ -76,6 +79,9 @@ class CudaCopier(Copier):
             ev.record(self.stream)
         dst.record_stream(compute)
         return ev
+
+    def after_compute(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait(self, event) -> None:
         if event is not None:

@@ -112,7 +112,10 @@ class WeightStreamer:
             r()
         self.stats["stream_wait_s"] += time.perf_counter() - t0
         tr = _trace_current()
-        t0 = tr.now(self.copier.stream) if tr is not None else None
+        t0 = None
+        if tr is not None:
+            self.copier.after_compute()  # (fill does it too) the span starts at the copy, not the wait
+            t0 = tr.now(self.copier.stream)
         for s in blk.slabs:
             if not s.loaded:
                 s.load()

@@ -266,3 +266,28 @@ def test_chunks_must_be_a_list_of_modules():
         ramstream.OffloadModel(5, device="cpu")
     with pytest.raises(ValueError, match="chunks"):
         ramstream.OffloadModel(nn.Linear(2, 2), device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("keep", KEEPS)
+def test_bf16_autocast_bit_identical_and_no_kept_weight_casts(device, keep):
+    chunks = _chunks(4, d=32) + [_Lora(32)]
+    ref = nn.Sequential(*copy.deepcopy(chunks)).to(device)
+    model = ramstream.OffloadModel(chunks, device=device, window=1, keep_activations=keep)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x, y = torch.randn(4, 32, generator=g).to(device), torch.randn(4, 32, generator=g).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            res = model.step(x, targets=y, loss_fn=lambda o, t: F.mse_loss(o.float(), t))
+            loss = F.mse_loss(ref(x).float(), y)
+        loss.backward()
+        assert res.output.dtype == torch.bfloat16 and torch.equal(res.loss, loss.detach())
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            assert torch.equal(a.grad.cpu(), b.grad.cpu())
+    # keep_activations=True: each trained weight's bf16 cast is cast again in backward, not kept
+    # (10 trained weight matrices, the first one saves none: x needs no grad; the recompute modes
+    # keep no graph across chunks)
+    assert model.stats["casts_dropped"] == (2 * 9 if keep is True else 0)
+    model.close()

@@ -79,3 +79,22 @@ def test_window_bounds_device_weights_when_the_host_runs_ahead():
     # in flight to the host; without the copy stream's wait the host would have loaded all 16
     assert peak < 6 * chunk_bytes, (peak / chunk_bytes, chunk_bytes)
     model.close()
+
+
+def test_autocast_keeps_no_weight_casts_in_the_graph():
+    torch.manual_seed(0)
+    chunks = [nn.Linear(1024, 1024) for _ in range(16)]
+    chunk_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
+    model = ramstream.OffloadModel(chunks, device="cuda", window=1, keep_activations=True)
+    x = torch.randn(4, 1024, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model.step(x, grad_outputs=torch.ones(4, 1024, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # kept, the 16 bf16 casts alone would be 8 chunks' worth of fp32 weights
+    assert model.stats["casts_dropped"] == 16
+    assert peak < 6 * chunk_bytes, peak / chunk_bytes
+    model.close()

@@ -12,6 +12,7 @@ steps on the home copies directly (the next load copies the updated weights to t
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .activations.recompute import Recompute
+from .offload_casts import CastSaver
 from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
 from .offload_grads import GradWriteback
 from .trace import Tracer
@@ -129,6 +131,7 @@ class OffloadModel(torch.nn.Module):
             self._hooks.recompute = Recompute(chunks, range(len(chunks)))
         self._finalizer = weakref.finalize(self, self._hooks.release)
         self._in_step = False
+        self._casts = None
         self._build(pinned)
         _trace_register(self, _trace_modules)
 
@@ -160,6 +163,7 @@ class OffloadModel(torch.nn.Module):
                 p.grad = None if g is None else g.to(p.device)
         self._hooks.streamer = WeightStreamer(blocks, copier=self.copier, window=self.window)
         self._streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
+        self._casts = CastSaver(self._streamed)
         self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
         hook = _weak_grad_hook(self)
         self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._streamed]
@@ -185,9 +189,14 @@ class OffloadModel(torch.nn.Module):
 
     @property
     def stats(self) -> dict:
-        """The streamer's counters (loads, bytes_h2d, evictions, peak_loaded_bytes, ...) and the
-        gradient write-back's (bytes_d2h)."""
-        return {**self.streamer.stats, "bytes_d2h": self.grads.stats["bytes_d2h"]}
+        """The streamer's counters (loads, bytes_h2d, evictions, peak_loaded_bytes, ...), the
+        gradient write-back's (bytes_d2h) and casts_dropped (autocast's weight casts the kept
+        graph did not hold: cast again in backward)."""
+        return {
+            **self.streamer.stats,
+            "bytes_d2h": self.grads.stats["bytes_d2h"],
+            "casts_dropped": self._casts.stats["casts_dropped"],
+        }
 
     def _apply(self, fn, recurse=True):
         raise TypeError(
@@ -263,9 +272,13 @@ class OffloadModel(torch.nn.Module):
             p.grad = None
         self._in_step = True
         ok = False
+        casts = contextlib.nullcontext()
+        if self.keep_activations is True and torch.is_autocast_enabled(self.device.type):
+            casts = self._casts.hooks()  # the kept graph holds no weight casts
         try:
             with torch.enable_grad():
-                out = self._run(x)
+                with casts:
+                    out = self._run(x)
                 if grad_outputs is not None:
                     g = grad_outputs(out) if callable(grad_outputs) else grad_outputs
                     outs = out if isinstance(out, tuple) else (out,)

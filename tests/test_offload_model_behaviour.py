@@ -291,3 +291,19 @@ def test_bf16_autocast_bit_identical_and_no_kept_weight_casts(device, keep):
     # keep no graph across chunks)
     assert model.stats["casts_dropped"] == (2 * 9 if keep is True else 0)
     model.close()
+
+
+def test_gradient_buffers_are_reused_unless_someone_holds_them():
+    from ramstream.offload_grads import GradWriteback
+
+    wb = GradWriteback(torch.device("cpu"))  # the pool's logic (used on CUDA), run here
+    p, g = nn.Parameter(torch.zeros(3, 4)), torch.ones(3, 4)
+    first = wb._buffer(p, g)
+    assert first.shape == (3, 4) and first.dtype == g.dtype
+    ptr = first.data_ptr()
+    del first
+    assert wb._buffer(p, g).data_ptr() == ptr  # nobody else holds it: reused
+    held = wb._buffer(p, g)  # a caller keeps it (last step's .grad)
+    again = wb._buffer(p, g)
+    assert again.data_ptr() != held.data_ptr()
+    assert wb._buffer(p, g.to(torch.float64)).dtype == torch.float64  # a new dtype: a new buffer

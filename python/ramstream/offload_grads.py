@@ -28,13 +28,15 @@ class GradWriteback:
         self._pending: dict[int, tuple] = {}  # id(param) -> (param, host gradient)
         self.chunk_of: dict[int, int] = {}  # id(param) -> chunk index (trace spans)
         self.stats = {"bytes_d2h": 0, "landed": 0}
+        probe = {0: object()}
+        held_here = probe[0]
+        self._refs_alone = sys.getrefcount(held_here)  # the pool's, a local's (and the argument's)
 
     def _buffer(self, p, g: torch.Tensor) -> torch.Tensor:
         """A pinned buffer for p's gradient; reused unless someone still holds the last one (a
         `.grad` taken before zero_grad(set_to_none=True))."""
         buf = self._pool.get(id(p))
-        # references: the pool's, this local's and getrefcount's argument
-        if buf is None or buf.dtype != g.dtype or sys.getrefcount(buf) > 3:
+        if buf is None or buf.dtype != g.dtype or sys.getrefcount(buf) > self._refs_alone:
             from .functional import pinned_empty
 
             buf = pinned_empty(g.numel(), g.dtype).view(g.shape)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, doctor, probe), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, offload, doctor, probe), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -92,6 +92,18 @@ for stage in $STAGES; do
       timeout $(( ${QUANT_DEADLINE:-380} + 30 )) python3 bench/train/bench_quant.py \
         --deadline "${QUANT_DEADLINE:-380}" --out "$OUT/quant.json" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1
       summary "quant rc=$?"; tail -14 "$OUT/quant.log" | tee -a "$OUT/summary.txt" ;;
+    offload)  # issue 13: OffloadModel vs RamTorch 1.11 (.whl/ramtorch-*.whl), one process each,
+              # the 1.8B GPT one chunk per block, window 2, pin 0, keep_activations=True
+      if ls .whl/ramtorch-*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/ramtorch-*.whl > "$OUT/offload_pip.log" 2>&1 \
+          && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+      fi
+      timeout $(( ${OFFLOAD_DEADLINE:-480} + 30 )) python3 bench/train/bench_offload_model.py \
+        --model "${MODEL:-1.8b}" --batch 8 --seq 512 --cap-gib 24 --window 2 --pin 0 --keep true \
+        --deadline "${OFFLOAD_DEADLINE:-480}" --out "$OUT/offload_model.json" ${OFFLOAD_ARGS:-} \
+        > "$OUT/offload_model.log" 2>&1
+      summary "offload rc=$?"; sed -n '/^config /,$p' "$OUT/offload_model.log" | tee -a "$OUT/summary.txt" ;;
     doctor)  # issue 9: what this machine offers, one screen
       timeout 120 ramstream doctor > "$OUT/doctor.log" 2>&1
       summary "doctor rc=$?"; cat "$OUT/doctor.log" ;;

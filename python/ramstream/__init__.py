@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 from . import functional  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
-from .offload_model import OffloadModel, StepResult  # noqa: E402
+from .offload_model import OffloadModel, StepResult, offload_checkpoint  # noqa: E402
 from .ops.memory import (  # noqa: E402
     empty_cache,
     memory_stats,
@@ -24,6 +24,7 @@ from .ops.memory import (  # noqa: E402
 from .optim import OffloadAdamW  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .quant import dequantize_model, quantize_model  # noqa: E402
+from .trace import trace  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
 __all__ = [
@@ -35,6 +36,9 @@ __all__ = [
     # explicit weight streaming over user-cut chunks (RamTorch's API)
     "OffloadModel",
     "StepResult",
+    "offload_checkpoint",
+    # Chrome/Perfetto step traces (every mode)
+    "trace",
     # checkpoints (safetensors + JSON, atomic)
     "save_checkpoint",
     "load_checkpoint",

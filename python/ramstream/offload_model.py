@@ -3,86 +3,88 @@ the one weight streamer (weights/: Slab, frozen_slabs, WeightStreamer, make_copi
 
 Every chunk not pinned is one streamed block: all its parameters (trained and frozen) are slabs
 at home in pinned host memory (ordinary memory on device="cpu") and visit the device only while
-the chunk runs; pinned chunks stay resident on the device. Gradients of streamed parameters are
-moved, as the autograd engine produces them, into accumulators on the parameter's home device,
-and after every step() each trained parameter's `.grad` is that accumulator: `.grad` lives where
-the parameter's data lives at rest, so `torch.optim.AdamW(model.parameters(), fused=True)` steps
-on the home copies directly (the next load copies the updated weights to the device).
+the chunk runs; pinned chunks stay resident on the device. Gradients of streamed parameters go
+home as the autograd engine produces them (offload_grads.py: on a D2H stream into pinned buffers
+on a GPU), and after every step() each trained parameter's `.grad` is at home: `.grad` lives
+where the parameter's data lives at rest, so `torch.optim.AdamW(model.parameters(), fused=True)`
+steps on the home copies directly (the next load copies the updated weights to the device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+import time
+import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .activations.recompute import Recompute
+from .offload_casts import CastSaver
+from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
+from .offload_grads import GradWriteback
+from .trace import Tracer
+from .trace import current as _trace_current
+from .trace import register as _trace_register
 from .weights.slab import make_copier
 from .weights.streamer import Block, WeightStreamer, frozen_slabs
 
-_KEEP = (False, True, "checkpoint")
-_NO_LOSS = object()
+__all__ = ["OffloadModel", "StepResult", "offload_checkpoint"]
 
 
-@dataclass
-class StepResult:
-    """What step() returns: the output (detached) and the loss (detached; raises ValueError when
-    step() was given grad_outputs, which computes no loss)."""
-
-    output: Any
-    _loss: Any = _NO_LOSS
-
-    @property
-    def loss(self):
-        if self._loss is _NO_LOSS:
-            raise ValueError("StepResult.loss: step() was given grad_outputs, so no loss was computed")
-        return self._loss
-
-
-def _device(device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"OffloadModel: device must be 'cpu' or 'cuda[:index]', got {device!r}") from e
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"OffloadModel: device must be 'cpu' or 'cuda[:index]', got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"OffloadModel: device={device!r} does not exist (torch sees no GPU); use 'cpu'")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"OffloadModel: device={device!r} does not exist ({torch.cuda.device_count()} GPUs: "
-            f"cuda:0-cuda:{torch.cuda.device_count() - 1})"
+def offload_checkpoint(module, *args, **kwargs):
+    """module(*args, **kwargs) as a recomputed region: only its inputs are kept and its forward
+    runs again in backward (non-reentrant torch.utils.checkpoint, RNG restored: dropout-safe).
+    Inside an OffloadModel chunk the chunk's weights are loaded when the recompute runs (it is
+    part of the chunk's backward); with keep_activations=True it is how one part of a chunk
+    trades compute for memory. Without grad mode it is module(*args, **kwargs)."""
+    if not callable(module):
+        raise TypeError(
+            f"offload_checkpoint: module must be an nn.Module or callable, got {type(module).__name__}"
         )
-    return torch.device("cuda", index)
+    if not torch.is_grad_enabled():
+        return module(*args, **kwargs)
+    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
-def _pinned_set(pin, pin_layers, n: int) -> set[int]:
-    if pin_layers is not None:
-        if isinstance(pin_layers, (str, bytes)) or not hasattr(pin_layers, "__iter__"):
-            raise ValueError(f"OffloadModel: pin_layers must be a list of chunk indices, got {pin_layers!r}")
-        idx = list(pin_layers)
-        bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise ValueError(f"OffloadModel: pin_layers must be chunk indices in [0, {n}), got {bad!r}")
-        if len(set(idx)) != len(idx):
-            raise ValueError(f"OffloadModel: pin_layers has duplicate indices: {idx!r}")
-        return set(idx)
-    if isinstance(pin, bool) or not isinstance(pin, int) or not 0 <= pin <= n:
-        raise ValueError(f"OffloadModel: pin must be an int in [0, {n}] (the number of chunks), got {pin!r}")
-    return set(range(pin))
+class _Hooks:
+    """What a live OffloadModel installed (released by close() or when the model is collected:
+    holds no reference to the model)."""
+
+    def __init__(self) -> None:
+        self.streamer = None
+        self.grad_hooks: list = []
+        self.recompute = None
+
+    def release_streamer(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        for h in self.grad_hooks:
+            h.remove()
+        self.grad_hooks = []
+
+    def release(self) -> None:
+        self.release_streamer()
+        if self.recompute is not None:
+            self.recompute.close()
+            self.recompute = None
 
 
-def _detach(x):
-    if torch.is_tensor(x):
-        return x.detach()
-    if isinstance(x, tuple):
-        return tuple(_detach(v) for v in x)
-    return x
+def _weak_grad_hook(model):
+    ref = weakref.ref(model)
+
+    def hook(p) -> None:
+        m = ref()
+        if m is not None:
+            m._grad_landed(p)
+
+    return hook
+
+
+def _trace_modules(model):
+    return list(model.chunks), model.device
 
 
 class OffloadModel(torch.nn.Module):
@@ -115,45 +117,28 @@ class OffloadModel(torch.nn.Module):
         activation_offload=False,
     ) -> None:
         super().__init__()
-        if isinstance(chunks, torch.nn.Module) and not isinstance(
-            chunks, (torch.nn.Sequential, torch.nn.ModuleList)
-        ):
-            raise ValueError("OffloadModel: chunks must be a list of nn.Modules, got a single module")
-        chunks = list(chunks)
-        if not chunks:
-            raise ValueError("OffloadModel: chunks must be a non-empty list of nn.Modules")
-        bad = [i for i, c in enumerate(chunks) if not isinstance(c, torch.nn.Module)]
-        if bad:
-            raise ValueError(f"OffloadModel: chunks must be nn.Modules; chunks {bad} are not")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"OffloadModel: window must be an int >= 1, got {window!r}")
-        if not any(keep_activations is k or (isinstance(k, str) and keep_activations == k) for k in _KEEP):
-            raise ValueError(
-                f"OffloadModel: keep_activations must be False, True or 'checkpoint', got {keep_activations!r}"
-            )
-        if activation_offload is not False:
-            raise ValueError(
-                f"OffloadModel: activation_offload must be False (paging is not built yet), got {activation_offload!r}"
-            )
-        owner: dict[int, int] = {}
-        for i, c in enumerate(chunks):
-            for p in c.parameters():
-                if owner.setdefault(id(p), i) != i:
-                    raise ValueError(
-                        f"OffloadModel: chunks {owner[id(p)]} and {i} share a parameter; chunks must not share parameters"
-                    )
-        self.device = _device(device)
-        pinned = _pinned_set(pin, pin_layers, len(chunks))
+        chunks = check_chunks(chunks)
+        check_options(window, keep_activations, activation_offload)
+        self.device = check_device(device)
+        pinned = pinned_set(pin, pin_layers, len(chunks))
         self.chunks = torch.nn.ModuleList(chunks)
         self.window = window
         self.keep_activations = keep_activations
         self.copier = make_copier(self.device)
-        self._recompute = Recompute(chunks, range(len(chunks))) if keep_activations is not True else None
+        self.grads = GradWriteback(self.device)
+        self._hooks = _Hooks()
+        if keep_activations is not True:
+            self._hooks.recompute = Recompute(chunks, range(len(chunks)))
+        self._finalizer = weakref.finalize(self, self._hooks.release)
         self._in_step = False
-        self._acc: dict[int, Any] = {}  # id(param) -> this step's gradient accumulator
-        self._grad_hooks: list = []
-        self.streamer = None
+        self._casts = None
         self._build(pinned)
+        _trace_register(self, _trace_modules)
+
+    @property
+    def streamer(self):
+        """The WeightStreamer (None once closed)."""
+        return self._hooks.streamer
 
     # ---- building ------------------------------------------------------------------------------
     def _build(self, pinned: set[int]) -> None:
@@ -176,35 +161,42 @@ class OffloadModel(torch.nn.Module):
             for p in self.parameters():
                 g = grads[id(p)]
                 p.grad = None if g is None else g.to(p.device)
-        self.streamer = WeightStreamer(blocks, copier=self.copier, window=self.window)
+        self._hooks.streamer = WeightStreamer(blocks, copier=self.copier, window=self.window)
         self._streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_landed) for p in self._streamed]
+        self._casts = CastSaver(self._streamed)
+        self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
+        hook = _weak_grad_hook(self)
+        self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._streamed]
 
     def _teardown(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
+        streamer = self._hooks.streamer
+        self._hooks.release_streamer()
+        if streamer is not None:
             with torch.no_grad():
-                for b in self.streamer.blocks:
+                for b in streamer.blocks:
                     for s in b.slabs:
                         for p in s.params:
                             p.data = p.data.clone()  # off the slab's home buffer
-            self.streamer = None
-        for h in self._grad_hooks:
-            h.remove()
-        self._grad_hooks = []
 
     def set_pinned(self, indices) -> None:
         """Makes exactly the chunks at `indices` resident (the others stream). Gradients move
         with their parameters; build the optimizer after this call (its state would stay where
         the parameters were)."""
-        pinned = _pinned_set(0, indices, len(self.chunks))
+        self._check_open()
+        pinned = pinned_set(0, indices, len(self.chunks))
         self._teardown()
         self._build(pinned)
 
     @property
     def stats(self) -> dict:
-        """The streamer's counters: loads, bytes_h2d, evictions, peak_loaded_bytes, ..."""
-        return self.streamer.stats
+        """The streamer's counters (loads, bytes_h2d, evictions, peak_loaded_bytes, ...), the
+        gradient write-back's (bytes_d2h) and casts_dropped (autocast's weight casts the kept
+        graph did not hold: cast again in backward)."""
+        return {
+            **self.streamer.stats,
+            "bytes_d2h": self.grads.stats["bytes_d2h"],
+            "casts_dropped": self._casts.stats["casts_dropped"],
+        }
 
     def _apply(self, fn, recurse=True):
         raise TypeError(
@@ -213,32 +205,31 @@ class OffloadModel(torch.nn.Module):
 
     # ---- gradients -----------------------------------------------------------------------------
     def _grad_landed(self, p) -> None:
-        """A streamed parameter's gradient of this backward: into its accumulator at home."""
+        """A streamed parameter's gradient of this backward: on its way home."""
         if not self._in_step:
             return  # a backward the user runs: torch accumulates into .grad itself
         g = p.grad
         p.grad = None
-        acc = self._acc.get(id(p))
-        home = p.device if not p.is_cuda else torch.device("cpu")
-        if acc is None:
-            self._acc[id(p)] = g if g.device == home else g.to(home)
-        else:
-            acc.add_(g.to(home))
+        self.grads.land(p, g)
 
     def flush_grads(self) -> None:
         """RamTorch's "accumulators -> .grad". step() already leaves every gradient in `.grad`
         (streamed parameters: on their home device); this waits for pending copies."""
         self.copier.synchronize()
+        self.grads.wait()
 
     # ---- running -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._hooks.streamer is None:
+            raise ValueError("OffloadModel: the model is closed")
+
     def _run(self, x):
         for c in self.chunks:
             x = c(*x) if isinstance(x, tuple) else c(x)
         return x
 
     def forward(self, x):
-        if self.streamer is None:
-            raise ValueError("OffloadModel: the model is closed")
+        self._check_open()
         try:
             return self._run(x)
         finally:
@@ -247,24 +238,47 @@ class OffloadModel(torch.nn.Module):
                 # through this output reloads them
                 self.streamer.evict_all()
 
-    def step(self, x, targets=None, loss_fn=None, grad_outputs=None) -> StepResult:
+    def step(self, x, targets=None, loss_fn=None, grad_outputs=None, profile_path=None) -> StepResult:
         """Forward and backward. The loss is loss_fn(output, targets) (default: mean squared
         error); with grad_outputs (a tensor, a tuple for a tuple output, or a callable given the
         output) the output's gradient is supplied instead and no loss is computed. Gradients add
-        into each trained parameter's `.grad`."""
-        if self.streamer is None:
-            raise ValueError("OffloadModel: the model is closed")
+        into each trained parameter's `.grad`; a step that raises leaves them as they were.
+        profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace)."""
+        self._check_open()
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("OffloadModel.step: give loss_fn or grad_outputs, not both")
         if grad_outputs is None and targets is None:
             raise ValueError("OffloadModel.step: give targets (for loss_fn) or grad_outputs")
+        if profile_path is None:
+            return self._traced_step(x, targets, loss_fn, grad_outputs)
+        if _trace_current() is not None:
+            raise ValueError("OffloadModel.step: profile_path given inside an active ramstream.trace()")
+        with Tracer(profile_path, device=self.device):
+            return self._traced_step(x, targets, loss_fn, grad_outputs)
+
+    def _traced_step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
+        tr = _trace_current()
+        t0 = time.perf_counter()
+        try:
+            return self._step(x, targets, loss_fn, grad_outputs)
+        finally:
+            if tr is not None:
+                tr.span("steps", "step", t0, time.perf_counter())
+
+    def _step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
+        before = {}
         for p in self._streamed:
-            self._acc[id(p)] = p.grad
+            before[id(p)] = p.grad
             p.grad = None
         self._in_step = True
+        ok = False
+        casts = contextlib.nullcontext()
+        if self.keep_activations is True and torch.is_autocast_enabled(self.device.type):
+            casts = self._casts.hooks()  # the kept graph holds no weight casts
         try:
             with torch.enable_grad():
-                out = self._run(x)
+                with casts:
+                    out = self._run(x)
                 if grad_outputs is not None:
                     g = grad_outputs(out) if callable(grad_outputs) else grad_outputs
                     outs = out if isinstance(out, tuple) else (out,)
@@ -279,29 +293,30 @@ class OffloadModel(torch.nn.Module):
                         if gr is not None and torch.is_tensor(o) and o.requires_grad
                     ]
                     torch.autograd.backward([o for o, _ in pairs], [gr for _, gr in pairs])
-                    return StepResult(_detach(out))
-                loss = (loss_fn or F.mse_loss)(out, targets)
-                loss.backward()
-                return StepResult(_detach(out), loss.detach())
+                    res = StepResult(detach(out))
+                else:
+                    loss = (loss_fn or F.mse_loss)(out, targets)
+                    loss.backward()
+                    res = StepResult(detach(out), loss.detach())
+            ok = True
+            return res
         finally:
             self._in_step = False
             self.streamer.evict_all()
             self.copier.synchronize()
-            for p in self._streamed:
-                p.grad = self._acc.pop(id(p), None)
+            if ok:
+                self.grads.commit(before)
+            else:
+                self.grads.discard()
+                for p in self._streamed:
+                    p.grad = before[id(p)]
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Removes the hooks; streamed parameters stay views of their home copies (CPU)."""
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
-        for h in self._grad_hooks:
-            h.remove()
-        self._grad_hooks = []
-        if self._recompute is not None:
-            self._recompute.close()
-            self._recompute = None
+        if self._hooks.streamer is not None:
+            self.grads.wait()
+        self._hooks.release()
 
     def __enter__(self):
         return self

@@ -11,6 +11,7 @@ from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog
+from .trace import register as _trace_register
 from .weights.setup import build_streamer, choose_streamed, move_resident, streamed_bytes, streamed_ids
 
 
@@ -28,6 +29,21 @@ class _Wrapped:
         self.activations = None
         self.streamer = None
         self.recompute = None
+
+
+def _trace_modules(model: torch.nn.Module):
+    """ramstream.trace's compute spans of a wrapped model: one per block (find_blocks), or the
+    whole model when it has no block stack."""
+    from .activations.blocks import find_blocks
+
+    w = getattr(model, "_ramstream", None)
+    if w is None:
+        return [], None
+    try:
+        blocks = list(w.options.blocks) if w.options.blocks is not None else find_blocks(model)
+    except ValueError:
+        blocks = [model]
+    return blocks, w.optimizer._engine.device
 
 
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -193,6 +209,7 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
     forward waits and parameter names, activation paging, state-dict hooks, .to()/.half()."""
     w = _Wrapped(model, opt, opts, log)
     engine, device = opt._engine, opt._engine.device
+    _trace_register(model, _trace_modules)
     engine.attach_forward_waits(model)
     ckpt = opts.activation_checkpointing
     if ckpt is not False:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..trace import current as _trace_current
+
 
 class CpuDevice:
     """Copies are synchronous; every event is complete when it is recorded."""
@@ -22,7 +24,12 @@ class CpuDevice:
         return torch.empty(numel, dtype=dtype)
 
     def grad_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src.reshape(-1))
+        tr = _trace_current()
+        if tr is None:
+            dst.copy_(src.reshape(-1))
+            return
+        with tr.stream_span("d2h", "grad", None, bytes=src.nbytes):
+            dst.copy_(src.reshape(-1))
 
     def gather_on_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.reshape(-1))
@@ -34,7 +41,12 @@ class CpuDevice:
         return torch.zeros(numel, dtype=dtype)
 
     def flush_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        tr = _trace_current()
+        if tr is None:
+            dst.copy_(src)
+            return
+        with tr.stream_span("d2h", "grads (staged)", None, bytes=src.nbytes):
+            dst.copy_(src)
 
     def record_d2h(self):
         return None
@@ -47,7 +59,12 @@ class CpuDevice:
 
     def weights_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
+            tr = _trace_current()
+            if tr is None:
+                dst.copy_(src)
+                return
+            with tr.stream_span("h2d", "weights", None, bytes=src.nbytes):
+                dst.copy_(src)
 
     def record_h2d(self):
         return None
@@ -85,9 +102,13 @@ class CudaDevice:
     def grad_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copies a gradient into pinned memory on the D2H stream; src may be freed at once."""
         self._d2h_after_compute()
+        tr = _trace_current()
+        t0 = tr.now(self.d2h) if tr is not None else None
         with torch.cuda.stream(self.d2h):
             dst.copy_(src.reshape(-1), non_blocking=True)
         src.record_stream(self.d2h)
+        if tr is not None:
+            tr.span("d2h", "grad", t0, tr.now(self.d2h), bytes=src.nbytes)
 
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -101,9 +122,13 @@ class CudaDevice:
 
     def flush_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._d2h_after_compute()
+        tr = _trace_current()
+        t0 = tr.now(self.d2h) if tr is not None else None
         with torch.cuda.stream(self.d2h):
             dst.copy_(src, non_blocking=True)
         src.record_stream(self.d2h)
+        if tr is not None:
+            tr.span("d2h", "grads (staged)", t0, tr.now(self.d2h), bytes=src.nbytes)
 
     def record_d2h(self):
         ev = torch.cuda.Event()
@@ -120,8 +145,12 @@ class CudaDevice:
             event.synchronize()
 
     def weights_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        tr = _trace_current()
+        t0 = tr.now(self.h2d) if tr is not None else None
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
+        if tr is not None:
+            tr.span("h2d", "weights", t0, tr.now(self.h2d), bytes=src.nbytes)
 
     def record_h2d(self):
         ev = torch.cuda.Event()

@@ -18,6 +18,7 @@ import time
 import torch
 
 from .._faults import fault_point
+from ..trace import current as _trace_current
 from .buckets import GPU_UPDATED
 from .gpu_updates import MappedUpdates
 from .host_jobs import Piece, add_sq_norm, land, update
@@ -110,7 +111,11 @@ class Updater:
             self.dev.host_wait(ev)
             t0 = time.perf_counter()
             land(b, pieces, accumulate, want_norm)
-            self.stats["host_land_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stats["host_land_s"] += t1 - t0
+            tr = _trace_current()
+            if tr is not None:
+                tr.span("host optimizer", f"land bucket {b.index}", t0, t1, bucket=b.index)
             if eager:
                 self._update_and_send(b, pieces, hypers, scale, accumulate)
 
@@ -127,7 +132,11 @@ class Updater:
         else:
             out = b.device_flat if self.dev.type == "cpu" else b.landing
         ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
-        self.stats["host_update_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats["host_update_s"] += t1 - t0
+        tr = _trace_current()
+        if tr is not None:
+            tr.span("host optimizer", f"adamw bucket {b.index}", t0, t1, bucket=b.index)
         self.weights.send(b, ranges)
 
     # ---- step() -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class Copier:
     mode, which CI tests); CudaCopier queues them on a copy stream ordered by events."""
 
     type = "cpu"
+    stream = None  # the copy stream (CudaCopier), for traces
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -40,6 +41,9 @@ class Copier:
         dst.untyped_storage().resize_(nbytes)
         dst.copy_(src)
         return None
+
+    def after_compute(self) -> None:
+        """Copies queued from now on start after the compute queued so far (CUDA)."""
 
     def wait(self, event) -> None:
         """Work queued on the current stream after this call sees the filled slab."""
@@ -63,6 +67,9 @@ class CudaCopier(Copier):
 
     def fill(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int):
         compute = torch.cuda.current_stream(self.device)
+        # after the compute queued so far: the blocks evicted before this load are free then, so
+        # the loaded blocks stay within the window even when the host runs far ahead of the GPU
+        self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             # allocated from the copy stream's pool: no wait on compute is needed to reuse it,
             # and record_stream makes its release wait for the compute work that reads it
@@ -72,6 +79,9 @@ class CudaCopier(Copier):
             ev.record(self.stream)
         dst.record_stream(compute)
         return ev
+
+    def after_compute(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait(self, event) -> None:
         if event is not None:

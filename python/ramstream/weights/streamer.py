@@ -5,8 +5,9 @@ block's weights are slabs (slab.py) at home in pinned host memory. The streamer:
 
   forward   block i's pre-hook loads block i if needed and waits (GPU-side) for its copy, and
             prefetches the next `window` streamed blocks on the copy stream; the post-hook
-            evicts block i (except the last `window` blocks of a forward that will be followed
-            by a backward: they are the first ones backward needs).
+            evicts block i (except the last `window` + 1 blocks of a forward that will be
+            followed by a backward: they are the first ones backward needs, and the pre-hooks
+            keep them: farthest next use is evicted).
   backward  a hook on block i's output gradient reloads block i before its backward runs (a
             no-op when prefetched) and prefetches the `window` blocks before it; a hook on block
             i's input gradient evicts it once its backward is done; the end of the backward pass
@@ -27,6 +28,7 @@ import time
 
 import torch
 
+from ..trace import current as _trace_current
 from .slab import Slab
 
 
@@ -112,11 +114,20 @@ class WeightStreamer:
         for r in blk.ready:
             r()
         self.stats["stream_wait_s"] += time.perf_counter() - t0
+        tr = _trace_current()
+        t0 = None
+        if tr is not None:
+            self.copier.after_compute()  # (fill does it too) the span starts at the copy, not the wait
+            t0 = tr.now(self.copier.stream)
         for s in blk.slabs:
             if not s.loaded:
                 s.load()
                 self.stats["bytes_h2d"] += s.nbytes
         self.stats["loads"] += 1
+        if tr is not None:
+            tr.span(
+                "h2d", f"load {blk.index}", t0, tr.now(self.copier.stream), chunk=blk.index, bytes=blk.nbytes
+            )
         loaded = sum(b.nbytes for b in self.blocks if b.loaded)
         self.stats["peak_loaded_bytes"] = max(self.stats["peak_loaded_bytes"], loaded)
 
@@ -150,11 +161,25 @@ class WeightStreamer:
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    def _keep_set(self, k: int) -> set[int]:
+        """The window at block k's forward: the `window` + 1 loaded blocks used next (farthest next
+        use is evicted). Next are k, k+1, ..., the last block, then (when a backward follows, grad
+        mode on) the blocks before k in reverse: near the end of the forward the blocks just run
+        stay loaded for the backward, which starts with them."""
+        n = len(self.blocks)
+        keep = set(range(k, min(n, k + 1 + self.window)))
+        if torch.is_grad_enabled():
+            j = k - 1
+            while len(keep) < self.window + 1 and j >= 0 and self.blocks[j].loaded:
+                keep.add(j)
+                j -= 1
+        return keep
+
     def _pre_forward(self, k: int, args) -> None:
         self._use(k)
         if self._in_backward():
             return  # a recompute inside backward
-        keep = set(range(k, min(len(self.blocks), k + 1 + self.window)))
+        keep = self._keep_set(k)
         for j in range(len(self.blocks)):
             if j not in keep:
                 self._evict(j)
@@ -175,8 +200,8 @@ class WeightStreamer:
         y = _first_grad_tensor(out)
         if y is not None:
             y.register_hook(lambda g, k=k: self._output_grad(k))
-            if k >= len(self.blocks) - self.window:
-                return  # backward starts with it
+            if k >= len(self.blocks) - 1 - self.window:
+                return  # backward starts with it (_keep_set keeps it)
         self._evict(k)
 
     def _output_grad(self, k: int) -> None:

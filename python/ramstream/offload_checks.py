@@ -1,0 +1,110 @@
+"""OffloadModel's arguments and results: validation of chunks, device, window, pin/pin_layers and
+keep_activations (ValueError naming the argument), StepResult, detaching outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KEEP = (False, True, "checkpoint")
+_NO_LOSS = object()
+
+
+@dataclass
+class StepResult:
+    """What step() returns: the output (detached) and the loss (detached; raises ValueError when
+    step() was given grad_outputs, which computes no loss)."""
+
+    output: Any
+    _loss: Any = _NO_LOSS
+
+    @property
+    def loss(self):
+        if self._loss is _NO_LOSS:
+            raise ValueError("StepResult.loss: step() was given grad_outputs, so no loss was computed")
+        return self._loss
+
+
+def check_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"OffloadModel: device must be 'cpu' or 'cuda[:index]', got {device!r}") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"OffloadModel: device must be 'cpu' or 'cuda[:index]', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"OffloadModel: device={device!r} does not exist (torch sees no GPU); use 'cpu'")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"OffloadModel: device={device!r} does not exist ({torch.cuda.device_count()} GPUs: "
+            f"cuda:0-cuda:{torch.cuda.device_count() - 1})"
+        )
+    return torch.device("cuda", index)
+
+
+def pinned_set(pin, pin_layers, n: int) -> set[int]:
+    if pin_layers is not None:
+        if isinstance(pin_layers, (str, bytes)) or not hasattr(pin_layers, "__iter__"):
+            raise ValueError(f"OffloadModel: pin_layers must be a list of chunk indices, got {pin_layers!r}")
+        idx = list(pin_layers)
+        bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"OffloadModel: pin_layers must be chunk indices in [0, {n}), got {bad!r}")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"OffloadModel: pin_layers has duplicate indices: {idx!r}")
+        return set(idx)
+    if isinstance(pin, bool) or not isinstance(pin, int) or not 0 <= pin <= n:
+        raise ValueError(f"OffloadModel: pin must be an int in [0, {n}] (the number of chunks), got {pin!r}")
+    return set(range(pin))
+
+
+def detach(x):
+    if torch.is_tensor(x):
+        return x.detach()
+    if isinstance(x, tuple):
+        return tuple(detach(v) for v in x)
+    return x
+
+
+def check_chunks(chunks) -> list:
+    if isinstance(chunks, torch.nn.Module) and not isinstance(
+        chunks, (torch.nn.Sequential, torch.nn.ModuleList)
+    ):
+        raise ValueError("OffloadModel: chunks must be a list of nn.Modules, got a single module")
+    try:
+        chunks = list(chunks)
+    except TypeError:
+        raise ValueError(
+            f"OffloadModel: chunks must be a list of nn.Modules, got {type(chunks).__name__}"
+        ) from None
+    if not chunks:
+        raise ValueError("OffloadModel: chunks must be a non-empty list of nn.Modules")
+    bad = [i for i, c in enumerate(chunks) if not isinstance(c, torch.nn.Module)]
+    if bad:
+        raise ValueError(f"OffloadModel: chunks must be nn.Modules; chunks {bad} are not")
+    owner: dict[int, int] = {}
+    for i, c in enumerate(chunks):
+        for p in c.parameters():
+            if owner.setdefault(id(p), i) != i:
+                raise ValueError(
+                    f"OffloadModel: chunks {owner[id(p)]} and {i} share a parameter; chunks must not share parameters"
+                )
+    return chunks
+
+
+def check_options(window, keep_activations, activation_offload) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"OffloadModel: window must be an int >= 1, got {window!r}")
+    if not any(keep_activations is k or (isinstance(k, str) and keep_activations == k) for k in KEEP):
+        raise ValueError(
+            f"OffloadModel: keep_activations must be False, True or 'checkpoint', got {keep_activations!r}"
+        )
+    if activation_offload is not False:
+        raise ValueError(
+            f"OffloadModel: activation_offload must be False (paging is not built yet), got {activation_offload!r}"
+        )

@@ -1,0 +1,8 @@
+"""Schedule simulators: `python -m ramstream.simulate offload ...` predicts an OffloadModel step
+(offload.py), from given per-chunk times or ones measured on a real step (measure.py); Gantt
+charts with matplotlib (gantt.py, the optional extra ramstream[plot])."""
+
+from .measure import measure_step, times_from_trace
+from .offload import Prediction, Span, simulate_offload, table
+
+__all__ = ["Prediction", "Span", "simulate_offload", "table", "times_from_trace", "measure_step"]

@@ -1,0 +1,47 @@
+"""bench/train/bench_offload_model.py --tiny runs on the CPU in seconds: the ramstream row has
+its step times, memory and the simulator's prediction from a traced step; RamTorch, when it
+does not import, is reported as such (never needed by the tests); --deadline bounds the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train", "bench_offload_model.py")
+
+
+def _run(args, timeout=300):
+    env = {k: v for k, v in os.environ.items()}
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_tiny_run_reports_the_ramstream_row_and_the_prediction(tmp_path):
+    out = tmp_path / "om.json"
+    p = _run(["--tiny", "--impls", "ramstream,ramtorch", "--out", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    s = rows["ramstream"]
+    assert s["fwd_bwd_s"] > 0 and s["step_s"] >= s["fwd_bwd_s"] and s["peak_rss_gib"] > 0
+    assert len(s["losses"]) == 2 and all(math.isfinite(v) for v in s["losses"])
+    assert s["predicted_s"] > 0 and 0 < s["predicted_utilisation"] <= 1
+    assert len(s["chunk_times"]["tf"]) == 4  # embedding, 2 blocks, head: one chunk each
+    assert s["predicted_peak_chunks"] <= 2 + 1  # window 2: the running chunk and two ahead
+    t = rows["ramtorch"]
+    if "error" in t:
+        assert "does not import" in t["error"]
+    else:  # the same chunks and data: the same losses
+        assert t["losses"] == s["losses"] and s["speedup_vs_ramtorch"]["fwd_bwd_s"] > 0
+    assert "simulator:" in p.stdout and p.stdout.startswith("config tiny 2x64 window=2 pin=0")
+
+
+def test_deadline_and_bad_impl():
+    p = _run(["--tiny", "--impls", "ramstream", "--deadline", "0.5"])
+    assert p.returncode == 1 and "deadline" in p.stdout
+    p = _run(["--tiny", "--impls", "deepspeed"])
+    assert p.returncode != 0 and "accepted: ramstream, ramtorch" in p.stderr

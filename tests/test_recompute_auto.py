@@ -61,3 +61,26 @@ def test_lora_like_models_recompute_when_their_weights_fill_a_quarter(gpu):
     assert auto_checkpointing(model, blocks, CUDA, lambda m: None)
     gpu["cap"] = 4 * nbytes + 4
     assert not auto_checkpointing(model, blocks, CUDA, lambda m: None)
+
+
+def test_a_full_fine_tune_that_recomputes_every_block_keeps_70_percent_of_weights_resident(monkeypatch):
+    """param_offload="auto" streams blocks of a full fine-tune above 50 % of the GPU, or above 70 %
+    when every block recomputes (its activations then take little room)."""
+    from ramstream.activations.recompute import recomputes_every_block
+    from ramstream.weights.setup import choose_streamed
+
+    model = make_model(0, n_blocks=4)
+    blocks = list(model.blocks)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = int(weights / 0.6 / 0.9)  # the weights are 60 % of what may be used
+    mem = {"total": free, "cap": free, "free": free, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(hardware, "gpu_memory", lambda device: dict(mem))
+    monkeypatch.setattr(hardware, "kernels_problem", lambda: None)
+    log = []
+    assert choose_streamed(model, blocks, "auto", CUDA, 0.1, log.append) != []
+    assert choose_streamed(model, blocks, "auto", CUDA, 0.1, log.append, recompute_all=True) == []
+    # weights + moments + gradients exceed 90 % of the GPU: "auto" recomputes every block
+    assert recomputes_every_block(model, blocks, CUDA, "auto")
+    assert recomputes_every_block(model, blocks, CUDA, True)
+    assert not recomputes_every_block(model, blocks, CUDA, False)
+    assert not recomputes_every_block(model, blocks, CUDA, "auto", optimizer_mode="cpu")

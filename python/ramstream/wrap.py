@@ -99,7 +99,12 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
         raise
     if use_dp:
         raise ValueError("wrap(): param_offload (streamed weights) does not support data parallel yet")
-    idx = choose_streamed(model, blocks, opts.param_offload, device, opts.vram_headroom, log)
+    from .activations.recompute import recomputes_every_block
+
+    every = recomputes_every_block(model, blocks, device, opts.activation_checkpointing, opts.optimizer_mode)
+    idx = choose_streamed(
+        model, blocks, opts.param_offload, device, opts.vram_headroom, log, recompute_all=every
+    )
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
 
 

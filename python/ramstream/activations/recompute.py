@@ -96,6 +96,16 @@ def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool
     return True
 
 
+def recomputes_every_block(model, blocks, device, option, optimizer_mode: str = "auto") -> bool:
+    """Whether activation_checkpointing=`option` will make every block recompute (True, or
+    "auto" deciding so); asked before the weights are placed, without logging."""
+    if option is True:
+        return bool(blocks)
+    if option != "auto" or not blocks:
+        return False
+    return auto_checkpointing(model, blocks, device, lambda msg: None, optimizer_mode)
+
+
 class Recompute:
     """Checkpoints the forward of `blocks[i]` for i in `indices`; close() restores them."""
 

@@ -49,14 +49,17 @@ def weight_share(blocks) -> float:
     return 0.7 if total_numel and trained < 0.10 * total_numel else 0.5
 
 
-def choose_streamed(model, blocks, option, device: torch.device, headroom: float, log) -> list[int]:
+def choose_streamed(
+    model, blocks, option, device: torch.device, headroom: float, log, recompute_all: bool = False
+) -> list[int]:
     """The indices of the blocks whose weights stream, for param_offload=`option`.
 
     "auto" streams nothing when every weight (packed quantized codes included) fits in a share of
     what the process may still take on the device (weight_share: 70 % for a LoRA-like model, 50 %
     otherwise; the rest is for activations, gradients in flight and the optimizer's share);
     otherwise the fewest blocks, from the front of the stack, whose streaming brings the resident
-    weights under that share.
+    weights under that share. recompute_all (every block recomputes in backward): 70 % for a
+    full fine-tune too, as its activations then take little room.
     """
     n = len(blocks)
     if n == 0:
@@ -71,7 +74,7 @@ def choose_streamed(model, blocks, option, device: torch.device, headroom: float
     weights = weight_tensors(model)  # packed codes of quantized layers count as their weights
     on_device = _nbytes(t for t in weights if t.device == device)
     per_block = [_nbytes(weight_tensors(b)) for b in blocks]
-    share = weight_share(blocks)
+    share = 0.7 if recompute_all else weight_share(blocks)
     room = (mem["free"] + on_device) * (1 - headroom) * share
     total = _nbytes(weights)
     k, resident = 0, total

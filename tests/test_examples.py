@@ -80,3 +80,65 @@ def test_verify_ram_offload_tiny_passes():
     checks = re.findall(r"^\s+(PASS|FAIL)\s", out, re.M)
     assert len(checks) == 5 and set(checks) == {"PASS"}
     assert "verdict: PASS (5 of 5 checks)" in out
+
+
+# ---- the GPU paths (run with -m cuda on the GPU machine) ------------------------------------------
+def _run_gpu(name: str, *args: str) -> str:
+    env = dict(os.environ)
+    pkg = os.path.dirname(os.path.dirname(ramstream.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
+    r = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name + ".py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.cuda
+def test_train_bigger_than_vram_fits_the_1_8b_gpt_in_4_gib_cuda():
+    out = _run_gpu("train_bigger_than_vram", "--steps", "3")
+    peak = _number(out, r"peak VRAM ([\d.]+) GiB \(cap 4\)")
+    assert 0 < peak <= 4.0
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses)
+
+
+@pytest.mark.cuda
+def test_verify_ram_offload_passes_on_the_gpu_cuda():
+    out = _run_gpu(
+        "verify_ram_offload", "--size", "350m", "--steps", "2", "--param-offload", "--cap-gib", "8"
+    )
+    assert "verdict: PASS" in out and "FAIL" not in out
+
+
+@pytest.mark.cuda
+def test_lora_large_model_7b_shape_nf4_cuda():
+    pytest.importorskip("peft")
+    out = _run_gpu(
+        "lora_large_model",
+        "--size",
+        "7b",
+        "--layers",
+        "4",
+        "--quantize",
+        "nf4",
+        "--steps",
+        "3",
+        "--seq",
+        "256",
+    )
+    assert int(_number(out, r"(\d+) packed Linear")) == 4 * 7
+    assert len(re.findall(r"step \d+: loss", out)) == 3
+
+
+@pytest.mark.cuda
+def test_hf_finetune_on_the_gpu_cuda():
+    out = _run_gpu(
+        "hf_finetune", "--hidden", "256", "--layers", "2", "--vocab", "1024", "--seq", "128", "--steps", "5"
+    )
+    # bf16 autocast on both sides, fp32 updates on both: the curves stay together
+    assert _number(out, r"max \|loss difference\| = (\S+)") < 5e-3

@@ -215,3 +215,27 @@ def test_atomic_checkpoints_can_be_turned_off(root, tmp_path):
     t = OffloadTrainer(model=model, args=_args(tmp_path, **CKPT), train_dataset=_data(4))
     names = [type(cb).__name__ for cb in t.callback_handler.callbacks]
     assert names.index("AtomicCheckpoints") == names.index("DefaultFlowCallback") + 1
+
+
+def test_a_save_that_raises_restores_output_dir_and_publishes_nothing(root, tmp_path, monkeypatch):
+    real = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt"):
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    model = transformers.AutoModelForCausalLM.from_pretrained(_llama_dir(root))
+    t = OffloadTrainer(
+        model=model, args=_args(tmp_path, **CKPT), train_dataset=_data(40), ramstream=dict(OURS)
+    )
+    with pytest.raises(OSError, match="No space left"):
+        t.train()
+    assert t.args.output_dir == str(tmp_path)  # no longer the staging folder
+    monkeypatch.setattr(torch, "save", real)
+    assert get_last_checkpoint(str(tmp_path)) is None
+    assert os.listdir(tmp_path) == [f"{STAGE_PREFIX}checkpoint-5"]
+    t = _train(root, str(tmp_path))  # the next run removes the leftover and saves as usual
+    assert t.args.output_dir == str(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-5"]

@@ -93,6 +93,11 @@ class AtomicCheckpoints(transformers.TrainerCallback):
         self.real = self.stage = None
         return stage
 
+    def restore(self, args) -> None:
+        """args.output_dir as the user set it (OffloadTrainer.train calls it when train() raised
+        mid-save; the staging folder stays, hidden, until training starts again)."""
+        self._end(args)
+
     def _abandon(self, args) -> None:
         """Staged, but the Trainer did not save (save_strategy="best" without a new best)."""
         stage, real = self.stage, self.real

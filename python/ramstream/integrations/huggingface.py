@@ -278,6 +278,15 @@ class OffloadTrainer(transformers.Trainer):
             )
             cbs.insert(at, self.checkpoint_callback)
 
+    def train(self, *args, **kwargs):
+        """transformers.Trainer.train; if it raises during a checkpoint save, args.output_dir is
+        restored (it pointed at the staging folder for the save)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.checkpoint_callback is not None:
+                self.checkpoint_callback.restore(self.args)
+
     # -- the optimizer: the stock AdamW groups, wrapped ---------------------------------------
     def create_optimizer(self, model=None):
         from ..optim import OffloadAdamW

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     n_train = sum(p.numel() for p in trainable(model))
     streamed = rep["params"]["streamed_blocks"]
     print(f"ramstream: {n_train:,} trainable (adapter) elements; streamed blocks: {streamed or 'none'}")
-    dev = next(p.device for p in trainable(model))
+    dev = torch.device("cuda" if gpu else "cpu")  # where the batches go (wrap() placed the model)
     losses, spent = loop(
         model, opt, lambda ids: loss_fn(input_ids=ids, labels=ids), batches(a, vocab, dev), gpu
     )

@@ -155,14 +155,16 @@ def test_a_trainer_save_killed_part_way_leaves_the_previous_checkpoint(
     assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-5"]  # the staging leftover removed
 
 
-@pytest.mark.parametrize("strategy", ["steps", "best"])
+@pytest.mark.parametrize("strategy", ["steps", "best", "epoch"])
 def test_rotation_and_the_best_checkpoint_are_the_stock_trainers(root, tmp_path, strategy):
+    epoch = strategy == "epoch"  # 3 epochs of 6 steps, a save and an evaluation after each
     kw = dict(
-        max_steps=6,
+        max_steps=-1 if epoch else 6,
+        num_train_epochs=3,
         save_strategy=strategy,
         save_steps=2,
         save_total_limit=1,
-        eval_strategy="steps",
+        eval_strategy="epoch" if epoch else "steps",
         eval_steps=2,
         load_best_model_at_end=True,
         metric_for_best_model="eval_loss",

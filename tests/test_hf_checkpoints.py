@@ -241,3 +241,23 @@ def test_a_save_that_raises_restores_output_dir_and_publishes_nothing(root, tmp_
     t = _train(root, str(tmp_path))  # the next run removes the leftover and saves as usual
     assert t.args.output_dir == str(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-5"]
+
+
+def test_trainer_resume_with_bf16_moments(root, tmp_path):
+    """bf16 moments travel through optimizer.pt as fp32 (torch's format) and back to bf16 without
+    loss; the stochastic rounding of the updates after the resume matches too: bit for bit."""
+    opts = {"device": "cpu", "moment_dtype": "bfloat16"}
+
+    def run(out, resume=None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(_llama_dir(root))
+        t = OffloadTrainer(
+            model=model, args=_args(out, **CKPT), train_dataset=_data(40), ramstream=dict(opts)
+        )
+        t.train(resume_from_checkpoint=resume)
+        return t
+
+    full = run(tmp_path / "full")
+    assert full.optimizer.optimizer._engine.moment_dtype == torch.bfloat16
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-5"))
+    a, b = _params(full.model), _params(resumed.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)

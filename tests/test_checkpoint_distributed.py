@@ -1,7 +1,7 @@
 """save_checkpoint / load_checkpoint under data parallel (gloo, 2 ranks, the CPU engine): a
 collective in which each rank writes the state of the buckets it owns; resuming equals the
-uninterrupted run bit for bit, and the checkpoint loads into one process with the state the ranks
-hold."""
+uninterrupted run bit for bit, the checkpoint loads into one process with the state the ranks
+held, and a save failing on one rank raises on every rank and leaves the previous checkpoint."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ def _wrapped():
     return ramstream.wrap(model, opt, **_wrap_options("cpu"), distributed=True)
 
 
+def _failing_save(ck, model, opt, rank) -> str:
+    """A save over `ck` whose shard write fails on rank 1 (a full disk): every rank raises."""
+    import ramstream
+    import ramstream.checkpoint as ckm
+
+    real = ckm.write_safetensors
+
+    def broken(path, *a, **k):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, *a, **k)
+
+    ckm.write_safetensors = broken
+    try:
+        ramstream.save_checkpoint(ck, model, opt, step=6)
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ckm.write_safetensors = real
+    return ""
+
+
 def _rank_main(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -58,9 +80,17 @@ def _rank_main(rank: int, store: str, out: str) -> None:
         extra = ramstream.load_checkpoint(ck, model2, opt2)
         _steps(model2, opt2, data[3:], rank)
         resumed = [p.detach().clone() for p in model2.parameters()]
+        raised = _failing_save(ck, model2, opt2, rank)
         opt2.close()
         torch.save(
-            {"full": full, "resumed": resumed, "extra": extra, "at_save": at_save, "owned": owned},
+            {
+                "full": full,
+                "resumed": resumed,
+                "extra": extra,
+                "at_save": at_save,
+                "owned": owned,
+                "raised": raised,
+            },
             os.path.join(out, f"rank{rank}.pt"),
         )
     finally:
@@ -75,6 +105,10 @@ def test_data_parallel_checkpoint_resumes_exactly_and_loads_into_one_process(tmp
         _rank_main, args=(new_store(tmp_path), str(tmp_path)), nprocs=WORLD, start_method="spawn"
     )
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    # the failed second save: rank 1 raised its error, rank 0 said which rank failed; nothing
+    # was published (the checkpoint below still holds step 3's state) and no temporary folder is left
+    assert res[1]["raised"] == "OSError: [Errno 28] No space left on device"
+    assert res[0]["raised"].startswith("RuntimeError: save_checkpoint: not saved: rank(s) [1] failed")
     for r in res:
         assert r["extra"] == {"step": 3, "note": "dp"}
         assert all(torch.equal(a, b) for a, b in zip(r["full"], r["resumed"]))  # bit for bit

@@ -14,6 +14,14 @@ RENAME_EXCHANGE where the kernel offers it, else two renames) and then removed. 
 save leaves the previous checkpoint as it was and at most a hidden `.<name>.tmp-<pid>-*` folder
 without meta.json, which the next save removes.
 
+Under data parallel (an OffloadAdamW wrapped with distributed=True) save_checkpoint is a
+collective: every rank calls it with the same path (one machine or a shared file system). Rank 0
+makes the temporary folder and writes the model, extra and optimizer.json (param groups,
+"shards": world size); each rank writes the state of the buckets it owns to
+optimizer-<rank>-of-<world>.safetensors/.json, so no rank gathers the others' state; rank 0 writes
+meta.json and publishes once every rank has succeeded. load_checkpoint merges the shards (memory-
+mapped), so the checkpoint loads into any number of ranks, or one process.
+
 ramstream.OffloadAdamW's state (torch's AdamW format plus the fp32 masters) is written from the
 engine's host buffers one tensor at a time, without building its state dict first: saving holds
 no second copy of the host state. Moments are stored in their own dtype (bf16 moments as bf16), so
@@ -98,8 +106,9 @@ def _groups_json(param_groups: list[dict], ids: list[list]) -> list[dict]:
     return out
 
 
-def _offload_entries(opt) -> tuple[list, dict]:
-    """OffloadAdamW: (entries, json state) read from where the state lives, tensor by tensor."""
+def _offload_entries(opt, owned_only: bool = False) -> tuple[list, dict]:
+    """OffloadAdamW: (entries, json state) read from where the state lives, tensor by tensor;
+    owned_only: under data parallel, the slots of the buckets this rank owns."""
     from .engine.layout import master_flat
     from .engine.state import _slot_tensors
 
@@ -108,7 +117,7 @@ def _offload_entries(opt) -> tuple[list, dict]:
     entries, steps = [], {}
     for s in e.slots:
         step, m, v = _slot_tensors(opt, s)
-        if step == 0:
+        if step == 0 or (owned_only and m is None):  # m None: another rank owns the bucket
             continue
         steps[str(s.index)] = {"step": float(step)}
         i, shape = s.index, tuple(s.param.shape)
@@ -170,9 +179,21 @@ def _load_optimizer(folder: str, optimizer) -> None:
         raise ValueError(f"load_checkpoint: {folder} holds no optimizer state (saved with optimizer=None)")
     with open(path) as f:
         js = json.load(f)
-    tensors, _ = read_safetensors(os.path.join(folder, "optimizer.safetensors"))
     key = lambda pid: int(pid) if pid.lstrip("-").isdigit() else pid  # noqa: E731
     state: dict = {key(pid): dict(rest) for pid, rest in js["state"].items()}
+    if "shards" in js:  # saved under data parallel: one file per rank, the state of its buckets
+        tensors = {}
+        for r in range(int(js["shards"])):
+            base = os.path.join(folder, _shard_name(r, int(js["shards"])))
+            if not os.path.isfile(base + ".json") or not os.path.isfile(base + ".safetensors"):
+                raise ValueError(
+                    f"load_checkpoint: {folder} lacks the optimizer shard {base}.json/.safetensors"
+                )
+            with open(base + ".json") as f:
+                state.update({key(pid): dict(rest) for pid, rest in json.load(f).items()})
+            tensors.update(read_safetensors(base + ".safetensors")[0])
+    else:
+        tensors, _ = read_safetensors(os.path.join(folder, "optimizer.safetensors"))
     for name, t in tensors.items():
         _, pid, k = name.split(".", 2)
         state.setdefault(key(pid), {})[k] = t
@@ -190,11 +211,9 @@ def _load_optimizer(folder: str, optimizer) -> None:
 
 
 # ---- extras --------------------------------------------------------------------------------------
-def _save_extra(folder: str, extra: dict) -> None:
-    tensors, rest = [], {}
+def _check_extra(extra: dict) -> None:
     for k, v in extra.items():
         if torch.is_tensor(v):
-            tensors.append(entry(k, v))
             continue
         try:
             json.dumps(v)
@@ -203,7 +222,12 @@ def _save_extra(folder: str, extra: dict) -> None:
                 f"save_checkpoint: extra {k}= is a {type(v).__name__}; accepted: a tensor or a value "
                 "JSON can store (numbers, strings, bools, None, lists and dicts of them)"
             ) from None
-        rest[k] = v
+
+
+def _save_extra(folder: str, extra: dict) -> None:
+    _check_extra(extra)
+    tensors = [entry(k, v) for k, v in extra.items() if torch.is_tensor(v)]
+    rest = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
     write_json(os.path.join(folder, "extra.json"), rest)
     write_safetensors(os.path.join(folder, "extra.safetensors"), tensors, {"format": FORMAT})
 
@@ -269,17 +293,93 @@ def _publish(tmp: str, path: str) -> None:
     fsync_dir(parent)
 
 
+def _shard_name(rank: int, world: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world:05d}"
+
+
+def _data_parallel(optimizer):
+    from .optim import OffloadAdamW
+
+    return optimizer._engine.dp if isinstance(optimizer, OffloadAdamW) else None
+
+
+def _save_distributed(path: str, model, optimizer, extra: dict, dp) -> str:
+    """save_checkpoint under data parallel: every rank calls it (see the module's docstring)."""
+    import torch.distributed as dist
+
+    parent, name = os.path.split(path)
+    box: list = [None]
+    if dp.rank == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            _remove_stale(parent, name)
+            box[0] = tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)
+        except OSError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0] if dp.rank == 0 else RuntimeError(f"save_checkpoint: rank 0 failed: {box[0]}")
+    tmp, err = box[0], None
+    try:
+        entries, js = _offload_entries(optimizer, owned_only=True)
+        shard = os.path.join(tmp, _shard_name(dp.rank, dp.world))
+        write_safetensors(shard + ".safetensors", entries, {"format": FORMAT})
+        write_json(shard + ".json", js["state"])
+        if dp.rank == 0:
+            _save_model(tmp, model)
+            _save_extra(tmp, extra)
+            head = {"state": {}, "param_groups": js["param_groups"], "type": type(optimizer).__name__}
+            write_json(os.path.join(tmp, "optimizer.json"), dict(head, shards=dp.world))
+    except BaseException as e:  # every rank learns of it below, then it is raised here
+        err = e
+    oks: list = [None] * dp.world
+    dist.all_gather_object(oks, err is None)
+    if all(oks) and dp.rank == 0:
+        try:
+            meta = {
+                "format": FORMAT,
+                "version": VERSION,
+                "optimizer": True,
+                "shards": dp.world,
+                "complete": True,
+            }
+            write_json(os.path.join(tmp, "meta.json"), meta)
+            fsync_dir(tmp)
+            _publish(tmp, path)
+        except BaseException as e:
+            err = e
+    published = [None]
+    if dp.rank == 0:
+        published[0] = all(oks) and err is None
+        if not published[0]:
+            _discard(tmp)
+    dist.broadcast_object_list(published, src=0)
+    if err is not None:
+        raise err
+    if not published[0]:
+        failed = [r for r, ok in enumerate(oks) if not ok]
+        raise RuntimeError(f"save_checkpoint: not saved: rank(s) {failed or [0]} failed; {path} is as before")
+    return path
+
+
 def save_checkpoint(path, model: torch.nn.Module, optimizer=None, **extra) -> str:
     """Saves `model` (its state dict, safetensors), `optimizer` (any torch optimizer whose state
     is tensors and JSON values; a ramstream.OffloadAdamW's with its fp32 masters, streamed from
     host RAM) and `extra` (tensors, or values JSON can store: the step, an LR scheduler's
     state_dict(), the data position) into the folder `path`, which appears only when complete
-    and replaces an existing checkpoint there only then. Returns the absolute path. One process
-    (under data parallel, call it on every rank with a distinct path, or use rank 0's)."""
+    and replaces an existing checkpoint there only then. Returns the absolute path. Under data
+    parallel (an OffloadAdamW with distributed=True) a collective: every rank calls it with the
+    same path, and each writes the state of the buckets it owns."""
     path = _check_args("save_checkpoint", path, model, optimizer)
     parent, name = os.path.split(path)
     if not name:
         raise ValueError(f"save_checkpoint: path {path!r} names no folder")
+    dp = _data_parallel(optimizer) if optimizer is not None else None
+    if dp is not None:
+        if os.path.lexists(path) and (not os.path.isdir(path) or os.path.islink(path)):
+            raise ValueError(f"save_checkpoint: path {path} exists and is not a folder")
+        _check_extra(extra)  # on every rank, before any collective
+        return _save_distributed(path, model, optimizer, extra, dp)
     os.makedirs(parent, exist_ok=True)
     _remove_stale(parent, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent)

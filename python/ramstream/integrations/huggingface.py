@@ -3,9 +3,10 @@ ramstream's, and wrap_hf() for a hand-written loop.
 
 OffloadTrainer uses the Trainer's public extension points only: create_optimizer (the stock
 AdamW param groups, then wrap()), compute_loss (causal_lm_loss, so the [tokens, vocab] logits never
-exist), log (ramstream's memory figures on each training log) and a TrainerCallback (the plan once
-at the start). The LR schedule, gradient accumulation (with num_items_in_batch), max_grad_norm,
-evaluation, save_steps and resume_from_checkpoint are the Trainer's own.
+exist), log (ramstream's memory figures on each training log) and TrainerCallbacks (the plan once
+at the start; checkpoint-N folders staged and published by rename: hf_checkpoints.py). The LR
+schedule, gradient accumulation (with num_items_in_batch), max_grad_norm, evaluation, save_steps
+and resume_from_checkpoint are the Trainer's own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - transformers is optional
 
 from .. import loss as _loss
 from ..wrap import memory_report, wrap
+from .hf_checkpoints import AtomicCheckpoints
 from .hf_load import load_model
 
 __all__ = [
@@ -49,7 +51,7 @@ _LAYER_PATHS = (
     "layers",
     "h",
 )
-_TRAINER_OPTS = ("chunked_loss", "loss_chunk_size")
+_TRAINER_OPTS = ("chunked_loss", "loss_chunk_size", "atomic_checkpoints")
 _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
@@ -215,7 +217,8 @@ class _PlacedByWrap:
 class OffloadTrainer(transformers.Trainer):
     """transformers.Trainer with ramstream's optimizer. ramstream={...} takes any wrap() option
     plus "chunked_loss" (default True: causal_lm_loss, so the full logits never exist; False:
-    the model's own loss) and "loss_chunk_size" (default 1024). TrainingArguments' learning rate,
+    the model's own loss), "loss_chunk_size" (default 1024) and "atomic_checkpoints" (default
+    True: each checkpoint-N folder appears only when complete). TrainingArguments' learning rate,
     weight decay, betas, eps, warm-up/schedule, gradient_accumulation_steps and max_grad_norm
     apply as with the stock Trainer (max_grad_norm and accumulation become wrap()'s
     max_grad_norm and accumulation_steps). fp16=True is refused (bf16 or fp32)."""
@@ -245,6 +248,11 @@ class OffloadTrainer(transformers.Trainer):
             raise ValueError(
                 f"OffloadTrainer: ramstream['loss_chunk_size']={chunk!r}; accepted: an integer >= 1"
             )
+        atomic = opts.pop("atomic_checkpoints", True)
+        if not isinstance(atomic, bool):
+            raise ValueError(
+                f"OffloadTrainer: ramstream['atomic_checkpoints']={atomic!r}; accepted: True, False"
+            )
         for name in ("max_grad_norm", "accumulation_steps"):
             if name in opts:
                 raise ValueError(
@@ -262,6 +270,22 @@ class OffloadTrainer(transformers.Trainer):
         callbacks = list(kwargs.pop("callbacks", None) or []) + [self.ramstream_callback]
         with _PlacedByWrap(targs):
             super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.checkpoint_callback = AtomicCheckpoints(self) if atomic else None
+        if atomic:  # right after DefaultFlowCallback: it sees the save decided, publishes before others read
+            cbs = self.callback_handler.callbacks
+            at = next(
+                (i + 1 for i, cb in enumerate(cbs) if isinstance(cb, transformers.DefaultFlowCallback)), 0
+            )
+            cbs.insert(at, self.checkpoint_callback)
+
+    def train(self, *args, **kwargs):
+        """transformers.Trainer.train; if it raises during a checkpoint save, args.output_dir is
+        restored (it pointed at the staging folder for the save)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.checkpoint_callback is not None:
+                self.checkpoint_callback.restore(self.args)
 
     # -- the optimizer: the stock AdamW groups, wrapped ---------------------------------------
     def create_optimizer(self, model=None):

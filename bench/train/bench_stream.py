@@ -45,7 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stream_models import TINY, build_gpt, build_qwen, h2d_gbps  # noqa: E402
-from stream_report import summarize, write_results  # noqa: E402
+from stream_report import planner_prediction, summarize, write_results  # noqa: E402
 
 BEST = {"optimizer_mode": "auto", "activation_offload": "auto"}
 
@@ -351,6 +351,7 @@ def _train(args, cfg: dict, res: dict) -> None:
         res["report_params"] = _jsonable({k: v for k, v in p.items() if k != "bucket_numel"})
         res["plan"] = _jsonable(rep.get("plan"))
         res["events_tail"] = list(rep.get("events", []))[-8:]
+        res["planner"] = planner_prediction(cfg, model_key, dev, args.qwen_layers)
         gbps = res.get("h2d_gbps")
         wb = d.get("bytes_h2d_weights")
         if gbps:

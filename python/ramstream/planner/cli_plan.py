@@ -10,6 +10,7 @@ import sys
 from .plan import PlanError, plan_training
 from .profile import HardwareProfile
 from .shape import GPT_SIZES, ModelShape
+from .timing import MATMUL_EFFICIENCY
 
 # The H200 machine's rates (DESIGN.md section 3), used when no cached profile exists.
 DEFAULT_RATES = {
@@ -44,6 +45,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="working dtype (default: bf16)")
     p.add_argument("--chunked-loss", action="store_true", help="the loss never builds the full logits")
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="an fp32 --gpt trained under bf16 autocast (activations in bf16)",
+    )
     for name, what in (
         ("h2d-gbps", "host-to-device GB/s"),
         ("d2h-gbps", "device-to-host GB/s"),
@@ -120,7 +126,10 @@ def run(args) -> int:
             if args.lora:
                 print("ramstream plan: --lora applies to --config models only", file=sys.stderr)
                 return 2
-            shape = ModelShape.gpt(args.gpt, batch=args.batch, seq=args.seq, dtype=dtype, loss=loss)
+            amp = "bf16" if args.autocast and dtype == "float32" else None
+            shape = ModelShape.gpt(
+                args.gpt, batch=args.batch, seq=args.seq, dtype=dtype, loss=loss, autocast=amp
+            )
     except (OSError, ValueError, TypeError) as e:
         print(f"ramstream plan: {e}", file=sys.stderr)
         return 2
@@ -145,6 +154,6 @@ def run(args) -> int:
     print("numbers: " + "; ".join(f"{k}: {v}" for k, v in sources.items()))
     print(
         f"rates: H2D {prof.h2d_gbps:g} GB/s, D2H {prof.d2h_gbps:g}, both at once {prof.duplex_gbps:g} each, host AdamW "
-        f"{prof.adamw_gbps:g} GB/s, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency 0.5"
+        f"{prof.adamw_gbps:g} GB/s, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency {MATMUL_EFFICIENCY:g}"
     )
     return 0

@@ -1,27 +1,21 @@
 """plan_training(): where the weights, activations and optimizer state of a ModelShape live on a
-HardwareProfile, and how long a step takes; pure arithmetic (no torch, no device work).
+HardwareProfile, and how long a step takes; pure arithmetic (no device work). It follows wrap()'s
+default policy (policy.py) and predicts the step with timing.py's model.
 
-Rule (a), the one offload="auto" follows: when stock training fits in usable VRAM (free VRAM less
-vram_headroom) with every activation kept, i.e. weights + gradients (working dtype) + AdamW state
-(fp32 moments, and an fp32 master when the working dtype is 16-bit) + activations + logits, the
-plan is "resident": everything on the GPU, torch's fused AdamW.
-
-Otherwise "offload": the optimizer state lives in host RAM (optionally a share of the trained
-parameters keeps its whole state in VRAM, sized to the VRAM left over); weights are resident or
-the fewest blocks are streamed, from the front of the stack as wrap() streams them; per block the
-activations are kept, paged (from the front: choose_paged_blocks) or recomputed. Every number of streamed blocks is tried and the
-fitting plan with the shortest predicted step wins (fewer streamed blocks on a tie).
-
-Step-time model (seconds; rates from the profile):
-    gpu_compute_s = step flops / (matmul_tflops x MATMUL_EFFICIENCY) + AdamW on the GPU
-    PCIe: D2H carries gradients of host-updated parameters and paged activations; H2D the updated
-      weights, streamed weights twice (forward and backward) and paged activations. While both
-      directions carry data each runs at duplex_gbps; the longer one's rest at its own rate.
-    host_adamw_s  = host-updated params x 28 B (20 B with bf16 moments) / adamw_gbps
-    exposed_s     = what cannot overlap: the embeddings' and block 0's gradients arrive last in
-      backward and their weights are needed first in the next forward (their D2H + host AdamW +
-      H2D), plus block 0's first fetch when it is streamed
-    step_s        = max(gpu_compute_s, h2d_s, d2h_s, host_adamw_s) + exposed_s
+- Blocks recompute when activation_checkpointing="auto" would (policy.auto_recompute); otherwise
+  per block the activations are kept, paged (from the front: choose_paged_blocks) or recomputed
+  to fit, as activation_offload="auto" would.
+- param_offload="auto" streams the fewest front blocks that wrap() streams (policy.auto_streamed);
+  when that plan cannot fit, every number of streamed blocks is tried and the fitting plan with
+  the shortest predicted step is shown, with the option that gives it.
+- The offloaded run's peak: the larger of the forward's (resident weights, the stream window,
+  kept activations or the blocks' inputs, autocast's weight copies, the logits) and the
+  backward's (the same without the copies and logits, with the gradients in flight).
+- offload="auto" (optimizer_mode "auto"): resident, torch's fused AdamW, when the resident peak
+  estimated from it (policy.resident_peak) fits in usable VRAM (free x (1 - vram_headroom));
+  else the optimizer state of the first parameters that fits in usable - peak - 512 MiB lives in
+  VRAM ("device"), the rest is split between the GPU over PCIe ("mapped") and the host threads
+  (policy.optimizer_split).
 """
 
 from __future__ import annotations
@@ -30,23 +24,22 @@ import math
 from dataclasses import dataclass
 
 from .activations import choose_paged_blocks, fraction_to_blocks
+from .assemble import line as _line
+from .assemble import make_plan as _make_plan
 from .measure import ADAMW_STATE_BYTES
+from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split, resident_peak
 from .profile import HardwareProfile
 from .result import Plan, PlanError
 from .shape import ModelShape
 from .suggest import suggestions
+from .timing import ACT_OVERLAP, MATMUL_EFFICIENCY, step_of, step_times
 
-MATMUL_EFFICIENCY = 0.5  # share of the profile's matmul peak a training step reaches
-DEVICE_ADAMW_GBPS = 2000.0  # torch's fused AdamW on the GPU: state traffic in GB/s (HBM bound)
-ACT_OVERLAP = 0.9  # share of activation copies hidden behind compute, until measured
 GRAD_INFLIGHT_MAX = 1 << 30  # gradients crossing PCIe at once: min(1 GiB, VRAM / 10), as the engine
 STREAM_WINDOW = 3  # streamed blocks on the GPU at once: the one running and weight_window=2 ahead
 FROZEN_BASE_SHARE = 0.1  # blocks with less trained share than this are a frozen base (LoRA)
 QUANT_BYTES = {"none": None, "int8": 1 + 4 / 64, "nf4": 0.5 + 4 / 64}  # bytes per quantized value
 _GIB = 2**30
-
-
-# ---- the pieces of one candidate plan ----------------------------------------------------------
+__all__ = ["plan_training", "MATMUL_EFFICIENCY"]
 
 
 @dataclass
@@ -61,6 +54,7 @@ class _Ctx:
     act_opt: object
     max_slowdown: float
     inflight_cap: int
+    recompute: tuple = ()
 
     @property
     def wb(self) -> int:
@@ -83,60 +77,22 @@ def _master(wb: int) -> int:
     return 4 if wb < 4 else 0
 
 
-def _pcie(ctx: _Ctx, up: float, down: float) -> tuple[float, float]:
-    """(h2d_s, d2h_s) for the bytes each way (module docstring)."""
-    p = ctx.prof
-    both = min(up, down)
-    t_both = both / (p.duplex_gbps * 1e9) if both else 0.0
-    up_s = (up - both) / (p.h2d_gbps * 1e9) if up > both else 0.0
-    down_s = (down - both) / (p.d2h_gbps * 1e9) if down > both else 0.0
-    return t_both + up_s, t_both + down_s
+def _mb(moment: str) -> int:
+    return 2 if moment == "bfloat16" else 4
 
 
-def _times(ctx: _Ctx, streamed, paged_bytes: int, recompute, moment: str, share: float) -> dict:
-    sh, wb, p = ctx.shape, ctx.wb, ctx.prof
-    T, rate = sh.tokens, ctx.flop_rate()
-    flops = sum((q.fwd_flops_per_token + q.bwd_flops_per_token) * T for q in sh.parts)
-    flops += sum(sh.blocks[i].fwd_flops_per_token * T for i in recompute)
-    n_tr = sh.trained_numel
-    n_dev = share * n_tr
-    state = ADAMW_STATE_BYTES[moment]
-    compute = (flops / rate if rate else 0.0) + n_dev * state / (DEVICE_ADAMW_GBPS * 1e9)
-    mapped = ctx.opt_mode == "gpu"
-    n_host = 0.0 if mapped else n_tr - n_dev
-    n_map = n_tr - n_dev if mapped else 0.0
-    mb = 2 if moment == "bfloat16" else 4
-    streamed_tr = sum(sh.blocks[i].trained_numel for i in streamed)
-    streamed_w = sum(ctx.weight(sh.blocks[i]) for i in streamed)
-    map_bytes = n_map * (2 * mb + _master(wb))
-    down = n_host * wb + paged_bytes + map_bytes
-    up = max(0.0, n_host - streamed_tr * (1 - share)) * wb + 2 * streamed_w + paged_bytes + map_bytes
-    h2d, d2h = _pcie(ctx, up, down)
-    host = n_host * state / (p.adamw_gbps * 1e9) if n_host else 0.0
-    tail = (sh.embed.trained_numel + sh.blocks[0].trained_numel) * (1 - share) if sh.blocks else 0
-    exposed = 0.0
-    if tail and not mapped:
-        exposed = (
-            tail * wb / (p.d2h_gbps * 1e9)
-            + tail * state / (p.adamw_gbps * 1e9)
-            + tail * wb / (p.h2d_gbps * 1e9)
-        )
-    if 0 in streamed:
-        exposed += ctx.weight(sh.blocks[0]) / (p.h2d_gbps * 1e9)
-    bounds = {
-        "gpu_compute_s": compute,
-        "h2d_s": h2d,
-        "d2h_s": d2h,
-        "host_adamw_s": host,
-        "exposed_s": exposed,
-    }
-    return bounds
+def _times(ctx: _Ctx, streamed, paged_bytes: int, modes, moment: str, split: dict) -> dict:
+    wb, mb = ctx.wb, _mb(moment)
+    return step_times(ctx.shape, ctx.prof, ctx.weight, streamed=streamed, modes=modes, paged_bytes=paged_bytes,
+                      split=split, state_bytes=ADAMW_STATE_BYTES[moment],
+                      mapped_bytes_per_param=2 * mb + _master(wb))  # fmt: skip
 
 
-def _step(bounds: dict) -> tuple[float, str]:
-    overl = {k: bounds[k] for k in ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s")}
-    bound = max(overl, key=overl.get)
-    return overl[bound] + bounds["exposed_s"], bound[:-2]
+def _host_split(ctx: _Ctx) -> dict:
+    n = ctx.shape.trained_numel
+    if ctx.opt_mode == "gpu":
+        return {"device": 0, "mapped": n, "host": 0}
+    return {"device": 0, "mapped": 0, "host": n}
 
 
 def _activations(ctx: _Ctx, avail: int, step0: float, t0: dict) -> tuple[list[str], int, int, str]:
@@ -231,75 +187,87 @@ def _activations(ctx: _Ctx, avail: int, step0: float, t0: dict) -> tuple[list[st
 
 
 def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
-    """One offload candidate: memory per component, activations, times, whether it fits."""
+    """One offload candidate: memory per component, activations, the optimizer split, times."""
     sh, wb = ctx.shape, ctx.wb
     n = len(sh.blocks)
     ss = set(streamed)
-    vram = {
+    base = {
         "weights": ctx.weight(sh.embed)
         + ctx.weight(sh.head)
         + sum(ctx.weight(sh.blocks[i]) for i in range(n) if i not in ss),
         "stream_window": min(len(ss), STREAM_WINDOW) * max((ctx.weight(sh.blocks[i]) for i in ss), default=0),
-        "gradients_in_flight": min(sh.trained_numel * wb, ctx.inflight_cap),
-        "logits": sh.logits_bytes,
         "outside_activations": sh.outside_act_bytes,
     }
-    t0 = _times(ctx, streamed, 0, [], moment, 0.0)
-    step0, _ = _step(t0)
-    modes, act_dev, paged, act_why = _activations(ctx, ctx.budget - sum(vram.values()), step0, t0)
-    vram["activations"] = act_dev
-    mb = 2 if moment == "bfloat16" else 4
-    share = 0.0
-    per_param = wb + _master(wb) + 2 * mb
-    left = ctx.budget - sum(vram.values())
-    if ctx.opt_mode == "auto" and sh.trained_numel and left > 0:
-        share = math.floor(min(1.0, left / (sh.trained_numel * per_param)) * 100) / 100
-    vram["optimizer_share"] = int(share * sh.trained_numel * per_param)
-    n_off = sh.trained_numel * (1 - share)
-    mapped = ctx.opt_mode == "gpu"
-    streamed_w = sum(ctx.weight(sh.blocks[i]) for i in ss)
+    fwd_only = {"autocast_cache": sh.autocast_cache_bytes, "logits": sh.logits_bytes}
+    inflight = min(sh.trained_numel * wb, ctx.inflight_cap)
+    acts = [sh.act_bytes(i) for i in range(n)]
+    bnd = [sh.boundary_bytes(i) for i in range(n)]
+    rc = set(ctx.recompute)
+    if rc and not (ctx.act_opt is True or isinstance(ctx.act_opt, float)):
+        modes = ["recompute" if i in rc else "keep" for i in range(n)]
+        act_dev = sum(bnd[i] if i in rc else acts[i] for i in range(n)) + max(
+            (acts[i] for i in rc), default=0
+        )
+        paged = 0
+        act_why = f"activation_checkpointing: {len(rc)} of {n} blocks recompute"
+    else:
+        t0 = _times(ctx, streamed, 0, ["keep"] * n, moment, _host_split(ctx))
+        avail = ctx.budget - sum(base.values()) - max(sum(fwd_only.values()), inflight)
+        modes, act_dev, paged, act_why = _activations(ctx, avail, step_of(t0)[0], t0)
+    fwd = sum(fwd_only.values())
+    vram = {**base, "activations": act_dev}
+    vram.update(fwd_only if fwd >= inflight else {"gradients_in_flight": inflight})
+    peak = sum(vram.values())
+    mb = _mb(moment)
+    room = ctx.budget - peak - MARGIN_BYTES
+    streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
+    split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=room, mode=ctx.opt_mode,
+                            wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
+    share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
+    vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
+    h, m = split["host"], split["mapped"]
     ram = {
-        "optimizer_state": int(n_off * (4 + 2 * mb)) if not mapped else int(n_off * (_master(wb) + 2 * mb)),
-        "gradient_landing": int(n_off * wb) if not mapped else 0,
-        "streamed_weights": streamed_w,
+        "optimizer_state": h * (4 + 2 * mb) + m * (_master(wb) + 2 * mb),
+        "gradient_landing": h * wb,
+        "streamed_weights": sum(ctx.weight(sh.blocks[i]) for i in ss),
         "paged_activations": paged,
     }
     pinned = {
         "gradient_landing": ram["gradient_landing"],
-        "streamed_weights": streamed_w,
+        "streamed_weights": ram["streamed_weights"],
         "paged_activations": paged,
-        "mapped_state": ram["optimizer_state"] if mapped else 0,
+        "mapped_state": m * (_master(wb) + 2 * mb),
     }
-    rc = [i for i in range(n) if modes[i] == "recompute"]
-    bounds = _times(ctx, streamed, paged, rc, moment, share)
-    # candidates are compared without the VRAM share: streaming blocks to make room for
-    # optimizer state would trade PCIe time for host time the share only estimates
-    select_s = _step(_times(ctx, streamed, paged, rc, moment, 0.0))[0]
-    return dict(select_s=select_s, vram=vram, ram=ram, pinned=pinned, modes=modes, share=share, bounds=bounds, act_why=act_why,
-                streamed=sorted(ss), moment=moment)  # fmt: skip
+    bounds = _times(ctx, streamed, paged, modes, moment, split)
+    return dict(select_s=step_of(bounds)[0], vram=vram, ram=ram, pinned=pinned, modes=modes, share=share,
+                bounds=bounds, act_why=act_why, streamed=sorted(ss), moment=moment, split=split, peak=peak,
+                room=room)  # fmt: skip
 
 
 def _fits(ctx: _Ctx, c: dict) -> tuple[bool, bool]:
     return sum(c["vram"].values()) <= ctx.budget, sum(c["ram"].values()) <= ctx.ram
 
 
-def _resident(ctx: _Ctx, moment: str) -> dict:
-    """Stock training on the GPU: every weight, gradient, AdamW state and activation in VRAM."""
+def _resident(ctx: _Ctx, off: dict) -> dict:
+    """The resident run after the switch, from the offloaded candidate `off` without streaming:
+    weights, moments (and fp32 masters) and gradients on the GPU (policy.resident_peak)."""
     sh, wb = ctx.shape, ctx.wb
-    mb = 2 if moment == "bfloat16" else 4
-    n = len(sh.blocks)
+    moment = off["moment"]
+    now = off["vram"]["weights"]
+    persistent = sh.trained_numel * (2 * _mb(moment) + _master(wb))
+    grads = sh.trained_numel * (wb + _master(wb))
+    transient = max(0, off["peak"] - now)
     vram = {
-        "weights": sum(ctx.weight(q) for q in sh.parts),
-        "gradients": sh.trained_numel * wb,
-        "optimizer_state": sh.trained_numel * (2 * mb + _master(wb)),
-        "activations": sum(sh.act_bytes(i) for i in range(n)),
-        "logits": sh.logits_bytes,
-        "outside_activations": sh.outside_act_bytes,
+        "weights": now,
+        "optimizer_state": persistent,
+        "gradients": grads if grads >= transient else grads // 4,
+        "activations": transient if transient > grads else transient // 4,
     }
-    bounds = _times(ctx, [], 0, [], moment, 1.0)
-    return dict(
-        vram=vram, ram={}, pinned={}, modes=["keep"] * n, share=1.0, bounds=bounds, streamed=[], moment=moment
-    )
+    assert sum(vram.values()) == resident_peak(now, persistent, grads, transient)
+    split = {"device": sh.trained_numel, "mapped": 0, "host": 0}
+    bounds = _times(ctx, [], 0, off["modes"], moment, split)
+    return dict(vram=vram, ram={}, pinned={}, modes=off["modes"], share=1.0, bounds=bounds, streamed=[],
+                moment=moment, split=split)  # fmt: skip
 
 
 def _parse_param_offload(v, n: int) -> list[int] | None:
@@ -311,53 +279,14 @@ def _parse_param_offload(v, n: int) -> list[int] | None:
     return None if choice == "auto" else chosen_blocks("param_offload", choice, n)
 
 
-def _make_plan(ctx: _Ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
-    sh = ctx.shape
-    n = len(sh.blocks)
-    step, bound = _step(c["bounds"])
-    vram = {**c["vram"], "total": sum(c["vram"].values()), "budget": ctx.budget}
-    ram = {**c["ram"], "total": sum(c["ram"].values()), "budget": ctx.ram}
-    pinned = {**c["pinned"], "total": sum(c["pinned"].values()), "budget": ctx.pin}
-    if pinned["total"] > ctx.pin:
-        reasons.append(
-            f"pinned {pinned['total'] / _GIB:.2f} GiB > the page-lock budget {ctx.pin / _GIB:.2f} GiB per rank: "
-            "the excess is ordinary memory and its copies are slower (raise RAMSTREAM_PIN_BUDGET)"
-        )
-    placement = (
-        "device"
-        if mode == "resident"
-        else "host"
-        if mode == "cpu"
-        else ("mapped" if ctx.opt_mode == "gpu" else "host")
+def _why_optimizer(c: dict, shape: ModelShape, m: str, moment: str) -> str:
+    sp, n = c["split"], max(1, shape.trained_numel)
+    return (
+        f"optimizer: of {shape.trained_numel / 1e6:.1f}M trained params {sp['device'] / n:.0%} in VRAM (room "
+        f"{max(0, c['room']) / _GIB:.2f} GiB = usable - peak {c['peak'] / _GIB:.2f} - margin 0.50), "
+        f"{sp['mapped'] / n:.0%} updated by the GPU over PCIe, {sp['host'] / n:.0%} on the host; moments {m}"
+        + (" (fp32 state does not fit in RAM)" if m == "bfloat16" and moment == "auto" else "")
     )
-    if ctx.prof.matmul_tflops is None:
-        reasons.append("no GPU matmul rate in the profile: gpu_compute_s counts only the optimizer")
-    return Plan(
-        mode=mode,
-        weights={"resident": [i for i in range(n) if i not in set(c["streamed"])], "streamed": c["streamed"]},
-        activations=c["modes"],
-        optimizer={"placement": placement, "vram_share": c["share"], "moment_dtype": c["moment"]},
-        quantize=ctx.quant,
-        memory={"vram": vram, "ram": ram, "pinned": pinned},
-        predicted={"step_s": step, "tokens_per_s": sh.tokens / step if step > 0 else None, "bound": bound},
-        bounds=c["bounds"],
-        reasons=reasons,
-        shape={
-            "name": sh.name,
-            "dtype": sh.dtype,
-            "batch": sh.batch,
-            "seq": sh.seq,
-            "blocks": n,
-            "trained_numel": sh.trained_numel,
-            "frozen_numel": sh.frozen_numel,
-        },  # fmt: skip
-    )
-
-
-def _line(name: str, parts: dict, have: int, what: str) -> str:
-    body = " + ".join(f"{k} {v / _GIB:.2f}" for k, v in parts.items() if v)
-    need = sum(parts.values())
-    return f"{name}: needs {need / _GIB:.2f} GiB ({body or 'nothing'}) vs {have / _GIB:.2f} GiB {what}"
 
 
 def plan_training(
@@ -366,6 +295,7 @@ def plan_training(
     *,
     param_offload="auto",
     activation_offload="auto",
+    activation_checkpointing="auto",
     optimizer_mode: str = "auto",
     moment_dtype="auto",
     quantize: str = "none",
@@ -373,15 +303,17 @@ def plan_training(
     max_activation_slowdown: float = 0.15,
     _suggest: bool = True,
 ) -> Plan:
-    """The plan for training `shape` on `profile` (module docstring); pure arithmetic, thread-safe.
+    """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
+    thread-safe.
 
     Args:
-        param_offload: "auto" (the fewest streamed blocks that give the shortest step), True (all
-            blocks streamed), False (none; PlanError when that cannot fit), a fraction in [0, 1]
-            (that share of the blocks, from the front, as wrap()) or a list of block indices.
+        param_offload: "auto" (the blocks wrap() streams), True (all blocks streamed), False (none;
+            PlanError when that cannot fit), a fraction in [0, 1] (that share of the blocks, from
+            the front, as wrap()) or a list of block indices.
         activation_offload: "auto" (keep, page or recompute per block), True (page every block),
             False (keep every block), or a fraction in [0, 1] (page that share, from the front).
-        optimizer_mode: "auto" (resident when it fits, else host with a VRAM share), "cpu" (host
+        activation_checkpointing: "auto" (wrap()'s rule), True, False, a fraction or block indices.
+        optimizer_mode: "auto" (resident when it fits, else VRAM share, mapped and host), "cpu" (host
             AdamW, no VRAM share) or "gpu" (ramstream's CUDA AdamW on state in pinned host memory).
         moment_dtype: "auto" (fp32 unless host RAM forces bf16), "float32"/"fp32", "bfloat16"/"bf16".
         quantize: "none", "int8" or "nf4": how frozen block weight matrices are stored.
@@ -391,6 +323,7 @@ def plan_training(
     Returns a Plan. Raises PlanError (a MemoryError) with the arithmetic per component and the
     options that would fit, ValueError / TypeError for a bad argument.
     """
+    from ..activations.blocks import chosen_blocks, parse_block_choice
     from ..options import parse_activation_offload, parse_mode, parse_moment_dtype
 
     if not isinstance(shape, ModelShape):
@@ -401,6 +334,7 @@ def plan_training(
     where = "plan_training:"
     forced = _parse_param_offload(param_offload, n)
     act = parse_activation_offload(activation_offload)
+    ckpt = parse_block_choice("activation_checkpointing", activation_checkpointing)
     mode = parse_mode(optimizer_mode, where=f"{where} optimizer_mode")
     moment = parse_moment_dtype(moment_dtype, where=where)
     if quantize not in QUANT_BYTES:
@@ -436,52 +370,56 @@ def plan_training(
         f"RAM {ctx.ram / _GIB:.2f} GiB per rank ({p.local_world_size} on this machine)"
     ]
     if not p.vram_total:  # the CPU engine: everything in host RAM
-        for m in moments:
-            c = _resident(ctx, m)
-            c["ram"], c["vram"] = c["vram"], {}
-            if sum(c["ram"].values()) <= ctx.ram:
-                return _make_plan(
-                    ctx, c, "cpu", head + [_line("no GPU: RAM", c["ram"], ctx.ram, "available")]
-                )
-        raise PlanError(
-            f"plan_training: {shape.name} does not fit in host RAM: "
-            + _line("RAM", c["ram"], ctx.ram, "available"),
-            arithmetic={"ram": {**c["ram"], "budget": ctx.ram}},
-            options=[],
+        return _cpu_plan(ctx, shape, moments, head)
+    if ckpt == "auto":
+        on, why = auto_recompute(shape, p.vram_free, ctx.weight, mode)
+        ctx.recompute = tuple(range(n)) if on else ()
+        head.append(f"activation_checkpointing=auto: {'every block recomputes' if on else 'off'} ({why})")
+    else:
+        ctx.recompute = tuple(chosen_blocks("activation_checkpointing", ckpt, n))
+    k_auto = None
+    if forced is None:
+        k_auto, room = auto_streamed(shape, p.vram_free, vram_headroom, ctx.weight)
+        head.append(
+            f"param_offload=auto: {k_auto} of {n} blocks streamed (resident weights <= {room / _GIB:.2f} GiB)"
         )
-    # (a) resident: stock training fits
-    if mode == "auto" and forced in (None, []) and act in ("auto", False) and p.vram_total:
-        for m in moments:
-            c = _resident(ctx, m)
-            if sum(c["vram"].values()) <= budget:
-                why = _line("resident: stock training fits, VRAM", c["vram"], budget, "usable")
-                return _make_plan(ctx, c, "resident", head + [why])
-    # (b) offload: every number of streamed blocks (or the given ones), each moment dtype
-    sets = [forced] if forced is not None else [list(range(k)) for k in range(n + 1)]
+    # (a) resident: the offloaded run's peak predicts a resident one that fits
+    if mode == "auto" and forced in (None, []) and not k_auto and act in ("auto", False):
+        # the moment dtype is wrap()'s (host_fit.pick_moment_dtype: by host RAM), kept by the switch
+        fit = [m for m in moments if shape.trained_numel * (4 + 2 * _mb(m) + ctx.wb) <= ctx.ram]
+        for m in fit[:1]:
+            off = _offload(ctx, [], m)
+            c = _resident(ctx, off)
+            if sum(c["vram"].values()) <= budget and _fits(ctx, off)[0]:
+                why = _line("resident: the resident peak", c["vram"], budget, "usable")
+                return _make_plan(ctx, c, "resident", head + [why, off["act_why"]])
+    # (b) offload: wrap()'s streamed blocks (or the given ones); when they cannot fit, the best of all
+    first = [forced] if forced is not None else [list(range(k_auto))]
+    rest = [] if forced is not None else [list(range(k)) for k in range(n + 1) if k != k_auto]
     tried = []
-    for m in moments:
-        best = None
-        for st in sets:
-            c = _offload(ctx, st, m)
-            tried.append(c)
-            v_ok, r_ok = _fits(ctx, c)
-            if v_ok and r_ok:
-                step = c["select_s"]
-                if best is None or step < best[0] * (1 - 1e-3):
-                    best = (step, c)
-        if best is not None:
-            c = best[1]
-            reasons = head + [
-                _line("VRAM", c["vram"], budget, "usable"),
-                _line("RAM", c["ram"], ctx.ram, "available"),
-                f"weights: {len(c['streamed'])} of {n} blocks streamed (from the front of the stack, as wrap())"
-                + (f", param_offload={param_offload!r}" if forced is not None else ""),
-                c["act_why"],
-                f"optimizer: host AdamW on {1 - c['share']:.0%} of {shape.trained_numel / 1e6:.1f}M trained params, "
-                f"{c['share']:.0%} in VRAM; moments {m}"
-                + (" (fp32 state does not fit in RAM)" if m == "bfloat16" and moment == "auto" else ""),
-            ]
-            return _make_plan(ctx, c, "offload", reasons)
+    for sets in (first, rest):
+        for m in moments:
+            best = None
+            for st in sets:
+                c = _offload(ctx, st, m)
+                tried.append(c)
+                if all(_fits(ctx, c)) and (best is None or c["select_s"] < best["select_s"] * (1 - 1e-3)):
+                    best = c
+            if best is not None:
+                c = best
+                note = "" if sets is first else (
+                    f" (wrap()'s rule streams {k_auto}, which does not fit: pass param_offload={len(c['streamed'])}/{n})"
+                )  # fmt: skip
+                reasons = head + [
+                    _line("VRAM", c["vram"], budget, "usable"),
+                    _line("RAM", c["ram"], ctx.ram, "available"),
+                    f"weights: {len(c['streamed'])} of {n} blocks streamed (from the front of the stack, as wrap())"
+                    + (f", param_offload={param_offload!r}" if forced is not None else "")
+                    + note,
+                    c["act_why"],
+                    _why_optimizer(c, shape, m, moment),
+                ]
+                return _make_plan(ctx, c, "offload", reasons)
     # (d) nothing fits
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
     lo_r = min(tried, key=lambda c: sum(c["ram"].values()))
@@ -498,3 +436,28 @@ def plan_training(
         + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq")
     )
     raise PlanError("\n".join(lines), arithmetic=arithmetic, options=options)
+
+
+def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str]) -> Plan:
+    """No GPU: the CPU engine keeps everything in host RAM (stock training's bytes)."""
+    sh, wb = shape, ctx.wb
+    n = len(sh.blocks)
+    for m in moments:
+        ram = {
+            "weights": sum(ctx.weight(q) for q in sh.parts),
+            "gradients": sh.trained_numel * wb,
+            "optimizer_state": sh.trained_numel * (2 * _mb(m) + _master(wb)),
+            "activations": sum(sh.act_bytes(i) for i in range(n)),
+            "logits": sh.logits_bytes,
+            "outside_activations": sh.outside_act_bytes,
+        }
+        split = {"device": 0, "mapped": 0, "host": sh.trained_numel}
+        c = dict(vram={}, ram=ram, pinned={}, modes=["keep"] * n, share=0.0, streamed=[], moment=m, split=split,
+                 bounds=_times(ctx, [], 0, ["keep"] * n, m, split))  # fmt: skip
+        if sum(ram.values()) <= ctx.ram:
+            return _make_plan(ctx, c, "cpu", head + [_line("no GPU: RAM", ram, ctx.ram, "available")])
+    raise PlanError(
+        f"plan_training: {shape.name} does not fit in host RAM: " + _line("RAM", ram, ctx.ram, "available"),
+        arithmetic={"ram": {**ram, "budget": ctx.ram}},
+        options=[],
+    )

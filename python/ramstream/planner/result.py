@@ -22,11 +22,13 @@ class Plan:
     mode: str  # "resident", "offload" or "cpu"
     weights: dict  # {"resident": [block indices], "streamed": [block indices]}
     activations: list  # per block: "keep", "page" or "recompute"
-    optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype"}
+    optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
+    #                  "split": shares {"device", "mapped", "host"}, "numel": the same in params}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
-    bounds: dict  # seconds per resource: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, exposed_s
+    bounds: dict  # seconds: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, exposed_s, weight_stream_s,
+    #               stream_stall_s, optimizer_pcie_s, activation_copy_s (planner/timing.py)
     reasons: list = field(default_factory=list)
     shape: dict = field(default_factory=dict)
 
@@ -52,8 +54,14 @@ class Plan:
         }
         lines.append("  activations: " + ", ".join(f"{k} {_ranges(v)}" for k, v in counts.items() if v))
         o = self.optimizer
+        sp = o.get("split")
         lines.append(
             f"  optimizer: {o['placement']}, {o['vram_share']:.0%} of the state in VRAM, moments {o['moment_dtype']}"
+            + (
+                f" (device {sp['device']:.0%}, mapped {sp['mapped']:.0%}, host {sp['host']:.0%})"
+                if sp
+                else ""
+            )
         )
         if self.quantize != "none":
             lines.append(f"  frozen block weights quantized: {self.quantize}")

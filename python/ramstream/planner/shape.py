@@ -18,7 +18,12 @@ norms and flash / SDPA attention saves, in the activation dtype (``a`` bytes, th
                           + 16 (fp32 mean / rstd of the two norms)
 
 so a GPT block (f = 4 d) saves 16 d a + 4 heads + 16 bytes per token. With recompute only the
-block input is kept: ``boundary_bytes_per_token = a * d``. Logits: ``dense`` keeps the logits
+block input is kept: ``boundary_bytes_per_token = a * d``. Under bf16 autocast of an fp32 GPT
+(``autocast="bf16"``) the residual stream and LayerNorms stay fp32 and the matmul inputs and
+outputs are bf16: 44 d bytes per token (norm inputs and outputs 4 x 4 d, their bf16 casts 2 x 2 d,
+qkv 6 d, attention output 2 d, fc and GELU outputs 2 x 8 d), the block input 4 d; autocast also
+keeps a bf16 copy of every matmul weight it casts until the forward ends
+(``ModelShape.autocast_cache_bytes``). Logits: ``dense`` keeps the logits
 (a bytes), their fp32 copy (4) and, in backward, the fp32 gradient (4): ``V (a + 8)`` bytes per
 token; ``chunked`` (ramstream.chunked_cross_entropy, 1024 tokens at a time) the same for 1024
 tokens at most.
@@ -26,6 +31,12 @@ tokens at most.
 Flops per token: a forward matmul with an n-parameter weight is 2 n; backward is 2 n for the
 input gradient plus 2 n for the weight gradient when the weight is trained. Causal attention
 adds 2 seq d forward and 4 seq d backward.
+
+Eager ops per forward (``fwd_ops``, for the step-time model's host-side cost per op): a GPT block
+launches about 20 (4 matmuls, their weight and bias casts under autocast, 2 LayerNorms, SDPA, GELU,
+2 residual adds, a layout copy); a Llama / Qwen2 block 23 + 10 (RMSNorms of 8 ops, 7 matmuls,
+RoPE, SDPA with its copies, SiLU and product, residual adds) and 6 per LoRA adapter (its two
+matmuls, their weight casts, scale, add).
 """
 
 from __future__ import annotations
@@ -89,6 +100,8 @@ class BlockShape:
     fwd_flops_per_token: float = 0.0
     bwd_flops_per_token: float = 0.0
     attn_flops_per_seq: float = 0.0
+    matrix_numel: int = 0  # parameters in matmul weights (what autocast casts)
+    fwd_ops: int = 0  # eager ops one forward launches (module docstring)
 
     @property
     def weight_bytes(self) -> int:
@@ -112,6 +125,16 @@ class ModelShape:
     loss: str = "dense"
     hidden: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    autocast: str | None = None  # "bfloat16" when an fp32 model trains under bf16 autocast
+
+    @property
+    def autocast_cache_bytes(self) -> int:
+        """bf16 copies of the matmul weights autocast keeps during the forward (0 without autocast
+        or for a low-precision model); the chunked loss casts the head itself, outside the cache."""
+        if not self.autocast or self.elem_bytes <= 2:
+            return 0
+        n = sum(b.matrix_numel for b in self.blocks) + (self.head.matrix_numel if self.loss == "dense" else 0)
+        return 2 * n
 
     @property
     def tokens(self) -> int:
@@ -151,10 +174,15 @@ class ModelShape:
         return int(math.ceil(self.blocks[i].boundary_bytes_per_token * self.tokens))
 
     @property
+    def act_elem_bytes(self) -> int:
+        """Bytes of one activation element: the autocast dtype's, else the working dtype's."""
+        return 2 if self.autocast else self.elem_bytes
+
+    @property
     def logits_bytes(self) -> int:
         """Device bytes the loss needs for its logits at its peak (see the module docstring)."""
         t = self.tokens if self.loss == "dense" else min(self.tokens, LOSS_CHUNK)
-        return t * self.vocab * (self.elem_bytes + 8)
+        return t * self.vocab * (self.act_elem_bytes + 8)
 
     @property
     def outside_act_bytes(self) -> int:
@@ -191,11 +219,13 @@ class ModelShape:
 
     @classmethod
     def gpt(
-        cls, size, *, batch: int, seq: int, dtype="bfloat16", vocab: int = 50304, loss: str = "dense"
-    ) -> "ModelShape":
+        cls, size, *, batch: int, seq: int, dtype="bfloat16", vocab: int = 50304, loss: str = "dense",
+        autocast=None,
+    ) -> "ModelShape":  # fmt: skip
         """A GPT of the built-in sizes ("125m", "350m", "1.3b", "1.8b": d_model 2048 x 32 blocks,
         "6.85b": d_model 4096 x 32 blocks), or a dict(d=, layers=, heads=[, ctx=]). Everything is
-        trained; the position table has max(1024, seq) rows (or ctx)."""
+        trained; the position table has max(1024, seq) rows (or ctx). autocast: None or "bf16" /
+        "bfloat16" (an fp32 model trained under torch.autocast(dtype=torch.bfloat16))."""
         where = "ModelShape.gpt"
         if isinstance(size, str):
             if size.lower() not in GPT_SIZES:
@@ -218,7 +248,7 @@ class ModelShape:
         return cls._transformer(
             name, d=d, f=4 * d, kv=d, heads=heads, layers=layers, vocab=vocab, batch=batch, seq=seq, dtype=dtype,
             loss=loss, gated=False, norm_bias=True, qkv_bias=True, mlp_bias=True, o_bias=True, tied=False,
-            pos_rows=ctx, lora=None,
+            pos_rows=ctx, lora=None, autocast=autocast,
         )  # fmt: skip
 
     @classmethod
@@ -263,8 +293,14 @@ class ModelShape:
 
     @classmethod
     def _transformer(cls, name, *, d, f, kv, heads, layers, vocab, batch, seq, dtype, loss, gated, norm_bias,
-                     qkv_bias, mlp_bias, o_bias, tied, pos_rows, lora, q_dim=None) -> "ModelShape":  # fmt: skip
+                     qkv_bias, mlp_bias, o_bias, tied, pos_rows, lora, q_dim=None, autocast=None) -> "ModelShape":  # fmt: skip
         where = "ModelShape"
+        if autocast is not None:
+            if autocast not in ("bf16", "bfloat16"):
+                raise ValueError(
+                    f"{where}: autocast={autocast!r} is not accepted; accepted: None, 'bf16', 'bfloat16'"
+                )
+            autocast = "bfloat16" if _DTYPE_BYTES[_dtype_name(dtype)] == 4 else None
         batch, seq = _positive_int(where, "batch", batch), _positive_int(where, "seq", seq)
         dt = _dtype_name(dtype)
         if loss not in ("dense", "chunked"):
@@ -284,16 +320,22 @@ class ModelShape:
             adapted = mats if gated else [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
             lora_numel = lora * sum(i + o for i, o in adapted)
         trained_mm = lora_numel if lora else mat_numel
+        amp = autocast is not None and gated is False
+        act_tok = a * (6 * d + 2 * kv + (4 if gated else 2) * f + 7 * (lora or 0)) + 4 * heads + 16
+        if amp:  # fp32 residual stream and norms, bf16 matmul inputs and outputs (module docstring)
+            act_tok = 4 * 4 * d + 2 * 2 * d + 2 * (q + 2 * kv) + 2 * d + 2 * 2 * f + 4 * heads + 16
+        n_mats = len(mats) if gated else 4
+        ops = (2 * 8 + 7 + 10 + 6 + 1 + 2 + 2 + 6 * 7 * bool(lora)) if gated else 20
         block = BlockShape(
             name="block",
+            matrix_numel=mat_numel,
+            fwd_ops=ops if n_mats else 0,
             trained_numel=(lora_numel if lora else mat_numel + vec),
             frozen_numel=(mat_numel + vec if lora else 0),
             trained_bytes=(lora_numel if lora else mat_numel + vec) * a,
             frozen_bytes=(mat_numel + vec if lora else 0) * a,
             frozen_matrix_numel=mat_numel if lora else 0,
-            act_bytes_per_token=a * (6 * d + 2 * kv + (4 if gated else 2) * f + 7 * (lora or 0))
-            + 4 * heads
-            + 16,
+            act_bytes_per_token=act_tok,
             boundary_bytes_per_token=float(a * d),
             fwd_flops_per_token=2.0 * (mat_numel + lora_numel) + attn * seq,
             bwd_flops_per_token=2.0 * (mat_numel + lora_numel) + 2.0 * trained_mm + 2 * attn * seq,
@@ -312,11 +354,13 @@ class ModelShape:
         head_numel = head_mat + (2 * d if norm_bias else d)
         head = BlockShape(
             name="head",
+            matrix_numel=vocab * d,
             trained_numel=0 if frozen_outside else head_numel,
             frozen_numel=head_numel if frozen_outside else 0,
             trained_bytes=0 if frozen_outside else head_numel * a,
             frozen_bytes=head_numel * a if frozen_outside else 0,
-            act_bytes_per_token=2.0 * a * d + 8,  # final norm input and output, its fp32 rstd / mean
+            act_bytes_per_token=2.0 * (4 if amp else a) * d
+            + 8,  # final norm input and output, its fp32 rstd / mean
             fwd_flops_per_token=2.0 * vocab * d,
             bwd_flops_per_token=(2.0 if frozen_outside else 4.0) * vocab * d,
         )
@@ -325,7 +369,7 @@ class ModelShape:
             + (f" lora r={lora}" if lora else ""),
         )
         return cls(name=name, blocks=(block,) * layers, embed=embed, head=head, batch=batch, seq=seq, dtype=dt,
-                   vocab=vocab, loss=loss, hidden=d, notes=notes)  # fmt: skip
+                   vocab=vocab, loss=loss, hidden=d, notes=notes, autocast="bfloat16" if amp else None)  # fmt: skip
 
     @classmethod
     def from_model(
@@ -401,8 +445,10 @@ class ModelShape:
                 per_tok = acts[i] / tokens
             else:
                 per_tok = a * (8 * d + (4 if gated else 2) * f) + 16
+            leaves = sum(1 for m in blk.modules() if next(m.children(), None) is None)
             shaped.append(BlockShape(
                 name=f"block{i}", act_bytes_per_token=per_tok, boundary_bytes_per_token=float(a * d),
+                matrix_numel=mm, fwd_ops=2 * leaves,
                 fwd_flops_per_token=2.0 * mm + 2 * d * seq, bwd_flops_per_token=2.0 * mm + 2.0 * mm_t + 4 * d * seq,
                 attn_flops_per_seq=2.0 * d, **c,
             ))  # fmt: skip

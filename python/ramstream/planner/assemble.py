@@ -1,0 +1,66 @@
+"""Turns one chosen candidate of plan_training() into a Plan, and the text of its memory lines."""
+
+from __future__ import annotations
+
+from .result import Plan
+from .timing import step_of
+
+_GIB = 2**30
+
+
+def line(name: str, parts: dict, have: int, what: str) -> str:
+    body = " + ".join(f"{k} {v / _GIB:.2f}" for k, v in parts.items() if v)
+    need = sum(parts.values())
+    return f"{name}: needs {need / _GIB:.2f} GiB ({body or 'nothing'}) vs {have / _GIB:.2f} GiB {what}"
+
+
+def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
+    sh = ctx.shape
+    n = len(sh.blocks)
+    step, bound = step_of(c["bounds"])
+    vram = {**c["vram"], "total": sum(c["vram"].values()), "budget": ctx.budget}
+    ram = {**c["ram"], "total": sum(c["ram"].values()), "budget": ctx.ram}
+    pinned = {**c["pinned"], "total": sum(c["pinned"].values()), "budget": ctx.pin}
+    if pinned["total"] > ctx.pin:
+        reasons.append(
+            f"pinned {pinned['total'] / _GIB:.2f} GiB > the page-lock budget {ctx.pin / _GIB:.2f} GiB per rank: "
+            "the excess is ordinary memory and its copies are slower (raise RAMSTREAM_PIN_BUDGET)"
+        )
+    placement = (
+        "device"
+        if mode == "resident"
+        else "host"
+        if mode == "cpu"
+        else ("mapped" if ctx.opt_mode == "gpu" else "host")
+    )
+    if ctx.prof.matmul_tflops is None:
+        reasons.append("no GPU matmul rate in the profile: gpu_compute_s counts only the optimizer")
+    split = c["split"]
+    total = max(1, sum(split[k] for k in ("device", "mapped", "host")))
+    return Plan(
+        mode=mode,
+        weights={"resident": [i for i in range(n) if i not in set(c["streamed"])], "streamed": c["streamed"]},
+        activations=c["modes"],
+        optimizer={
+            "placement": placement,
+            "vram_share": c["share"],
+            "moment_dtype": c["moment"],
+            "split": {k: split[k] / total for k in ("device", "mapped", "host")},
+            "numel": {k: split[k] for k in ("device", "mapped", "host")},
+        },
+        quantize=ctx.quant,
+        memory={"vram": vram, "ram": ram, "pinned": pinned},
+        predicted={"step_s": step, "tokens_per_s": sh.tokens / step if step > 0 else None, "bound": bound},
+        bounds=c["bounds"],
+        reasons=reasons,
+        shape={
+            "name": sh.name,
+            "dtype": sh.dtype,
+            "autocast": sh.autocast,
+            "batch": sh.batch,
+            "seq": sh.seq,
+            "blocks": n,
+            "trained_numel": sh.trained_numel,
+            "frozen_numel": sh.frozen_numel,
+        },  # fmt: skip
+    )

@@ -1,0 +1,102 @@
+"""wrap()'s default decisions as arithmetic on a ModelShape, so that the plan predicts what wrap()
+does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
+(activations/recompute.py auto_checkpointing), the resident switch (engine/resident.py
+resident_peak) and the optimizer state's split between VRAM, the GPU over PCIe and the host
+(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction). Pure functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..engine.split import choose_mapped_fraction
+
+LORA_LIKE = 0.10  # blocks with less trained share than this are LoRA-like (recompute.py, setup.py)
+STREAM_SHARE = {True: 0.7, False: 0.5}  # share of usable VRAM resident weights may take (setup.py)
+MARGIN_BYTES = 512 << 20  # engine/vram_share.py MARGIN_BYTES: kept free beyond the headroom
+HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
+
+
+def lora_like(shape) -> bool:
+    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
+    return bool(total) and sum(b.trained_numel for b in shape.blocks) < LORA_LIKE * total
+
+
+def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
+    """activation_checkpointing="auto": (every block recomputes, why). LoRA-like: when the block
+    weights fill more than a quarter of `usable`; full fine-tuning (optimizer_mode not "cpu"): when
+    weights + trained params x (8 + gradient bytes) > 90 % of usable and weights < usable / 2."""
+    g = 2**30
+    if not shape.blocks:
+        return False, "no blocks"
+    if lora_like(shape):
+        nbytes = sum(weight_of(b) for b in shape.blocks)
+        on = nbytes > usable / 4
+        return (
+            on,
+            f"LoRA-like, block weights {nbytes / g:.2f} GiB {'>' if on else '<='} 1/4 of {usable / g:.2f} GiB",
+        )
+    if opt_mode == "cpu":
+        return False, "full fine-tuning with optimizer_mode='cpu'"
+    weights = sum(weight_of(p) for p in shape.parts)
+    state = shape.trained_numel * (8 + shape.elem_bytes)
+    on = weights + state > 0.9 * usable and weights < usable / 2
+    return on, (
+        f"full fine-tuning, weights {weights / g:.2f} + moments and gradients {state / g:.2f} GiB "
+        f"{'>' if weights + state > 0.9 * usable else '<='} 90% of {usable / g:.2f} GiB, weights "
+        f"{'<' if weights < usable / 2 else '>='} half"
+    )
+
+
+def auto_streamed(shape, usable: int, headroom: float, weight_of) -> tuple[int, float]:
+    """param_offload="auto": (the number of front blocks streamed, the room in bytes): the fewest
+    whose streaming brings the resident weights under STREAM_SHARE of usable x (1 - headroom)."""
+    room = usable * (1 - headroom) * STREAM_SHARE[lora_like(shape)]
+    resident = sum(weight_of(p) for p in shape.parts)
+    k = 0
+    while resident > room and k < len(shape.blocks):
+        resident -= weight_of(shape.blocks[k])
+        k += 1
+    return k, room
+
+
+def resident_peak(now: int, persistent: int, grads: int, transient: int) -> int:
+    """engine/resident.py resident_peak: between steps + persistent state + the larger of the
+    offloaded run's transient and the gradients + a quarter of the smaller."""
+    return now + persistent + max(transient, grads) + min(transient, grads) // 4
+
+
+def optimizer_split(
+    *, trained: int, streamed_trained: int, room: int, mode: str, wb: int, mb: int, prof
+) -> dict:
+    """Numel per placement after step 2 (vram_share.maybe_share): "device" for the first params
+    whose state (2 moments + an fp32 master for a low-precision model) fits in `room`; the rest
+    "mapped" by choose_mapped_fraction (mode "auto"), all of it (mode "gpu") or none ("cpu"), the
+    others "host". Trained params of streamed blocks stay on the host."""
+    master = 4 if wb < 4 else 0
+    movable = max(0, trained - streamed_trained)
+    dev = 0
+    if mode != "cpu" and room > 0 and movable:
+        dev = min(movable, int(room // (2 * mb + master)))
+    rest = movable - dev
+    f, info = 0.0, {}
+    if mode == "gpu":
+        f = 1.0
+    elif mode == "auto" and rest:
+        f, info = choose_mapped_fraction(
+            numel=rest,
+            host_params_per_s=prof.adamw_gbps * 1e9 / HOST_STATE_BYTES,
+            pcie_bytes_per_s=prof.h2d_gbps * 1e9,
+            working_bytes=wb,
+            moment_bytes=mb,
+            master_on_host=wb < 4,
+        )
+    mapped = int(math.floor(f * rest))
+    return {
+        "device": dev,
+        "mapped": mapped,
+        "host": trained - dev - mapped,
+        "mapped_fraction_of_rest": f,
+        "device_bytes_per_param": 2 * mb + master,
+        "split_estimate_s": info.get("t_estimate_s"),
+    }

@@ -379,7 +379,8 @@ def plan_training(
         ctx.recompute = tuple(chosen_blocks("activation_checkpointing", ckpt, n))
     k_auto = None
     if forced is None:
-        k_auto, room = auto_streamed(shape, p.vram_free, vram_headroom, ctx.weight)
+        every = bool(shape.blocks) and len(ctx.recompute) == n
+        k_auto, room = auto_streamed(shape, p.vram_free, vram_headroom, ctx.weight, every)
         head.append(
             f"param_offload=auto: {k_auto} of {n} blocks streamed (resident weights <= {room / _GIB:.2f} GiB)"
         )

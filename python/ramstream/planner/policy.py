@@ -25,7 +25,7 @@ def lora_like(shape) -> bool:
 def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
     """activation_checkpointing="auto": (every block recomputes, why). LoRA-like: when the block
     weights fill more than a quarter of `usable`; full fine-tuning (optimizer_mode not "cpu"): when
-    weights + trained params x (8 + gradient bytes) > 90 % of usable and weights < usable / 2."""
+    weights + trained params x (8 + gradient bytes) > 90 % of usable."""
     g = 2**30
     if not shape.blocks:
         return False, "no blocks"
@@ -40,18 +40,20 @@ def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, 
         return False, "full fine-tuning with optimizer_mode='cpu'"
     weights = sum(weight_of(p) for p in shape.parts)
     state = shape.trained_numel * (8 + shape.elem_bytes)
-    on = weights + state > 0.9 * usable and weights < usable / 2
+    on = weights + state > 0.9 * usable
     return on, (
         f"full fine-tuning, weights {weights / g:.2f} + moments and gradients {state / g:.2f} GiB "
-        f"{'>' if weights + state > 0.9 * usable else '<='} 90% of {usable / g:.2f} GiB, weights "
-        f"{'<' if weights < usable / 2 else '>='} half"
+        f"{'>' if on else '<='} 90% of {usable / g:.2f} GiB"
     )
 
 
-def auto_streamed(shape, usable: int, headroom: float, weight_of) -> tuple[int, float]:
+def auto_streamed(
+    shape, usable: int, headroom: float, weight_of, recompute_all: bool = False
+) -> tuple[int, float]:
     """param_offload="auto": (the number of front blocks streamed, the room in bytes): the fewest
-    whose streaming brings the resident weights under STREAM_SHARE of usable x (1 - headroom)."""
-    room = usable * (1 - headroom) * STREAM_SHARE[lora_like(shape)]
+    whose streaming brings the resident weights under STREAM_SHARE of usable x (1 - headroom)
+    (the 70 % share when every block recomputes, as setup.choose_streamed)."""
+    room = usable * (1 - headroom) * STREAM_SHARE[recompute_all or lora_like(shape)]
     resident = sum(weight_of(p) for p in shape.parts)
     k = 0
     while resident > room and k < len(shape.blocks):

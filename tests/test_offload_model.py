@@ -125,13 +125,42 @@ def test_grad_outputs_and_frozen_chunk(device, keep):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kw", [dict(pin=2), dict(pin_layers=[1, 4]), dict(pin=5)])
-def test_pinned_chunks_bit_identical(device, kw):
+@pytest.mark.parametrize("window", [1, 2])
+@pytest.mark.parametrize(
+    "kw, pinned", [(dict(pin=2), [0, 2]), (dict(pin_layers=[1, 4]), [1, 4]), (dict(pin=5), [0, 1, 2, 3, 4])]
+)
+def test_pinned_chunks_bit_identical(device, window, kw, pinned):
     chunks = _chunks()
-    pinned = kw.get("pin_layers") or range(kw.get("pin", 0))
     ref, outs_ref = _reference(chunks, device, 3, pinned=set(pinned))
-    model, outs = _offload(chunks, device, 3, window=1, **kw)
+    model, outs = _offload(chunks, device, 3, window=window, **kw)
+    assert model.pinned == pinned  # pin=2 of 5 chunks: evenly spaced, chunks 0 and 2
+    for i, c in enumerate(model.chunks):
+        assert all(p.device.type == (device if i in pinned else "cpu") for p in c.parameters())
     _assert_same(ref, model, outs_ref, outs)
+    model.close()
+
+
+@pytest.mark.parametrize(
+    "n, pin, expected",
+    [
+        (12, 6, [0, 2, 4, 6, 8, 10]),  # RamTorch's README example
+        (5, 2, [0, 2]),
+        (10, 3, [0, 3, 6]),
+        (7, 1, [0]),
+        (4, 4, [0, 1, 2, 3]),
+        (6, 0, []),
+    ],
+)
+def test_pin_is_evenly_spaced(n, pin, expected):
+    model = ramstream.OffloadModel(_chunks(n=n, d=4), device="cpu", pin=pin)
+    assert model.pinned == expected
+    assert [b.index for b in model.streamer.blocks] == [i for i in range(n) if i not in expected]
+    # the rule the docstring states, against exact rational arithmetic: chunk floor(i * n / pin)
+    from fractions import Fraction
+
+    assert expected == [int(Fraction(i * n, pin)) for i in range(pin)]
+    gaps = {b - a for a, b in zip(expected, expected[1:])}
+    assert not gaps or max(gaps) - min(gaps) <= 1  # strides differ by at most one chunk
     model.close()
 
 
@@ -178,8 +207,59 @@ def test_peak_loaded_bytes_is_the_window_not_all_chunks():
     per_chunk = max(b.nbytes for b in model.streamer.blocks)
     total = sum(b.nbytes for b in model.streamer.blocks)
     peak = model.stats["peak_loaded_bytes"]
-    assert 0 < peak <= 3 * per_chunk < total
+    assert 0 < peak <= 2 * per_chunk < total  # window 2: the running chunk and one ahead
     assert model.streamer.loaded_bytes() == 0  # nothing on the device between steps
+    model.close()
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("pin", [0, 2])
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 7])
+def test_window_counts_the_running_chunk(keep, pin, window):
+    """RamTorch's window: at most `window` streamed chunks are loaded at once, in forward and in
+    backward (no extra slot: the forward keeps its last `window` streamed chunks for the backward,
+    which starts with them); window=1 loads every chunk on demand at its own hook; weights on
+    the device <= (window + pin) chunks; bit-identical to the chunks run resident."""
+    chunks = _chunks(n=6)
+    ref, outs_ref = _reference(chunks, "cpu", 2)
+    model = ramstream.OffloadModel(chunks, device="cpu", window=window, pin=pin, keep_activations=keep)
+    seen = []
+    for i, c in enumerate(model.chunks):  # inside the chunk: in forward and in a recompute
+        c[0].register_forward_pre_hook(
+            lambda m, a, i=i: seen.append(
+                (
+                    i,
+                    torch._C._current_graph_task_id() != -1,
+                    {b.index for b in model.streamer.blocks if b.loaded},
+                )
+            )
+        )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    outs = []
+    for x, y in _data(2):
+        outs.append(model.step(x, targets=y).output)
+        opt.step()
+    _assert_same(ref, model, outs_ref, outs)
+    streamed = [b.index for b in model.streamer.blocks]
+    s, per_chunk = len(streamed), model.streamer.blocks[0].nbytes
+    assert all(b.nbytes == per_chunk for b in model.streamer.blocks)
+    assert model.stats["peak_loaded_bytes"] == min(window, s) * per_chunk
+    assert len(model.pinned) + model.stats["peak_loaded_bytes"] / per_chunk <= window + pin
+    # forward: every streamed chunk once; backward: all but the last min(window, s) again
+    assert model.stats["loads"] == 2 * (2 * s - min(window, s))
+    recomputed = [i for i, in_backward, _ in seen if in_backward]
+    assert recomputed == ([5, 4, 3, 2, 1, 0] * 2 if keep is not True else [])
+    for i, in_backward, loaded in seen:
+        assert len(loaded) <= window
+        if i in streamed:
+            k = streamed.index(i)
+            # forward: the running chunk and those ahead; a recompute in backward: the running
+            # chunk and those before it (the backward's next ones)
+            ahead = streamed[max(0, k - window + 1) : k + 1] if in_backward else streamed[k : k + window]
+            assert set(ahead) <= loaded
+            if window == 1:
+                assert loaded == {i}  # on demand: nothing else
+    assert model.streamer.loaded_bytes() == 0
     model.close()
 
 
@@ -200,7 +280,7 @@ class RaisesOnce(nn.Module):
 def test_exception_leaves_the_model_usable(keep):
     chunks = _chunks(n=3) + [RaisesOnce()] + _chunks(n=2)
     ref = nn.Sequential(*copy.deepcopy(chunks))
-    model = ramstream.OffloadModel(chunks, device="cpu", window=1, keep_activations=keep)
+    model = ramstream.OffloadModel(chunks, device="cpu", window=2, keep_activations=keep)
     (x, y), (x2, y2) = _data(2)
     model.chunks[3].armed = True
     with pytest.raises(RuntimeError, match="boom"):
@@ -239,6 +319,14 @@ def test_set_pinned_keeps_weights_and_grads():
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.detach(), b.detach())
         assert torch.equal(a.grad, b.grad)
+    model.set_pinned(2)  # a count: evenly spaced, as pin=2
+    assert model.pinned == [0, 2] and [b.index for b in model.streamer.blocks] == [1, 3, 4]
+    F.mse_loss(ref(x), y).backward()
+    model.step(x, targets=y)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="pin"):
+        model.set_pinned(6)
     model.close()
 
 
@@ -264,7 +352,7 @@ def test_tuple_outputs_pass_between_chunks():
     ref = copy.deepcopy(chunks)
     x, y = _data(1)[0]
     F.mse_loss(ref[1](*ref[0](x)), y).backward()
-    model = ramstream.OffloadModel(chunks, device="cpu", window=1, keep_activations="checkpoint")
+    model = ramstream.OffloadModel(chunks, device="cpu", window=2, keep_activations="checkpoint")
     model.step(x, targets=y)
     for a, b in zip([p for c in ref for p in c.parameters()], model.parameters()):
         assert torch.equal(a.grad, b.grad)
@@ -291,6 +379,16 @@ def test_tuple_outputs_pass_between_chunks():
 def test_bad_arguments_raise_value_error(kw, name):
     with pytest.raises(ValueError, match=name):
         ramstream.OffloadModel(_chunks(), **{"device": "cpu", **kw})
+
+
+def test_weight_streamer_accepts_zero_ahead():
+    from ramstream.weights import WeightStreamer, make_copier
+
+    copier = make_copier(torch.device("cpu"))
+    assert WeightStreamer([], copier=copier, ahead=0).ahead == 0
+    for bad in (-1, 1.0, True, None):
+        with pytest.raises(ValueError, match="ahead"):
+            WeightStreamer([], copier=copier, ahead=bad)
 
 
 def test_bad_chunks_and_step_arguments():

@@ -82,7 +82,7 @@ class _Boom(torch.autograd.Function):
 def test_failed_step_leaves_model_usable_no_hang(device, keep, where, error):
     chunks = _chunks(2) + [_Fail()] + _chunks(2)
     ref = nn.Sequential(*copy.deepcopy(chunks)).to(device)
-    model = ramstream.OffloadModel(chunks, device=device, window=1, keep_activations=keep)
+    model = ramstream.OffloadModel(chunks, device=device, window=2, keep_activations=keep)
     (x, y), (x2, y2) = [
         (torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)) for _ in range(2)
     ]
@@ -113,7 +113,7 @@ def test_failed_step_leaves_model_usable_no_hang(device, keep, where, error):
 def test_collected_without_close(device):
     chunks = _chunks(3)  # the user keeps the chunks
     start = ramstream.memory_stats()["bytes_in_use"]
-    model = ramstream.OffloadModel(chunks, device=device, window=1)
+    model = ramstream.OffloadModel(chunks, device=device, window=2)
     for _ in range(2):
         model.step(torch.randn(4, 16, device=device), targets=torch.randn(4, 16, device=device))
     assert any(len(c._forward_pre_hooks) for c in chunks)
@@ -155,7 +155,7 @@ def _rss() -> int:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("keep", [True, "checkpoint"])
 def test_memory_flat_over_100_steps(device, keep):
-    model = ramstream.OffloadModel(_chunks(4, d=64), device=device, window=1, keep_activations=keep)
+    model = ramstream.OffloadModel(_chunks(4, d=64), device=device, window=2, keep_activations=keep)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(8, 64, device=device), torch.randn(8, 64, device=device)
 
@@ -201,7 +201,7 @@ def test_frozen_parameters_never_get_gradients(device, keep, pin, how):
     chunks = [_Lora() for _ in range(4)]
     frozen = [p for c in chunks for p in c.base.parameters()]
     ref = nn.Sequential(*copy.deepcopy(chunks)).to(device)
-    model = ramstream.OffloadModel(chunks, device=device, window=1, pin=pin, keep_activations=keep)
+    model = ramstream.OffloadModel(chunks, device=device, window=2, pin=pin, keep_activations=keep)
     x, y = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
     for _ in range(2):
         if how == "step":
@@ -245,7 +245,7 @@ def test_offload_checkpoint_inside_a_chunk(device):
     for c in ref:  # the reference runs the region plainly
         c.forward = (lambda c: lambda x: c.mid(c.inp(x)) + x)(c)
     ref = nn.Sequential(*ref).to(device)
-    model = ramstream.OffloadModel(chunks, device=device, window=1, keep_activations=True)
+    model = ramstream.OffloadModel(chunks, device=device, window=2, keep_activations=True)
     x, y = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
     torch.manual_seed(3)
     F.mse_loss(ref(x), y).backward()
@@ -273,7 +273,7 @@ def test_chunks_must_be_a_list_of_modules():
 def test_bf16_autocast_bit_identical_and_no_kept_weight_casts(device, keep):
     chunks = _chunks(4, d=32) + [_Lora(32)]
     ref = nn.Sequential(*copy.deepcopy(chunks)).to(device)
-    model = ramstream.OffloadModel(chunks, device=device, window=1, keep_activations=keep)
+    model = ramstream.OffloadModel(chunks, device=device, window=2, keep_activations=keep)
     g = torch.Generator().manual_seed(2)
     for _ in range(2):
         x, y = torch.randn(4, 32, generator=g).to(device), torch.randn(4, 32, generator=g).to(device)

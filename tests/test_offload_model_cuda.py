@@ -25,7 +25,7 @@ def _chunks(n=4, d=64):
 def test_gradients_land_pinned_on_the_d2h_stream():
     chunks = _chunks()
     ref = nn.Sequential(*copy.deepcopy(chunks)).cuda()
-    model = ramstream.OffloadModel(chunks, device="cuda", window=1, keep_activations=True)
+    model = ramstream.OffloadModel(chunks, device="cuda", window=2, keep_activations=True)
     x, y = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
     model.step(x, targets=y)
     F.mse_loss(ref(x), y).backward()
@@ -67,7 +67,7 @@ def test_window_bounds_device_weights_when_the_host_runs_ahead():
     torch.manual_seed(0)
     chunks = [_Slow() for _ in range(16)]
     chunk_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
-    model = ramstream.OffloadModel(chunks, device="cuda", window=1, keep_activations=True)
+    model = ramstream.OffloadModel(chunks, device="cuda", window=2, keep_activations=True)
     x = torch.randn(4, 1024, device="cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -75,7 +75,7 @@ def test_window_bounds_device_weights_when_the_host_runs_ahead():
     model.step(x, grad_outputs=torch.ones(4, 1024, device="cuda"))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    # window 1: two chunks loaded at once, plus slack for a chunk's gradients and the ones still
+    # window 2: two chunks loaded at once, plus slack for a chunk's gradients and the ones still
     # in flight to the host; without the copy stream's wait the host would have loaded all 16
     assert peak < 6 * chunk_bytes, (peak / chunk_bytes, chunk_bytes)
     model.close()
@@ -85,7 +85,7 @@ def test_autocast_keeps_no_weight_casts_in_the_graph():
     torch.manual_seed(0)
     chunks = [nn.Linear(1024, 1024) for _ in range(16)]
     chunk_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
-    model = ramstream.OffloadModel(chunks, device="cuda", window=1, keep_activations=True)
+    model = ramstream.OffloadModel(chunks, device="cuda", window=2, keep_activations=True)
     x = torch.randn(4, 1024, device="cuda", requires_grad=True)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -97,4 +97,38 @@ def test_autocast_keeps_no_weight_casts_in_the_graph():
     # kept, the 16 bf16 casts alone would be 8 chunks' worth of fp32 weights
     assert model.stats["casts_dropped"] == 16
     assert peak < 6 * chunk_bytes, peak / chunk_bytes
+    model.close()
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_window_1_never_overlaps_a_load_with_compute(tmp_path, window):
+    """RamTorch's window: window=1 loads each chunk after the compute before it (the trace's H2D
+    spans are disjoint from every forward/backward span); window=2 prefetches the next chunk
+    while one runs (some load lies inside another chunk's compute span)."""
+    import json
+
+    torch.manual_seed(0)
+    chunks = [_Slow() for _ in range(6)]
+    model = ramstream.OffloadModel(chunks, device="cuda", window=window, keep_activations=True)
+    x, g = torch.randn(4, 1024, device="cuda"), torch.ones(4, 1024, device="cuda")
+    model.step(x, grad_outputs=g)  # warm
+    path = tmp_path / "step.json"
+    model.step(x, grad_outputs=g, profile_path=str(path))
+    with open(path) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    loads = [
+        (s["ts"], s["ts"] + s["dur"]) for s in spans if s["cat"] == "h2d" and s["name"].startswith("load")
+    ]
+    work = [(s["ts"], s["ts"] + s["dur"]) for s in spans if s["name"].split()[0] in ("forward", "backward")]
+    assert len(loads) == 2 * 6 - window and len(work) == 2 * 6
+
+    def overlap(a, b):
+        return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+    worst = max(max(overlap(ld, w) / max(ld[1] - ld[0], 1e-3) for w in work) for ld in loads)
+    if window == 1:
+        assert worst < 0.05, worst  # microseconds of event-timing noise at most
+    else:
+        assert worst > 0.5, worst
+    assert model.stats["peak_loaded_bytes"] == window * model.streamer.blocks[0].nbytes
     model.close()

@@ -1,6 +1,7 @@
 """The OffloadModel schedule simulator against schedules computed by hand (every span written out
 below, from the streamer's hooks: loads at the hooks, the copy stream after the compute issued
-before them, the last window + 1 chunks kept for backward), the CLI, its table and errors, and
+before them, the last `window` chunks kept for backward; `window` is OffloadModel's and RamTorch's:
+device slots for streamed chunks, the running one included), the CLI, its table and errors, and
 --measure from a real OffloadModel step on the CPU."""
 
 from __future__ import annotations
@@ -22,9 +23,34 @@ def _lane(pred, lane):
     return [(sp.kind, sp.chunk, sp.start, sp.end) for sp in pred.spans if sp.lane == lane]
 
 
-def test_window_1_overlapped_by_hand():
-    # 3 chunks, window 1, keep_activations=True, tf=1 tb=2 th2d=1
+def test_window_1_never_overlaps_a_load_with_compute_by_hand():
+    # 3 chunks, window 1 (no chunk ahead), keep_activations=True, tf=1 tb=2 th2d=1: each load
+    # starts when the compute before it ends; only the last chunk stays loaded for backward
     p = simulate_offload(1, 2, 1, layers=3, window=1, keep_activations=True)
+    assert _lane(p, "h2d") == [("load", 0, 0, 1), ("load", 1, 2, 3), ("load", 2, 4, 5), ("load", 1, 8, 9),
+                               ("load", 0, 11, 12)]  # fmt: skip
+    assert _lane(p, "compute") == [
+        ("stall", 0, 0, 1),
+        ("forward", 0, 1, 2),
+        ("stall", 1, 2, 3),
+        ("forward", 1, 3, 4),
+        ("stall", 2, 4, 5),
+        ("forward", 2, 5, 6),
+        ("backward", 2, 6, 8),
+        ("stall", 1, 8, 9),
+        ("backward", 1, 9, 11),
+        ("stall", 0, 11, 12),
+        ("backward", 0, 12, 14),
+    ]
+    assert (p.makespan, p.busy, p.stall, p.peak_chunks) == (14, 9, 5, 1)
+    work = [s for s in _lane(p, "compute") if s[0] != "stall"]
+    for _, _, a0, a1 in _lane(p, "h2d"):
+        assert all(a1 <= b0 or b1 <= a0 for _, _, b0, b1 in work)
+
+
+def test_window_2_overlapped_by_hand():
+    # 3 chunks, window 2 (one chunk ahead), keep_activations=True, tf=1 tb=2 th2d=1
+    p = simulate_offload(1, 2, 1, layers=3, window=2, keep_activations=True)
     # pre-hook 0 loads 0 and 1; pre-hook 1 loads 2 once chunk 0's compute is done (t=2);
     # chunks 1 and 2 stay for backward; backward of 1 (hook at t=6) loads chunk 0
     assert _lane(p, "h2d") == [("load", 0, 0, 1), ("load", 1, 1, 2), ("load", 2, 2, 3), ("load", 0, 6, 7)]
@@ -41,9 +67,9 @@ def test_window_1_overlapped_by_hand():
     assert p.utilisation == pytest.approx(0.9)
 
 
-def test_window_1_fully_serial_on_the_cpu_by_hand():
-    # device="cpu": copies inline; 3 chunks, window 1, tf=tb=1, th2d=0.5: nothing overlaps
-    p = simulate_offload(1, 1, 0.5, layers=3, window=1, keep_activations=True, serial=True)
+def test_window_2_fully_serial_on_the_cpu_by_hand():
+    # device="cpu": copies inline; 3 chunks, window 2, tf=tb=1, th2d=0.5: nothing overlaps
+    p = simulate_offload(1, 1, 0.5, layers=3, window=2, keep_activations=True, serial=True)
     assert _lane(p, "h2d") == [
         ("load", 0, 0, 0.5),
         ("load", 1, 0.5, 1),
@@ -81,8 +107,8 @@ def test_large_window_is_compute_bound_by_hand():
 
 
 def test_transfer_bound_by_hand():
-    # 4 chunks, window 1, tf=tb=1, th2d=3: the copy stream is the bound
-    p = simulate_offload(1, 1, 3, layers=4, window=1, keep_activations=True)
+    # 4 chunks, window 2, tf=tb=1, th2d=3: the copy stream is the bound
+    p = simulate_offload(1, 1, 3, layers=4, window=2, keep_activations=True)
     assert _lane(p, "h2d") == [
         ("load", 0, 0, 3),
         ("load", 1, 3, 6),
@@ -106,8 +132,8 @@ def test_transfer_bound_by_hand():
 
 
 def test_pinned_chunk_never_loads_and_recompute_by_hand():
-    # 3 chunks, pin=1, window 1, keep_activations=False (recompute), tf=1 tb=2 th2d=1
-    p = simulate_offload(1, 2, 1, layers=3, pin=1, window=1)
+    # 3 chunks, pin=1, window 2, keep_activations=False (recompute), tf=1 tb=2 th2d=1
+    p = simulate_offload(1, 2, 1, layers=3, pin=1, window=2)
     assert _lane(p, "h2d") == [("load", 1, 1, 2), ("load", 2, 2, 3)]  # chunk 0 is resident
     assert _lane(p, "compute") == [
         ("forward", 0, 0, 1),
@@ -121,22 +147,28 @@ def test_pinned_chunk_never_loads_and_recompute_by_hand():
         ("recompute", 0, 10, 11),
         ("backward", 0, 11, 13),
     ]
-    assert (p.makespan, p.busy, p.peak_chunks, p.pinned) == (13, 12, 3, (0,))
+    assert (p.makespan, p.busy, p.peak_chunks, p.pinned) == (13, 12, 3, (0,))  # window + pin
     # every chunk pinned: no loads at all, the step is the compute
-    q = simulate_offload(1, 2, 1, layers=3, pin=3, window=1, keep_activations=True)
+    q = simulate_offload(1, 2, 1, layers=3, pin=3, window=2, keep_activations=True)
     assert _lane(q, "h2d") == [] and q.makespan == 9 and q.stall == 0
+    # pin chooses evenly spaced chunks, as OffloadModel's pin does: chunk i * n // pin
+    assert simulate_offload(1, 1, 1, layers=12, pin=6).pinned == (0, 2, 4, 6, 8, 10)
+    assert simulate_offload(1, 1, 1, layers=5, pin=2).pinned == (0, 2)
+    assert simulate_offload(1, 1, 1, layers=5, pin_layers=[3, 4]).pinned == (3, 4)
 
 
 def test_d2h_write_back_after_each_backward():
-    p = simulate_offload(1, 1, 0, layers=2, window=1, keep_activations=True, td2h=3)
+    p = simulate_offload(1, 1, 0, layers=2, window=2, keep_activations=True, td2h=3)
     # backward 1 [2, 3], backward 0 [3, 4]; writes queue on the D2H stream
     assert _lane(p, "d2h") == [("write", 1, 3, 6), ("write", 0, 6, 9)]
     assert p.makespan == 9 and p.busy == 4
 
 
 def test_per_chunk_times_and_bytes():
-    p = simulate_offload([1, 2], [1, 1], [0.5, 0.5], window=1, keep_activations=True, chunk_bytes=[10, 30])
+    p = simulate_offload([1, 2], [1, 1], [0.5, 0.5], window=2, keep_activations=True, chunk_bytes=[10, 30])
     assert p.peak_chunks == 2 and p.peak_bytes == 40
+    q = simulate_offload([1, 2], [1, 1], [0.5, 0.5], window=1, keep_activations=True, chunk_bytes=[10, 30])
+    assert q.peak_chunks == 1 and q.peak_bytes == 30  # one at a time: the larger chunk
     assert p.busy == 5
 
 
@@ -144,7 +176,7 @@ def test_table_rows_over_every_window():
     rows = table(1, 2, 1.5, layers=4)
     assert [r.window for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r.peak_chunks <= r.window + 1
+        assert r.peak_chunks == min(r.window, 4)  # the window, never more
         assert r.makespan >= r.busy
     # a wider window never makes the step longer here
     assert all(a.makespan >= b.makespan for a, b in zip(rows, rows[1:]))
@@ -192,8 +224,9 @@ def test_cli_table_and_single_window(capsys):
     assert out[1].split()[:2] == ["window", "makespan"]
     rows = [line.split() for line in out[2:]]
     assert [r[0] for r in rows] == ["1", "2", "3"]
-    assert float(rows[0][1]) == 10  # test_window_1_overlapped_by_hand
-    assert cli(["offload", "--layers", "3", "--tf", "1", "--tb", "2", "--th2d", "1", "--window", "1",
+    assert float(rows[0][1]) == 14  # test_window_1_never_overlaps_a_load_with_compute_by_hand
+    assert float(rows[1][1]) == 10  # test_window_2_overlapped_by_hand
+    assert cli(["offload", "--layers", "3", "--tf", "1", "--tb", "2", "--th2d", "1", "--window", "2",
                 "--keep-activations", "true", "--json"]) == 0  # fmt: skip
     (row,) = json.loads(capsys.readouterr().out)
     assert row["makespan_s"] == 10 and row["peak_chunks"] == 2 and row["utilisation"] == pytest.approx(0.9)
@@ -222,7 +255,7 @@ def _chunks(n=4, d=32):
 
 @pytest.mark.parametrize("keep", [True, "checkpoint"])
 def test_measure_from_a_real_step(tmp_path, keep, capsys):
-    model = ramstream.OffloadModel(_chunks(), device="cpu", window=1, pin=1, keep_activations=keep)
+    model = ramstream.OffloadModel(_chunks(), device="cpu", window=2, pin=1, keep_activations=keep)
     x, y = torch.randn(64, 32), torch.randn(64, 32)
     path = tmp_path / "step.json"
     model.step(x, targets=y, profile_path=str(path))
@@ -235,7 +268,7 @@ def test_measure_from_a_real_step(tmp_path, keep, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 2 + 4
     m = ramstream.simulate.measure_step(model, x, targets=y)
     assert m["layers"] == 4 and m["step_s"] > 0
-    pred = simulate_offload(m["tf"], m["tb"], m["th2d"], window=1, pin=1, keep_activations=keep, serial=True)
+    pred = simulate_offload(m["tf"], m["tb"], m["th2d"], window=2, pin=1, keep_activations=keep, serial=True)
     # the serial prediction is the sum of the measured spans: it cannot exceed the wall time
     assert 0 < pred.makespan <= m["step_s"]
     model.close()

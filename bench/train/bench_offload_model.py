@@ -10,9 +10,12 @@ simulator's prediction (per-chunk times from a traced ramstream step) against th
     python bench/train/bench_offload_model.py --tiny      # the CPU, seconds: a smoke test
 
 RamTorch is imported as `ramtorch` (install its wheel with pip --target and put it on
-PYTHONPATH); when it does not import, its row says so and the ratio is absent. Note the window
-meanings differ: RamTorch's window counts the GPU slots (the running chunk included), ours the
-chunks loaded ahead of the running one; both get the same number, as the issue's target asks.
+PYTHONPATH); when it does not import, its row says so and the ratio is absent. Both get the same
+--window and --pin, with the same meanings: window = device slots for streamed chunks, the
+running one included (window=2: one chunk loaded ahead), pin = that many evenly spaced resident
+chunks (chunk i * n // pin). The ramstream row reports its streamed weights' peak on the
+device (`peak_loaded_gib`) and the window's bound (`window_bound_gib`: the `window` largest
+streamed chunks) next to the peak VRAM of both.
 """
 
 from __future__ import annotations
@@ -136,6 +139,13 @@ def child(args) -> dict:
         "losses": [r[2] for r in rows],
         "peak_vram_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
     }
+    if args.impl == "ramstream":
+        # the streamed weights on the device at once, against the window's bound: its `window`
+        # largest streamed chunks
+        sizes = sorted((b.nbytes for b in model.streamer.blocks), reverse=True)
+        out["pinned"] = model.pinned
+        out["peak_loaded_gib"] = model.stats["peak_loaded_bytes"] / 2**30
+        out["window_bound_gib"] = sum(sizes[: args.window]) / 2**30
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
     if args.impl == "ramstream":
         out.update(_predict(model, one, args))

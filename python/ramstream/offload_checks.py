@@ -47,6 +47,13 @@ def check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def spaced(pin: int, n: int) -> set[int]:
+    """`pin` evenly spaced chunks of `n` (RamTorch's `pin`): chunk i * n // pin for i = 0 .. pin-1,
+    the first chunk of each of `pin` strides of n / pin chunks (pin=2 of 5: 0 and 2; 6 of 12:
+    0, 2, 4, 6, 8, 10; pin=n: every chunk)."""
+    return {i * n // pin for i in range(pin)}
+
+
 def pinned_set(pin, pin_layers, n: int) -> set[int]:
     if pin_layers is not None:
         if isinstance(pin_layers, (str, bytes)) or not hasattr(pin_layers, "__iter__"):
@@ -60,7 +67,7 @@ def pinned_set(pin, pin_layers, n: int) -> set[int]:
         return set(idx)
     if isinstance(pin, bool) or not isinstance(pin, int) or not 0 <= pin <= n:
         raise ValueError(f"OffloadModel: pin must be an int in [0, {n}] (the number of chunks), got {pin!r}")
-    return set(range(pin))
+    return spaced(pin, n)
 
 
 def detach(x):
@@ -99,7 +106,9 @@ def check_chunks(chunks) -> list:
 
 def check_options(window, keep_activations, activation_offload) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"OffloadModel: window must be an int >= 1, got {window!r}")
+        raise ValueError(
+            f"OffloadModel: window must be an int >= 1 (device slots for streamed chunks), got {window!r}"
+        )
     if not any(keep_activations is k or (isinstance(k, str) and keep_activations == k) for k in KEEP):
         raise ValueError(
             f"OffloadModel: keep_activations must be False, True or 'checkpoint', got {keep_activations!r}"

@@ -95,8 +95,13 @@ class OffloadModel(torch.nn.Module):
         chunks: the model cut into modules; a tuple output becomes the next chunk's positional
             arguments.
         device: "cuda", "cuda:i" or "cpu" (the same logic with host copies: CI).
-        window: how many chunks are loaded ahead of the one running (>= 1).
-        pin: the first `pin` chunks stay resident on the device.
+        window: device slots for streamed chunks, the running one included (RamTorch's meaning;
+            >= 1): at most `window` streamed chunks are loaded at once, `window` - 1 of them
+            ahead of the one running. window=1 loads each chunk on demand, after the compute
+            before it (a load never overlaps compute); window >= 2 prefetches. Weights on the
+            device: at most `window` + (the pinned chunks) chunks.
+        pin: this many chunks stay resident on the device, evenly spaced (RamTorch's meaning):
+            chunk i * n // pin for i = 0 .. pin-1 of the n chunks (pin=2 of 5 chunks: 0 and 2).
         pin_layers: explicit indices of resident chunks (overrides `pin`).
         keep_activations: True keeps every chunk's graph (weights freed after use and reloaded
             before backward); "checkpoint" runs each chunk under non-reentrant
@@ -161,7 +166,7 @@ class OffloadModel(torch.nn.Module):
             for p in self.parameters():
                 g = grads[id(p)]
                 p.grad = None if g is None else g.to(p.device)
-        self._hooks.streamer = WeightStreamer(blocks, copier=self.copier, window=self.window)
+        self._hooks.streamer = WeightStreamer(blocks, copier=self.copier, ahead=self.window - 1)
         self._streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
         self._casts = CastSaver(self._streamed)
         self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
@@ -179,11 +184,15 @@ class OffloadModel(torch.nn.Module):
                             p.data = p.data.clone()  # off the slab's home buffer
 
     def set_pinned(self, indices) -> None:
-        """Makes exactly the chunks at `indices` resident (the others stream). Gradients move
-        with their parameters; build the optimizer after this call (its state would stay where
-        the parameters were)."""
+        """Makes exactly the chunks at `indices` resident (the others stream); an int is a count
+        of evenly spaced chunks, as `pin` (RamTorch's set_pinned). Gradients move with their
+        parameters; build the optimizer after this call (its state would stay where the
+        parameters were)."""
         self._check_open()
-        pinned = pinned_set(0, indices, len(self.chunks))
+        if isinstance(indices, int) and not isinstance(indices, bool):
+            pinned = pinned_set(indices, None, len(self.chunks))
+        else:
+            pinned = pinned_set(0, indices, len(self.chunks))
         self._teardown()
         self._build(pinned)
 

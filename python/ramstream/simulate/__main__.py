@@ -1,4 +1,5 @@
-"""python -m ramstream.simulate offload: the predicted OffloadModel step per prefetch window."""
+"""python -m ramstream.simulate offload: the predicted OffloadModel step per window (OffloadModel's
+and RamTorch's meaning: device slots for streamed chunks, the running one included)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tb", type=float, help="backward seconds per chunk (without the recompute)")
     p.add_argument("--th2d", type=float, help="H2D seconds per chunk load")
     p.add_argument("--td2h", type=float, help="D2H seconds per chunk's gradients (default 0)")
-    p.add_argument("--window", type=int, help="the prefetch window (default: a table over 1..layers)")
-    p.add_argument("--pin", type=int, default=0, help="the first PIN chunks stay resident")
+    p.add_argument(
+        "--window",
+        type=int,
+        help="device slots for streamed chunks, the running one included (1: no load overlaps "
+        "compute; default: a table over 1..layers)",
+    )
+    p.add_argument(
+        "--pin", type=int, default=0, help="PIN evenly spaced chunks stay resident (chunk i*layers//PIN)"
+    )
     p.add_argument(
         "--keep-activations", type=_keep, default=False, help="true, false (default) or checkpoint"
     )

@@ -3,15 +3,18 @@ issues in one training step, on three serial lanes (H2D copy stream, compute str
 
 The model follows weights/streamer.py hook by hook:
 
-  forward   at streamed chunk k's pre-hook, chunk k and the next `window` streamed chunks are
+  window    OffloadModel's (RamTorch's): device slots for streamed chunks, the running one
+            included; the streamer loads `ahead` = window - 1 chunks ahead of the running one
+  forward   at streamed chunk k's pre-hook, chunk k and the next `ahead` streamed chunks are
             loaded (those not loaded yet, in order); pinned chunks load nothing
-  backward  at chunk k's output-gradient hook, chunk k and the `window` streamed chunks before
-            it are loaded; the last `window` + 1 streamed chunks are still loaded when backward
+  backward  at chunk k's output-gradient hook, chunk k and the `ahead` streamed chunks before
+            it are loaded; the last `window` streamed chunks are still loaded when backward
             starts (farthest next use is evicted: the forward keeps them for it); with
             keep_activations False or "checkpoint" every chunk's forward runs again first
   loads     one at a time on the copy stream, each no earlier than the compute issued before
             its hook (the copy stream waits for it: the memory of the evicted chunks is free
-            then; this bounds the loaded chunks to window + 1)
+            then; this bounds the loaded streamed chunks to `window`; window=1: every load waits
+            for the compute before it, nothing overlaps)
   write     the trained gradients of streamed chunk k go home on the D2H stream after its backward
   serial    device="cpu": copies run inline, on the compute timeline (nothing overlaps)
 
@@ -22,6 +25,8 @@ eviction. Times are seconds, per chunk (a number for every chunk, or one per chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..offload_checks import spaced
 
 KEEP = (False, True, "checkpoint")
 
@@ -95,7 +100,8 @@ def _layers(layers, *vals) -> int:
 
 
 def pinned_chunks(pin, pin_layers, n: int) -> set[int]:
-    """The resident chunks, validated as OffloadModel validates them."""
+    """The resident chunks, validated and chosen as OffloadModel's (`pin` evenly spaced: chunk
+    i * n // pin for i = 0 .. pin-1; `pin_layers` explicit)."""
     if pin_layers is not None:
         idx = list(pin_layers)
         bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
@@ -108,7 +114,7 @@ def pinned_chunks(pin, pin_layers, n: int) -> set[int]:
         raise ValueError(
             f"simulate_offload: pin must be an int in [0, {n}] (the number of chunks), got {pin!r}"
         )
-    return set(range(pin))
+    return spaced(pin, n)
 
 
 class _Lanes:
@@ -179,7 +185,8 @@ def simulate_offload(
         tf, tb: each chunk's forward and backward compute time (backward without the recompute).
         th2d: each chunk's H2D load time; td2h: its gradients' D2H write-back time.
         layers: the number of chunks (needed when every time is a single number).
-        window, pin, pin_layers, keep_activations: as OffloadModel's.
+        window, pin, pin_layers, keep_activations: as OffloadModel's (window: device slots for
+            streamed chunks, the running one included; pin: evenly spaced resident chunks).
         chunk_bytes: each chunk's weight bytes (for peak_bytes), optional.
         serial: copies inline on the compute timeline (device="cpu").
     """
@@ -199,21 +206,22 @@ def simulate_offload(
     s = len(streamed)
     lanes = _Lanes(serial)
 
+    ahead = window - 1  # the streamer's prefetch depth
     for c in range(n):  # forward
         k = pos.get(c)
         if k is None:
             lanes.run(c, "forward", tf[c], None)
             continue
-        for j in range(k, min(s, k + 1 + window)):
+        for j in range(k, min(s, k + 1 + ahead)):
             lanes.load(streamed[j], th2d[streamed[j]])
         end = lanes.run(c, "forward", tf[c], c)
-        if k < s - 1 - window:  # the last window + 1 stay loaded for backward
+        if k < s - window:  # the last `window` stay loaded for backward
             lanes.evict(c, end)
     recompute = keep_activations is not True
     for c in range(n - 1, -1, -1):  # backward
         k = pos.get(c)
         if k is not None:
-            for j in range(k, max(-1, k - 1 - window), -1):
+            for j in range(k, max(-1, k - 1 - ahead), -1):
                 lanes.load(streamed[j], th2d[streamed[j]])
         if recompute:
             lanes.run(c, "recompute", tf[c], c if k is not None else None)
@@ -257,6 +265,7 @@ def _peak(intervals, sizes) -> tuple[int, int]:
 
 
 def table(tf, tb, th2d, *, layers=None, windows=None, **kw) -> list[Prediction]:
-    """simulate_offload for every window in `windows` (default 1 .. the number of chunks)."""
+    """simulate_offload for every window in `windows` (default 1 .. the number of chunks; a
+    window beyond the streamed chunks changes nothing)."""
     n = _layers(layers, tf, tb, th2d)
     return [simulate_offload(tf, tb, th2d, layers=n, window=w, **kw) for w in (windows or range(1, n + 1))]

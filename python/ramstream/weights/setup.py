@@ -156,7 +156,7 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
         )
         ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
         out.append(Block(k, blocks[k], slabs, ready))
-    st = WeightStreamer(out, copier=copier, window=window, log=log)
+    st = WeightStreamer(out, copier=copier, ahead=window, log=log)
     nbytes = sum(b.nbytes for b in out)
     packed = sum(t.nbytes for k in indices for _, _, t in packed_buffers(blocks[k]) if id(t) in streamed)
     what = f", {packed / GIB:.2f} GiB of them packed quantized codes" if packed else ""

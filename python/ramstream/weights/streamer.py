@@ -4,16 +4,21 @@ One component for every front end (wrap(param_offload=...), later OffloadModel).
 block's weights are slabs (slab.py) at home in pinned host memory. The streamer:
 
   forward   block i's pre-hook loads block i if needed and waits (GPU-side) for its copy, and
-            prefetches the next `window` streamed blocks on the copy stream; the post-hook
-            evicts block i (except the last `window` + 1 blocks of a forward that will be
+            prefetches the next `ahead` streamed blocks on the copy stream; the post-hook
+            evicts block i (except the last `ahead` + 1 blocks of a forward that will be
             followed by a backward: they are the first ones backward needs, and the pre-hooks
             keep them: farthest next use is evicted).
   backward  a hook on block i's output gradient reloads block i before its backward runs (a
-            no-op when prefetched) and prefetches the `window` blocks before it; a hook on block
+            no-op when prefetched) and prefetches the `ahead` blocks before it; a hook on block
             i's input gradient evicts it once its backward is done; the end of the backward pass
             evicts whatever is still loaded.
   recompute a forward that runs inside backward (activation checkpointing) neither prefetches
             forward nor evicts: the backward hooks own the window then.
+
+At most `ahead` + 1 streamed blocks are loaded at once (the one running and those ahead of it).
+`ahead` = 0 is fully serial: each block loads on demand at its hook, after the compute queued
+before it, so a load never overlaps compute. (wrap()'s `weight_window` is `ahead`; OffloadModel's
+`window`, RamTorch's meaning, counts the running block too: `ahead` = `window` - 1.)
 
 Trained parameters' updates are written by the host optimizer into the slab's home copy; a load
 first waits (`ready`, the engine's bucket wait) for the update of the buckets it reads.
@@ -80,12 +85,14 @@ def frozen_slabs(module: torch.nn.Module, skip: set, copier, extra=()) -> list[S
 class WeightStreamer:
     """Streams the weights of `blocks` (Block objects, in forward order) through the device."""
 
-    def __init__(self, blocks: list[Block], *, copier, window: int = 2, log=None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"WeightStreamer: window must be an int >= 1, got {window!r}")
+    def __init__(self, blocks: list[Block], *, copier, ahead: int = 2, log=None) -> None:
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(
+                f"WeightStreamer: ahead must be an int >= 0 (blocks loaded ahead), got {ahead!r}"
+            )
         self.blocks = blocks
         self.copier = copier
-        self.window = window
+        self.ahead = ahead
         self.log = log or (lambda msg: None)
         self.stats = {
             "loads": 0,
@@ -162,15 +169,15 @@ class WeightStreamer:
         return torch._C._current_graph_task_id() != -1
 
     def _keep_set(self, k: int) -> set[int]:
-        """The window at block k's forward: the `window` + 1 loaded blocks used next (farthest next
+        """The window at block k's forward: the `ahead` + 1 loaded blocks used next (farthest next
         use is evicted). Next are k, k+1, ..., the last block, then (when a backward follows, grad
         mode on) the blocks before k in reverse: near the end of the forward the blocks just run
         stay loaded for the backward, which starts with them."""
         n = len(self.blocks)
-        keep = set(range(k, min(n, k + 1 + self.window)))
+        keep = set(range(k, min(n, k + 1 + self.ahead)))
         if torch.is_grad_enabled():
             j = k - 1
-            while len(keep) < self.window + 1 and j >= 0 and self.blocks[j].loaded:
+            while len(keep) < self.ahead + 1 and j >= 0 and self.blocks[j].loaded:
                 keep.add(j)
                 j -= 1
         return keep
@@ -200,7 +207,7 @@ class WeightStreamer:
         y = _first_grad_tensor(out)
         if y is not None:
             y.register_hook(lambda g, k=k: self._output_grad(k))
-            if k >= len(self.blocks) - 1 - self.window:
+            if k >= len(self.blocks) - 1 - self.ahead:
                 return  # backward starts with it (_keep_set keeps it)
         self._evict(k)
 
@@ -213,7 +220,7 @@ class WeightStreamer:
         if nxt < len(self.blocks) and self.blocks[nxt].index == self.blocks[k].index + 1:
             self._evict(nxt)
         self._use(k)
-        for j in range(k - 1, max(-1, k - 1 - self.window), -1):
+        for j in range(k - 1, max(-1, k - 1 - self.ahead), -1):
             self._load(j)
 
     def _input_grad(self, k: int) -> None:

@@ -269,6 +269,9 @@ def test_measure_from_a_real_step(tmp_path, keep, capsys):
     m = ramstream.simulate.measure_step(model, x, targets=y)
     assert m["layers"] == 4 and m["step_s"] > 0
     pred = simulate_offload(m["tf"], m["tb"], m["th2d"], window=2, pin=1, keep_activations=keep, serial=True)
-    # the serial prediction is the sum of the measured spans: it cannot exceed the wall time
-    assert 0 < pred.makespan <= m["step_s"]
+    # the serial prediction is the sum of the measured spans: it cannot exceed the wall time; with
+    # recompute, the backward spans less the chunk's forward time stand for the backward alone,
+    # which is off by how much slower the recompute ran than the forward (at most that forward)
+    slack = 0.0 if keep is True else sum(m["tf"])
+    assert 0 < pred.makespan <= m["step_s"] + slack
     model.close()

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         ref, _ = train(twin, torch.optim.AdamW(twin.parameters(), lr=a.lr), data)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     # on the GPU the planner decides from the cap; the CPU engine is told to stream and page everything
-    options = {"activation_offload": "auto"}
+    options = {"activation_offload": "auto", "device": "cuda"}  # the model was built in host RAM
     if not gpu:
         options = {"device": "cpu", "param_offload": True, "activation_offload": True, "min_offload_bytes": 0}
     try:

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     print(f"GPT {a.size}: {n:,} parameters ({wbytes / GIB:.2f} GiB of weights), on {dev}")
     opts: dict = {"accumulation_steps": a.accum}
     if gpu:  # keep the state on the host: offload="auto" may move it into VRAM when it fits there
-        opts["offload"] = True
+        opts.update(offload=True, device="cuda")
     else:
         opts.update(device="cpu", min_offload_bytes=0)
     if a.param_offload:

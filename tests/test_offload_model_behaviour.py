@@ -112,6 +112,7 @@ def test_failed_step_leaves_model_usable_no_hang(device, keep, where, error):
 @pytest.mark.parametrize("device", DEVICES)
 def test_collected_without_close(device):
     chunks = _chunks(3)  # the user keeps the chunks
+    gc.collect()  # what earlier tests left behind goes first (seen on the H200: 110592 B freed later)
     start = ramstream.memory_stats()["bytes_in_use"]
     model = ramstream.OffloadModel(chunks, device=device, window=2)
     for _ in range(2):
@@ -128,7 +129,7 @@ def test_collected_without_close(device):
     del chunks
     gc.collect()
     if device == "cuda":  # the pinned homes and gradient buffers went back to the arena
-        assert ramstream.memory_stats()["bytes_in_use"] == start
+        assert ramstream.memory_stats()["bytes_in_use"] <= start
 
 
 def test_unreferenced_model_and_chunks_are_collected():

@@ -302,8 +302,8 @@ class OffloadTrainer(transformers.Trainer):
             opts["max_grad_norm"] = float(a.max_grad_norm)
         else:  # the Trainer still measures the norm (clip_grad_norm_ with inf): updates wait for step()
             opts.setdefault("eager_updates", False)
-        if opts.get("device") is None and a.use_cpu:
-            opts["device"] = "cpu"
+        if opts.get("device") is None:  # the Trainer's device: a model still on the CPU is placed there
+            opts["device"] = "cpu" if a.use_cpu else str(a.device)
         target = opt_model if getattr(opt_model, "_ramstream", None) is None else None
         if target is None:
             raise ValueError("OffloadTrainer: the model is already wrapped; pass the unwrapped model")

@@ -41,14 +41,10 @@ def register(owner, modules_of) -> None:
 
 
 def _first_grad_tensor(x):
-    if torch.is_tensor(x):
-        return x if x.requires_grad else None
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            t = _first_grad_tensor(v)
-            if t is not None:
-                return t
-    return None
+    """weights/streamer.py's (imported late: the streamer records its spans here)."""
+    from .weights.streamer import _first_grad_tensor as first
+
+    return first(x)
 
 
 class Tracer:

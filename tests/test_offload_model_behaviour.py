@@ -231,8 +231,12 @@ class _Inner(nn.Module):
         super().__init__()
         self.inp = nn.Linear(d, d)
         self.mid = nn.Sequential(nn.Linear(d, 4 * d), nn.Dropout(0.2), nn.GELU(), nn.Linear(4 * d, d))
-        self.calls = 0
-        self.mid.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
+        self.runs = []  # (in backward, mid's weights' data pointers) at each run of mid
+        self.mid.register_forward_pre_hook(
+            lambda m, a: self.runs.append(
+                (torch._C._current_graph_task_id() != -1, {p.data_ptr() for p in m.parameters()})
+            )
+        )
 
     def forward(self, x):
         return ramstream.offload_checkpoint(self.mid, self.inp(x)) + x
@@ -250,9 +254,14 @@ def test_offload_checkpoint_inside_a_chunk(device):
     x, y = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
     torch.manual_seed(3)
     F.mse_loss(ref(x), y).backward()
+    for c in model.chunks:  # (deepcopy shared the hooks' closures with the reference)
+        c.runs.clear()
     torch.manual_seed(3)
     model.step(x, targets=y)
-    assert [c.calls for c in model.chunks] == [2, 2, 2]  # recomputed in backward
+    home = {v.data_ptr() for b in model.streamer.blocks for s in b.slabs for v in s.hviews}
+    for c in model.chunks:  # recomputed in backward, with the chunk's weights loaded both times
+        assert [in_bwd for in_bwd, _ in c.runs] == [False, True]
+        assert all(not (ptrs & home) for _, ptrs in c.runs), "a run of mid saw weights at home"
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad.cpu(), b.grad.cpu())  # dropout's mask replayed
     with torch.no_grad():

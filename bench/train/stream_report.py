@@ -23,8 +23,11 @@ def _shape(cfg: dict, model_key: str, cuda: bool, qwen_layers):
 
         c = GPT_CONFIGS[GPT_MODELS[model_key]]
         size = dict(d=c["d"], layers=c["layers"], heads=c["heads"], ctx=max(1024, cfg["seq"]))
-        return ModelShape.gpt(size, batch=cfg["batch"], seq=cfg["seq"], dtype="fp32", vocab=c["vocab"],
-                              loss=cfg["loss"], autocast="bf16" if cuda else None)  # fmt: skip
+        # a bf16 model (G rows: cast after building) runs in bf16; an fp32 one under bf16 autocast
+        bf16 = cfg.get("dtype") == "bf16"
+        return ModelShape.gpt(size, batch=cfg["batch"], seq=cfg["seq"], dtype="bf16" if bf16 else "fp32",
+                              vocab=c["vocab"], loss=cfg["loss"],
+                              autocast="bf16" if cuda and not bf16 else None)  # fmt: skip
     hf = dict(QWEN[model_key], model_type="qwen2", tie_word_embeddings=False)
     if qwen_layers:
         hf["num_hidden_layers"] = qwen_layers

@@ -18,9 +18,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from .activations.recompute import Recompute
+from .activations.recompute import Recompute, checkpointed
 from .offload_casts import CastSaver
 from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
 from .offload_grads import GradWriteback
@@ -45,7 +44,7 @@ def offload_checkpoint(module, *args, **kwargs):
         )
     if not torch.is_grad_enabled():
         return module(*args, **kwargs)
-    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return checkpointed(module, *args, preserve_rng_state=True, **kwargs)
 
 
 class _Hooks:

@@ -8,8 +8,11 @@ happens inside the block's backward, after its output-gradient hook (weights are
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint as _tc
+
 
 from .blocks import chosen_blocks, parse_block_choice
 
@@ -27,6 +30,32 @@ def checkpoint_indices(option, n: int) -> list[int]:
 # A KV cache written in forward would be written again by the recompute (Hugging Face layers):
 # under checkpointing a layer runs without one, as with HF's own gradient checkpointing.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def checkpointed(fn, *args, **kwargs):
+    """torch.utils.checkpoint(fn, *args, use_reentrant=False, **kwargs), closing its hooks when fn
+    raises. torch 2.11's non-reentrant checkpoint (the GPU machine's) leaves its saved-tensor
+    hooks pushed when the function raises (its generator stays suspended in the traceback's
+    frame): they stay active for later code on this thread and are popped whenever the traceback
+    is collected, on whatever thread and under whatever hooks are pushed then (an internal
+    assert, SavedTensorHooks.cpp:69, measured there). torch 2.13 throws the error into its
+    generator itself. Here a generator still suspended is closed before the exception leaves:
+    its hooks pop in order, on this thread."""
+    try:
+        return _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    except BaseException as e:
+        _close_checkpoint_generators(e.__traceback__)
+        raise
+
+
+def _close_checkpoint_generators(tb) -> None:
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename == _tc.__file__:
+            gen = frame.f_locals.get("gen")
+            if inspect.isgenerator(gen) and gen.gi_frame is not None and not gen.gi_running:
+                gen.close()
+        tb = tb.tb_next
 
 
 def _without_cache(kwargs: dict) -> dict:
@@ -121,7 +150,7 @@ class Recompute:
             def run(*args, _fwd=fwd, **kwargs):
                 if not torch.is_grad_enabled():
                     return _fwd(*args, **kwargs)
-                return checkpoint(_fwd, *args, use_reentrant=False, **_without_cache(kwargs))
+                return checkpointed(_fwd, *args, **_without_cache(kwargs))
 
             m.forward = run
             self._patched.append((m, had, orig))

@@ -13,7 +13,6 @@ import inspect
 import torch
 import torch.utils.checkpoint as _tc
 
-
 from .blocks import chosen_blocks, parse_block_choice
 
 

@@ -265,7 +265,8 @@ def test_offload_checkpoint_inside_a_chunk(device):
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad.cpu(), b.grad.cpu())  # dropout's mask replayed
     with torch.no_grad():
-        assert ramstream.offload_checkpoint(chunks[0].mid, x.cpu() if device == "cpu" else x).shape == (4, 16)
+        # outside the model a streamed chunk's weights are at home, in host memory
+        assert ramstream.offload_checkpoint(chunks[0].mid, x.cpu()).shape == (4, 16)
     with pytest.raises(TypeError, match="module"):
         ramstream.offload_checkpoint(3, x)
     model.close()

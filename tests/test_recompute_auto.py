@@ -84,3 +84,27 @@ def test_a_full_fine_tune_that_recomputes_every_block_keeps_70_percent_of_weight
     assert recomputes_every_block(model, blocks, CUDA, True)
     assert not recomputes_every_block(model, blocks, CUDA, False)
     assert not recomputes_every_block(model, blocks, CUDA, "auto", optimizer_mode="cpu")
+
+
+def test_a_quantized_lora_base_counts_its_packed_weights(gpu):
+    """A LoRA-like model whose frozen block weights are quantized (packed buffers, no longer
+    parameters): the trained share counts the packed weights' full-precision elements, the bytes
+    their packed size (the 14B NF4 LoRA ran out of memory on the H200 when they were not counted:
+    the rule saw only the adapters and norms and recomputed nothing)."""
+    from ramstream import quantize_model
+    from ramstream.quant.packed import packed_buffers
+
+    model = make_model(0, n_blocks=3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    blocks = list(model.blocks)
+    quantize_model(model, "int8", block_size=64)
+    for b in blocks:  # a small trained part per block (an adapter's share)
+        next(p for n, p in b.named_parameters() if n.endswith("bias")).requires_grad_(True)
+    packed = sum(t.nbytes for b in blocks for _, _, t in packed_buffers(b))
+    assert packed > 0
+    nbytes = packed + sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    gpu["cap"] = 4 * nbytes - 4
+    assert auto_checkpointing(model, blocks, CUDA, lambda m: None)
+    gpu["cap"] = 4 * nbytes + 4
+    assert not auto_checkpointing(model, blocks, CUDA, lambda m: None)

@@ -6,6 +6,7 @@ Configurations, each in its own subprocess (a fresh CUDA context, its own peak):
   ramstream        OffloadTrainer (wrap() defaults), no cap          losses vs stock, step-time ratio
   stock_cap12      transformers.Trainer under the 12 GiB cap         expected: out of memory
   ramstream_cap12  OffloadTrainer under the 12 GiB cap               s/step, peak VRAM
+  ramstream_hfloss OffloadTrainer with chunked_loss=False, no cap     the chunked loss's share
 The cap is torch.cuda.set_per_process_memory_fraction(cap / total, 0), set before the model is
 built. Both trainers get the same TrainingArguments: fp32 weights with bf16 autocast (bf16=True;
 the stock AdamW then updates fp32 weights as ramstream's fp32 masters do, so the losses can agree
@@ -32,11 +33,13 @@ import sys
 import tempfile
 import time
 
-CONFIGS = {  # name: (trainer, cap in GiB or None)
-    "stock": ("stock", None),
-    "ramstream": ("ramstream", None),
-    "stock_cap12": ("stock", 12.0),
-    "ramstream_cap12": ("ramstream", 12.0),
+CONFIGS = {  # name: (trainer, cap in GiB or None, OffloadTrainer options added to --options)
+    "stock": ("stock", None, {}),
+    "ramstream": ("ramstream", None, {}),
+    "stock_cap12": ("stock", 12.0, {}),
+    "ramstream_cap12": ("ramstream", 12.0, {}),
+    # Hugging Face's own loss instead of the chunked one: what the chunked loss costs or saves
+    "ramstream_hfloss": ("ramstream", None, {"chunked_loss": False}),
 }
 BASELINE = "stock"
 TOL = 2e-4
@@ -113,7 +116,8 @@ def _dataset(n: int, seq: int, vocab: int) -> list[dict]:
 def run_config(a, name: str) -> dict:
     import torch
 
-    kind, cap = CONFIGS[name]
+    kind, cap, extra_opts = CONFIGS[name]
+    a.wrap_options = {**a.wrap_options, **extra_opts}
     cuda = a.device == "cuda"
     res = {"name": name, "kind": kind, "cap_gib": cap if cuda else None, "device": a.device, "status": "OK"}
     res.update(batch=a.batch, accum=a.accum, seq=a.seq, lr=a.lr, weights=a.weights)

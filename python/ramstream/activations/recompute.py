@@ -81,8 +81,12 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
         return False
     if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
         return False
-    params = [p for b in blocks for p in b.parameters()]
-    total = sum(p.numel() for p in params)
+    from ..quant.packed import packed_buffers, quantized_numel
+
+    # a quantized layer's frozen weight is no parameter but packed buffers: counted by its
+    # full-precision elements for the trained share, by its packed bytes for what VRAM holds
+    params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
+    total = sum(p.numel() for p in params) + sum(quantized_numel(b) for b in blocks)
     trained = sum(p.numel() for p in params if p.requires_grad)
     if total == 0:
         return False
@@ -92,6 +96,7 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
     if trained >= 0.10 * total:
         return _full_ft_checkpointing(model, usable, optimizer_mode, log)
     nbytes = sum(p.numel() * p.element_size() for p in params)
+    nbytes += sum(t.nbytes for b in blocks for _, _, t in packed_buffers(b))
     if nbytes <= usable / 4:
         return False
     log(

@@ -216,7 +216,10 @@ def load_model(
     full-precision base never exists in RAM at once. Packed weights are frozen; the others keep
     requires_grad=True, as from_pretrained leaves them. With ``quantize="none"`` the result equals
     ``AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)`` tensor for tensor.
-    ``random_weights=True`` reads no checkpoint (the model's own initialisation, block by block).
+    ``random_weights=True`` reads no checkpoint: Linear and Embedding weights are drawn from
+    N(0, config.initializer_range) on every core at once (Hugging Face's distribution, not its
+    numbers; repeatable under torch.manual_seed), biases zero, other modules get the model's own
+    initialisation; block by block, packed as they are drawn.
     ``config_overrides`` set config attributes (``num_hidden_layers=4``). Returns the model in
     eval mode, on the CPU.
 
@@ -313,9 +316,15 @@ def _store(entries, t, module, fmt, block):
 
 
 def _fill_random(model, owners, weight_of, fmt, block):
-    """Each module's parameters get memory and the model's own initialisation, one module at a
-    time; block weights are packed right away."""
+    """Each module's parameters get memory and random values (random_init.py: Linear and
+    Embedding weights drawn in parallel, others by the model's own initialisation), one module at
+    a time; block weights are packed right away."""
+    from .random_init import init_module_  # noqa: PLC0415
+
     init = getattr(model, "_init_weights", None)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    std = getattr(text, "initializer_range", None)
     targets = {id(m) for m in weight_of.values()}
     mods = [m for m in model.modules() if any(p is not None and p.is_meta for p in m._parameters.values())]
     bar = _progress(len(mods), "load_model (random weights)")
@@ -323,9 +332,7 @@ def _fill_random(model, owners, weight_of, fmt, block):
         for p in list(m._parameters.values()):
             if p is not None and p.is_meta:
                 _place(owners[id(p)], torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-        if init is not None:
-            with torch.no_grad():
-                init(m)
+        init_module_(m, std, init)
         if fmt in ("int8", "nf4") and id(m) in targets:
             quantize_module_(m, fmt, block)
         if bar is not None:

@@ -42,7 +42,9 @@ def test_parallel_normal_is_repeatable_under_manual_seed(monkeypatch):
         draws.append(parallel_normal_(torch.empty(300, 400, dtype=torch.bfloat16), 0.5, threads=4))
     assert torch.equal(draws[0], draws[1])
     torch.manual_seed(8)
-    assert not torch.equal(draws[0], parallel_normal_(torch.empty(300, 400, dtype=torch.bfloat16), 0.5, threads=4))
+    assert not torch.equal(
+        draws[0], parallel_normal_(torch.empty(300, 400, dtype=torch.bfloat16), 0.5, threads=4)
+    )
 
 
 def test_init_module_linear_embedding_and_others():

@@ -47,6 +47,21 @@ def test_parallel_normal_is_repeatable_under_manual_seed(monkeypatch):
     )
 
 
+def test_parameters_are_drawn_in_parallel_outside_grad_mode(monkeypatch):
+    """A parameter (requires_grad) drawn in spans: the worker threads have their own grad mode
+    (the H200 run raised "a view of a view which was created in no_grad mode" here)."""
+    monkeypatch.setattr(random_init, "PARALLEL_MIN", 1000)
+    lin = nn.Linear(300, 200)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        lin.weight.fill_(float("nan"))
+    init_module_(lin, 0.02, None)
+    assert lin.weight.requires_grad and torch.isfinite(lin.weight).all()
+    assert 0.018 < float(lin.weight.std()) < 0.022
+    parallel_normal_(lin.weight, 0.02, threads=4)  # also called outside no_grad
+    assert torch.isfinite(lin.weight).all() and lin.weight.grad_fn is None
+
+
 def test_init_module_linear_embedding_and_others():
     lin, emb, norm = nn.Linear(64, 32), nn.Embedding(50, 16, padding_idx=3), nn.LayerNorm(8)
     with torch.no_grad():

@@ -246,16 +246,20 @@ def _load(args, cfg: dict, res: dict) -> None:
     import ramstream
     from ramstream.quant import is_quantized
 
+    # the modules are imported before the clock starts (ramstream.integrations.huggingface imports
+    # transformers' Trainer, seconds that are no part of loading); reported as import_s
+    t0 = time.perf_counter()
+    from transformers import AutoModelForCausalLM
+
+    from ramstream.integrations.huggingface import load_model
+
+    res["import_s"] = time.perf_counter() - t0
     res["rss_before_gib"] = _rss_gib()
     t0 = time.perf_counter()
     if cfg["kind"] == "load":
-        from ramstream.integrations.huggingface import load_model
-
         model = load_model(args.ckpt, quantize="nf4", dtype=torch.bfloat16)
         rep = None
     else:
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
         model.requires_grad_(False)  # a LoRA base: quantize_model packs frozen weights only
         rep = ramstream.quantize_model(model, "nf4")

@@ -31,14 +31,16 @@ def parallel_normal_(t: torch.Tensor, std: float, threads: int | None = None) ->
     k = threads or _threads()
     if t.numel() < PARALLEL_MIN or k == 1 or not t.is_contiguous():
         return t.normal_(0.0, std)
-    flat = t.view(-1)
+    with torch.no_grad():
+        flat = t.view(-1)
     n = flat.numel()
     seeds = torch.randint(0, 2**62, (k,)).tolist()
     cuts = [n * i // k for i in range(k + 1)]
 
     def draw(i: int) -> None:
         g = torch.Generator().manual_seed(seeds[i])
-        flat[cuts[i] : cuts[i + 1]].normal_(0.0, std, generator=g)
+        with torch.no_grad():  # grad mode is per thread: a parameter's span is written as data
+            flat[cuts[i] : cuts[i + 1]].normal_(0.0, std, generator=g)
 
     with ThreadPoolExecutor(k) as pool:
         list(pool.map(draw, range(k)))

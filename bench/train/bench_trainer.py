@@ -86,6 +86,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per configuration (default 300)")
     ap.add_argument("--summarize", metavar="JSON", help="print the table of an earlier --out file")
     ap.add_argument("--out", help="results as JSON (rewritten after each configuration)")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated configurations whose steps 5-6 run under torch.profiler: the top ops by "
+        "self CPU and by self device time go into their result (profile_cpu, profile_device)",
+    )
     ap.add_argument("--config", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.tiny:
@@ -161,11 +167,29 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
     res["params"] = sum(p.numel() for p in model.parameters())
     times: list[float] = []
 
+    profile = res["name"] in a.profile.split(",")
+    prof = {}
+
     class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if profile and state.global_step == 4 and not prof:  # steps 5 and 6
+                acts = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+                )
+                prof["p"] = torch.profiler.profile(activities=acts)
+                prof["p"].__enter__()
+
         def on_step_end(self, args, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            if "p" in prof and state.global_step == 6:
+                p = prof.pop("p")
+                p.__exit__(None, None, None)
+                ka = p.key_averages()
+                res["profile_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=25)
+                if cuda:
+                    res["profile_device"] = ka.table(sort_by="self_device_time_total", row_limit=25)
 
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
@@ -222,7 +246,7 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
 # ---- the driver ------------------------------------------------------------------------------------
 def _spawn(a, name: str, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--config", name, "--device", a.device]
-    for flag in ("steps", "skip", "batch", "accum", "seq", "lr", "weights", "options"):
+    for flag in ("steps", "skip", "batch", "accum", "seq", "lr", "weights", "options", "profile"):
         cmd += [f"--{flag}", str(getattr(a, flag))]
     if a.tiny:
         cmd.append("--tiny")

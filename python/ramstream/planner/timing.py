@@ -26,14 +26,14 @@ the step is the longest of their lanes:
         moments, and a low-precision model's fp32 master, each way). Measured (row G, 6.85B
         bf16): the step exceeds compute by 1.12 s, the mapped update alone takes 1.18 s at the
         kernel's rate, and the host AdamW (1.10 s in that run) hides beside it; the backward
-        was throttled 1.11 s, waiting on the update stream. With a mapped share the eager time
-        of each pass adds
-        too, instead of hiding under its GPU time (min(GPU, eager) per pass: issue_exposed_s).
-        Measured on the H200 (rows A and A_chunked, 1.8B at 24 GiB): the steps exceed compute +
-        mapped update by 0.100 and 0.098 s, the eager time of their 32 blocks' four passes
-        (0.087 s at EAGER_OP_S); where the training thread falls behind the GPU (the throttle's
-        waits, the allocator under the cap) is not traced yet. Without a mapped share
-        (resident, LoRA host updates) it hides as before.
+        was throttled 1.11 s, waiting on gradients in flight (the oldest event: a mapped
+        update's, or a copy's to the host). With a mapped share the eager time of each pass
+        adds too, instead of hiding under its GPU time (min(GPU, eager) per pass:
+        issue_exposed_s). Measured on the H200 (rows A and A_chunked, 1.8B at 24 GiB): the
+        steps exceed compute + mapped update by 0.100 and 0.098 s, the eager time of their 32
+        blocks' four passes (0.087 s at EAGER_OP_S); where the training thread falls behind the
+        GPU (the throttle's waits, the allocator under the cap) is not traced yet. Without a
+        mapped share (resident, LoRA host updates) it hides as before.
   host: the forward, then host AdamW (host params x 28 B, 20 with bf16 moments, / (adamw_gbps x
         HOST_UNDER_DMA): the mapped update's DMA shares the host's memory bandwidth). The host
         share is the back of the model: its gradients land first in the backward and the next

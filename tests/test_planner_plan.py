@@ -304,6 +304,10 @@ def test_plan_json_and_explain():
 def test_cpu_profile_plans_everything_in_ram():
     p = plan_training(gpt18(), HardwareProfile(ram_available=256 * G, ram_total=256 * G, adamw_gbps=10.0))
     assert p.mode == "cpu" and p.memory["ram"]["total"] == resident_bytes_fp32(1024)
+    # the CPU engine computes and updates on the same cores: the step is their sum
+    b = p.bounds
+    assert b["host_adamw_s"] == pytest.approx(28 * P18 / 10e9)
+    assert p.predicted["step_s"] == pytest.approx(b["gpu_compute_s"] + b["host_adamw_s"], rel=1e-9)
 
 
 # ---- ramstream plan ----------------------------------------------------------------------------

@@ -48,7 +48,8 @@ the step is the longest of their lanes:
 The lanes overlap each other, so a step bound by the mapped update hides the host AdamW, and
 the other way round. What finishes after the last block's backward (the mapped updates still in
 flight, up to the engine's max_inflight_bytes; the host share's last buckets) is inside its lane.
-Paged activations expose (1 - ACT_OVERLAP) of their copies on top.
+Paged activations expose (1 - ACT_OVERLAP) of their copies on top. The CPU engine (no GPU in
+the profile) computes and updates on the same cores: its step is their sum.
 
 The constants and their measurements are next to them; tests/test_planner_h200.py holds the
 H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
@@ -146,6 +147,8 @@ def step_times(
     host_lane = fwd + host - host_front if host else 0.0  # the back of the model, beside the backward
     if host_front:  # streamed blocks' share: after their gradients land at the backward's end
         host_lane = max(host_lane, gpu_lane) + host_front
+    if host and not p.vram_total:  # the CPU engine: the same cores compute and update
+        host_lane = gpu_lane + host
     step = max(gpu_lane, host_lane, h2d, d2h) + act_exposed
     bounds = {
         "gpu_compute_s": compute,

@@ -11,6 +11,11 @@ of the same script with activation checkpointing by default):
   D24 LoRA r16 on the Qwen2.5-7B shape 4x512, 24 GiB: 0.363 s (every block recomputes, base resident)
   E   LoRA r16 on the Qwen2.5-14B shape 4x512, 24 GiB: 0.926 s (25 of 48 blocks streamed, window 2)
   D8  LoRA r16 7B at 8 GiB, param_offload=True: 0.566 s (28 blocks streamed, PCIe-bound)
+  G   6.85B GPT (d 4096, 32 blocks) with bf16 weights (fp32 masters on the host), 8x512, chunked
+      loss, 24 GiB, defaults: every block recomputes, 7.5 % of the state in VRAM, 54 % mapped, 38 %
+      host; 1.540 s (call 5: no block streamed, as planned now; host AdamW 1.096 s, backward
+      throttled 1.110 s) and 1.482 s (call 4, before the 70 % weight-share rule: 6 blocks
+      streamed, 10/32/58 %); the row takes their mean, 1.51 s
 The profile: H2D 54.9 GB/s, D2H 55.0, each way at once 49.5 (ramstream doctor in the same calls),
 host AdamW 2.86 G params/s (what the run's optimizer_mode="auto" split used: adamw_gbps / 28 B),
 no cap: the H200's 143771 MiB less the context. The GPU's bf16 matmul rate is calibrated once, on
@@ -45,6 +50,10 @@ def gpt(size, loss="dense"):
     return ModelShape.gpt(size, batch=8, seq=512, dtype="fp32", autocast="bf16", loss=loss)
 
 
+def gpt_bf16(size):
+    return ModelShape.gpt(size, batch=8, seq=512, dtype="bf16", loss="chunked")
+
+
 def lora(cfg):
     return ModelShape.from_hf_config(cfg, batch=4, seq=512, dtype="bf16", lora=16)
 
@@ -58,6 +67,8 @@ ROWS = [
     ("D24", lora(QWEN7), 24, {}, 0.363),
     ("E", lora(QWEN14), 24, {}, 0.926),
     ("D8", lora(QWEN7), 8, {"param_offload": True}, 0.566),
+    # bench/RESULTS.md "Optimizer state in VRAM": call 4 1.482 s, call 5 1.540 s (the docstring)
+    ("G", gpt_bf16("6.85b"), 24, {}, 1.51),
 ]
 BY = {r[0]: r for r in ROWS}
 
@@ -104,13 +115,43 @@ def test_decisions_are_wraps(tflops):
     assert e.weights["streamed"] == list(range(25)) and set(e.activations) == {"recompute"}
     d8 = _predict("D8", tflops)
     assert d8.weights["streamed"] == list(range(28)) and d8.predicted["bound"] == "h2d"
+    g = _predict("G", tflops)
+    assert g.mode == "offload" and set(g.activations) == {"recompute"} and g.weights["streamed"] == []
+    assert g.predicted["bound"] == "mapped_update"  # the host AdamW runs beside it
+    assert g.bounds["host_lane_s"] < g.bounds["gpu_lane_s"]
 
 
-@pytest.mark.parametrize("name,measured", [("A", (0.59, 0.27, 0.14)), ("A_chunked", (0.72, 0.18, 0.09))])
+@pytest.mark.parametrize(
+    "name,measured",
+    [("A", (0.59, 0.27, 0.14)), ("A_chunked", (0.72, 0.18, 0.09)), ("G", (0.075, 0.54, 0.38))],
+)
 def test_optimizer_split_as_measured(name, measured, tflops):
     sp = _predict(name, tflops).optimizer["split"]
     got = (sp["device"], sp["mapped"], sp["host"])
     assert got == pytest.approx(measured, abs=0.03)
+
+
+def test_cli_plan_agrees_on_row_g(capsys, monkeypatch, tmp_path):
+    """`ramstream plan` without a cached profile plans on this machine's rates: row G's plan and
+    step as plan_training() on h200() (the CLI's VRAM is the given 24 GiB, its matmul rate
+    DESIGN.md's 790 TFLOP/s instead of the calibrated one)."""
+    import json
+
+    from ramstream.cli import main
+    from ramstream.planner.cli_plan import DEFAULT_RATES
+
+    monkeypatch.setenv("RAMSTREAM_CACHE_DIR", str(tmp_path))
+    ref = h200(24, 790)
+    assert DEFAULT_RATES == {k: getattr(ref, k) for k in DEFAULT_RATES}
+    args = ["plan", "--gpt", "6.85b", "--dtype", "bf16", "--batch", "8", "--seq", "512", "--chunked-loss",
+            "--vram-gb", "24", "--ram-gb", "120", "--json"]  # fmt: skip
+    assert main(args) == 0
+    cli = json.loads(capsys.readouterr().out)["plan"]
+    want = plan_training(BY["G"][1], ref)
+    assert cli["optimizer"]["split"] == pytest.approx(want.optimizer["split"], abs=0.01)
+    assert cli["predicted"]["step_s"] == pytest.approx(want.predicted["step_s"], rel=0.01)
+    assert cli["predicted"]["step_s"] == pytest.approx(BY["G"][4], rel=0.15)
+    assert cli["predicted"]["bound"] == "mapped_update"
 
 
 def test_cli_autocast_flag(capsys, monkeypatch, tmp_path):

@@ -195,8 +195,38 @@ def test_step_time_model_by_hand_resident_and_host():
     assert b["h2d_s"] == pytest.approx(4 * P18 / 50e9) and b["d2h_s"] == pytest.approx(4 * P18 / 50e9)
     host = 28 * P18 / (115e9 * tm.HOST_UNDER_DMA)
     assert b["host_adamw_s"] == pytest.approx(host)
-    assert h.predicted["step_s"] == pytest.approx(compute + host + 4 * P18 / 50e9)
+    # the host lane: the forward, then the host AdamW beside the backward (nothing mapped: no
+    # mapped update, the eager ops hide under the GPU time as in the resident run)
+    fwd = 32 * t_f + tok * 2 * V * D / R
+    assert b["mapped_update_s"] == 0 and b["issue_exposed_s"] == 0
+    assert b["host_lane_s"] == pytest.approx(fwd + host, rel=1e-9)
+    assert h.predicted["step_s"] == pytest.approx(fwd + host, rel=1e-9)
     assert h.predicted["bound"] == "host_adamw"
+
+
+def test_step_time_model_by_hand_mapped():
+    """optimizer_mode='gpu' on the 6.85B GPT in bf16 at 24 GiB: the state that fits in VRAM is
+    updated there ("device"), the rest by the GPU over mapped memory. The mapped kernel holds the
+    SMs, so the gpu lane is compute + the mapped update + the eager time of each pass."""
+    from ramstream.planner import timing as tm
+
+    m = plan_training(
+        ModelShape.gpt("6.85b", batch=1, seq=1024, dtype="bf16"), prof(24, 256), optimizer_mode="gpu"
+    )
+    b, num = m.bounds, m.optimizer["numel"]
+    n = num["mapped"]
+    assert num["host"] == 0 and num["device"] > 0 and n > 0.5 * (n + num["device"])
+    assert b["host_adamw_s"] == 0 and b["host_lane_s"] == 0
+    # bf16 weights: the fp32 master and two fp32 moments read and written, 12 B each way
+    mapped = 12 * n / (55e9 * tm.MAPPED_EFFICIENCY)
+    assert b["mapped_update_s"] == pytest.approx(mapped, rel=1e-9)
+    assert b["h2d_s"] == pytest.approx(12 * n / 50e9) and b["d2h_s"] == pytest.approx(12 * n / 50e9)
+    # a GPT block's 20 eager ops per pass are shorter than its GPU time in every pass
+    passes = sum(2 + (a == "recompute") for a in m.activations) + 32
+    assert b["issue_exposed_s"] == pytest.approx(passes * 20 * tm.EAGER_OP_S, rel=1e-9)
+    lane = b["gpu_compute_s"] + mapped + b["issue_exposed_s"]
+    assert b["gpu_lane_s"] == pytest.approx(lane, rel=1e-9)
+    assert m.predicted["step_s"] == pytest.approx(lane, rel=1e-9) and m.predicted["bound"] == "mapped_update"
 
 
 def test_large_batch_pages_or_recomputes_from_the_front():
@@ -274,6 +304,10 @@ def test_plan_json_and_explain():
 def test_cpu_profile_plans_everything_in_ram():
     p = plan_training(gpt18(), HardwareProfile(ram_available=256 * G, ram_total=256 * G, adamw_gbps=10.0))
     assert p.mode == "cpu" and p.memory["ram"]["total"] == resident_bytes_fp32(1024)
+    # the CPU engine computes and updates on the same cores: the step is their sum
+    b = p.bounds
+    assert b["host_adamw_s"] == pytest.approx(28 * P18 / 10e9)
+    assert p.predicted["step_s"] == pytest.approx(b["gpu_compute_s"] + b["host_adamw_s"], rel=1e-9)
 
 
 # ---- ramstream plan ----------------------------------------------------------------------------
@@ -290,7 +324,7 @@ def test_cli_plan_config_lora_json(tmp_path, capsys, no_cache):
                "--ram-gb", "128", "--json"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] and out["sources"]["rates"].startswith("H200-machine defaults")
-    assert out["profile"]["h2d_gbps"] == 55.0 and out["profile"]["adamw_gbps"] == 115.0
+    assert out["profile"]["h2d_gbps"] == 54.9 and out["profile"]["adamw_gbps"] == pytest.approx(2.86 * 28)
     assert (
         out["plan"]["weights"]["streamed"] == plan_training(qwen(QWEN14), prof(24, 128)).weights["streamed"]
     )

@@ -292,6 +292,9 @@ def _train(args, cfg: dict, res: dict) -> None:
         res["peak_setup_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
         torch.cuda.reset_peak_memory_stats(dev)
     times, st0, loads0 = [], {}, 0
+    # allocator retries (a cudaFree of the cache and a device sync each) under the cap: per step
+    retries = (lambda: torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)) if cuda else (lambda: 0)
+    retries0 = retries()
     rs = kind == "ramstream"
     for i in range(warmup + steps):
         _sync(dev)
@@ -310,6 +313,8 @@ def _train(args, cfg: dict, res: dict) -> None:
             opt.synchronize()
             st0 = opt.stats()
             loads0 = ramstream.memory_report(model)["params"].get("loads", 0) or 0
+        if i == warmup - 1:
+            retries0 = retries()
     times.sort()
     res.update(
         status="OK",
@@ -320,6 +325,7 @@ def _train(args, cfg: dict, res: dict) -> None:
         warmup=warmup,
         loss_last=loss_v,
         peak_train_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+        alloc_retries_per_step=(retries() - retries0) / steps if cuda else None,
     )
     if rs:
         opt.synchronize()

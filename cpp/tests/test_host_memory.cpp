@@ -1,112 +1,24 @@
-// Unit tests of the host arena's pinned path (slabs, classes, reuse, budget, trim, registration,
-// threads) with a fake page-locking driver, so that they run without a GPU (ctest).
+// Unit tests of the host arena's pinned path (size classes, byte sizes, slabs and their reuse,
+// dedicated blocks, pin failures, registration, threads) with a fake page-locking driver
+// (fake_driver.h), so that they run without a GPU (ctest). own_pages blocks and the page-lock
+// budget: test_host_memory_budget.cpp.
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <random>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "fake_driver.h"
 #include "ramstream/host_memory.h"
 
 using namespace ramstream;
+using namespace ramstream::test;
 
 namespace {
-
-int g_failures = 0;
-#define CHECK(cond)                                                               \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                               \
-    }                                                                             \
-  } while (0)
-#define CHECK_OK(expr)                                                                    \
-  do {                                                                                    \
-    Status _s = (expr);                                                                   \
-    if (!_s.is_ok()) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,           \
-                   _s.message().c_str());                                                 \
-      ++g_failures;                                                                       \
-    }                                                                                     \
-  } while (0)
-
-constexpr std::size_t MiB = std::size_t{1} << 20;
-
-// ---- a fake driver: page-locking is aligned_alloc, every call is counted and checked ----------
-namespace fake {
-std::atomic<bool> available{true};
-std::atomic<bool> fail_pin{false};
-std::atomic<int> pins{0}, unpins{0}, errors{0};
-std::mutex mu;
-std::map<void*, std::size_t> pinned;      // live fake pins
-std::map<void*, std::size_t> registered;  // live fake registrations
-
-void reset() {
-  available = true;
-  fail_pin = false;
-  pins = unpins = errors = 0;
-  std::lock_guard<std::mutex> lock(mu);
-  pinned.clear();
-  registered.clear();
-}
-std::string availability() { return available ? std::string() : std::string("fake: no GPU"); }
-Status pin(int, std::size_t bytes, void** out) {
-  *out = nullptr;
-  if (fail_pin) return Status::cuda("fake cudaHostAlloc failure");
-  *out = std::aligned_alloc(4096, bytes);
-  std::lock_guard<std::mutex> lock(mu);
-  pinned[*out] = bytes;
-  ++pins;
-  return Status::ok();
-}
-void unpin(int, void* p) {
-  std::lock_guard<std::mutex> lock(mu);
-  if (pinned.erase(p) != 1) ++errors;  // unpinning something never pinned
-  std::free(p);
-  ++unpins;
-}
-Status reg(int, void* p, std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu);
-  registered[p] = bytes;
-  return Status::ok();
-}
-Status unreg(int, void* p) {
-  std::lock_guard<std::mutex> lock(mu);
-  if (registered.erase(p) != 1) ++errors;
-  return Status::ok();
-}
-Status devptr(int, void* host, void** dev) {
-  *dev = host;
-  return Status::ok();
-}
-const PinDriver driver{&availability, &pin, &unpin, &reg, &unreg, &devptr};
-}  // namespace fake
-
-void check_invariants(const HostArena& a) {
-  const HostMemoryStats s = a.stats();
-  CHECK(s.bytes_cached == s.bytes_pinned - (s.bytes_in_use - s.fallback_bytes_in_use));
-  CHECK(s.peak_bytes_in_use >= s.bytes_in_use);
-  CHECK(s.bytes_requested <= s.bytes_in_use);
-  std::lock_guard<std::mutex> lock(fake::mu);
-  std::uint64_t held = 0;
-  for (auto& kv : fake::pinned) held += kv.second;
-  CHECK(held == s.bytes_pinned);
-}
-
-void* alloc(HostArena& a, std::size_t n, bool* pinned = nullptr) {
-  void* p = nullptr;
-  CHECK_OK(a.allocate(n, &p, pinned));
-  CHECK(p != nullptr);
-  CHECK(reinterpret_cast<std::uintptr_t>(p) % 4096 == 0);
-  if (p && n) std::memset(p, 0xAB, n);  // the whole requested range must be writable
-  return p;
-}
 
 // ---- tests -------------------------------------------------------------------------------------
 
@@ -255,121 +167,6 @@ void test_dedicated() {
   check_invariants(a);
 }
 
-// own_pages blocks: dedicated at any size (4096-byte granule), reused from the cache like large
-// ones, and given back to the driver in full by trim() while slab blocks keep their slab pinned.
-void test_own_pages() {
-  fake::reset();
-  HostArena a(fake::driver);
-  void* keep = alloc(a, 100 * 1024);  // a slab block that stays live: its slab stays pinned
-  std::vector<void*> big;
-  for (int i = 0; i < 6; ++i) {
-    void* p = nullptr;
-    CHECK_OK(a.allocate(300 * 1024 + 1, &p, nullptr, true));
-    CHECK(reinterpret_cast<std::uintptr_t>(p) % 4096 == 0);
-    big.push_back(p);
-  }
-  HostMemoryStats s = a.stats();
-  const std::uint64_t own = 6 * ((300 * 1024 + 1 + 4095) / 4096 * 4096);
-  CHECK(s.slabs == 1 && s.dedicated_blocks == 6);
-  CHECK(s.bytes_pinned == 64 * MiB + own);
-  CHECK_OK(a.release(big[0]));
-  void* again = nullptr;
-  CHECK_OK(a.allocate(300 * 1024, &again, nullptr, true));  // the cached block, no driver call
-  CHECK(again == big[0] && a.stats().pin_calls == 7);
-  big[0] = again;
-  for (void* p : big) CHECK_OK(a.release(p));
-  check_invariants(a);
-  CHECK_OK(a.trim());
-  s = a.stats();
-  CHECK(s.dedicated_blocks == 0 && s.bytes_pinned == 64 * MiB);  // all of it back; the slab stays
-  CHECK_OK(a.release(keep));
-  CHECK_OK(a.trim());
-  CHECK(a.stats().bytes_pinned == 0);
-  check_invariants(a);
-}
-
-void test_budget_partial_slab_and_fallback() {
-  fake::reset();
-  HostArena a(fake::driver);
-  CHECK_OK(a.set_budget(10 * MiB));
-  bool pinned = false;
-  void* p = alloc(a, 5000, &pinned);
-  CHECK(pinned && a.stats().bytes_pinned == 10 * MiB);  // a slab cut to the budget
-  void* q = alloc(a, 8 * MiB, &pinned);  // fits the slab's tail
-  CHECK(pinned && a.stats().pin_calls == 1);
-  void* r = alloc(a, 4 * MiB, &pinned);  // no room: ordinary memory
-  CHECK(!pinned && !a.is_pinned(r));
-  HostMemoryStats s = a.stats();
-  CHECK(s.fallback_allocations == 1 && s.fallback_bytes_in_use == 4 * MiB);
-  CHECK(s.fallback_reason.find("budget") != std::string::npos);
-  CHECK(s.bytes_pinned <= s.budget);
-  void* d = alloc(a, 40 * MiB, &pinned);  // dedicated, over budget
-  CHECK(!pinned && a.stats().fallback_allocations == 2);
-  check_invariants(a);
-  for (void* x : {p, q, r, d}) CHECK_OK(a.release(x));
-  CHECK(a.stats().fallback_bytes_in_use == 0 && a.stats().bytes_in_use == 0);
-  // Lowering the budget unpins what is cached.
-  CHECK_OK(a.set_budget(0));
-  CHECK(a.stats().bytes_pinned == 0 && a.stats().slabs == 0);
-  void* z = alloc(a, 0, &pinned);  // zero bytes: a valid minimal block
-  CHECK(!pinned && a.stats().bytes_in_use == 4096);
-  CHECK_OK(a.release(z));
-  check_invariants(a);
-}
-
-void test_make_room_unpins_cache() {
-  fake::reset();
-  HostArena a(fake::driver);
-  CHECK_OK(a.set_budget(70 * MiB));
-  void* big = alloc(a, 40 * MiB);
-  CHECK_OK(a.release(big));  // cached dedicated block
-  void* small = alloc(a, 5000);
-  CHECK(a.stats().bytes_pinned == 70 * MiB);  // 40 + a 30 MiB slab (the headroom)
-  CHECK_OK(a.release(small));
-  bool pinned = false;
-  void* huge = alloc(a, 60 * MiB, &pinned);  // needs the cache unpinned first
-  HostMemoryStats s = a.stats();
-  CHECK(pinned && s.bytes_pinned == 60 * MiB && s.unpin_calls == 2 && s.slabs == 0);
-  CHECK(s.fallback_allocations == 0);
-  CHECK_OK(a.release(huge));
-  // A budget the cache cannot make room for: nothing is unpinned in vain.
-  void* b2 = alloc(a, 5 * MiB, &pinned);  // headroom 10 MiB: a 10 MiB slab
-  CHECK(pinned && a.stats().bytes_pinned == 70 * MiB);
-  void* b3 = alloc(a, 66 * MiB, &pinned);  // 66 > 60 cached + 0 headroom: fallback
-  CHECK(!pinned && a.stats().bytes_pinned == 70 * MiB && a.stats().unpin_calls == 2);
-  CHECK_OK(a.release(b2));
-  CHECK_OK(a.release(b3));
-  check_invariants(a);
-}
-
-void test_reclaim_free_slab() {
-  fake::reset();
-  HostArena a(fake::driver);
-  CHECK_OK(a.set_budget(64 * MiB));
-  void* blocks[4];
-  for (auto& b : blocks) b = alloc(a, 16 * MiB);  // fills the one slab exactly
-  CHECK(a.stats().pin_calls == 1 && a.stats().slabs == 1);
-  for (auto& b : blocks) CHECK_OK(a.release(b));
-  bool pinned = false;
-  void* x = alloc(a, 12 * MiB, &pinned);  // another class: the free slab is re-carved
-  void* y = alloc(a, 16 * MiB, &pinned);
-  void* z = alloc(a, 16 * MiB, &pinned);
-  void* w = alloc(a, 16 * MiB, &pinned);
-  CHECK(pinned && a.stats().pin_calls == 1 && a.stats().fallback_allocations == 0);
-  std::set<char*> starts{static_cast<char*>(x), static_cast<char*>(y), static_cast<char*>(z),
-                         static_cast<char*>(w)};
-  CHECK(starts.size() == 4);
-  char* prev_end = nullptr;
-  for (char* p : starts) {
-    CHECK(p >= prev_end);
-    prev_end = p + (p == x ? 12 * MiB : 16 * MiB);
-  }
-  void* v = alloc(a, 16 * MiB, &pinned);  // 12 + 3 * 16 = 60: no room left in budget
-  CHECK(!pinned);
-  for (void* p : {x, y, z, w, v}) CHECK_OK(a.release(p));
-  check_invariants(a);
-}
-
 void test_pin_failure_and_no_driver() {
   fake::reset();
   {
@@ -495,17 +292,8 @@ int main() {
   test_reuse();
   test_many_blocks_disjoint();
   test_dedicated();
-  test_own_pages();
-  test_budget_partial_slab_and_fallback();
-  test_make_room_unpins_cache();
-  test_reclaim_free_slab();
   test_pin_failure_and_no_driver();
   test_register();
   test_threads();
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("test_host_memory: all checks passed\n");
-  return 0;
+  return report("test_host_memory");
 }

@@ -10,14 +10,18 @@ import sys
 from .plan import PlanError, plan_training
 from .profile import HardwareProfile
 from .shape import GPT_SIZES, ModelShape
-from .timing import MATMUL_EFFICIENCY
+from .timing import HOST_UNDER_DMA, MAPPED_EFFICIENCY, MATMUL_EFFICIENCY
 
-# The H200 machine's rates (DESIGN.md section 3), used when no cached profile exists.
+# The H200 machine's profile, used when no cached profile exists: the rates `ramstream doctor`
+# and the engine measured there (tests/test_planner_h200.py, whose rows the step model is checked
+# on): pinned copies each way and both at once; host AdamW 2.86 G params/s x 28 B, the rate the
+# engine's optimizer split measured in its own process (HOST_UNDER_DMA is relative to it; a
+# standalone run of the kernel reaches 110-126 GB/s, DESIGN.md); the bf16 GEMM rate (DESIGN.md).
 DEFAULT_RATES = {
-    "h2d_gbps": 55.0,
+    "h2d_gbps": 54.9,
     "d2h_gbps": 55.0,
-    "duplex_gbps": 50.0,
-    "adamw_gbps": 115.0,
+    "duplex_gbps": 49.5,
+    "adamw_gbps": 2.86 * 28,
     "matmul_tflops": 790.0,
 }
 DEFAULT_VRAM = 140 * 2**30  # an H200's 143771 MiB
@@ -88,7 +92,11 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
             rates[k] = v
             sources[k] = "given"
     if args.duplex_gbps is None and (args.h2d_gbps is not None or args.d2h_gbps is not None):
-        rates["duplex_gbps"] = min(rates["h2d_gbps"], rates["d2h_gbps"]) * DEFAULT_RATES["duplex_gbps"] / 55.0
+        rates["duplex_gbps"] = (
+            min(rates["h2d_gbps"], rates["d2h_gbps"])
+            * DEFAULT_RATES["duplex_gbps"]
+            / min(DEFAULT_RATES["h2d_gbps"], DEFAULT_RATES["d2h_gbps"])
+        )
     if args.vram_gb is not None:
         vram, sources["vram"] = int(args.vram_gb * _GB), "given"
     elif gpu:
@@ -154,6 +162,7 @@ def run(args) -> int:
     print("numbers: " + "; ".join(f"{k}: {v}" for k, v in sources.items()))
     print(
         f"rates: H2D {prof.h2d_gbps:g} GB/s, D2H {prof.d2h_gbps:g}, both at once {prof.duplex_gbps:g} each, host AdamW "
-        f"{prof.adamw_gbps:g} GB/s, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency {MATMUL_EFFICIENCY:g}"
+        f"{prof.adamw_gbps:g} GB/s (x {HOST_UNDER_DMA:g} beside DMA), mapped GPU AdamW {MAPPED_EFFICIENCY:g} x H2D "
+        f"each way, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency {MATMUL_EFFICIENCY:g}"
     )
     return 0

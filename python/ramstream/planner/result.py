@@ -27,8 +27,10 @@ class Plan:
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
-    bounds: dict  # seconds: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, exposed_s, weight_stream_s,
-    #               stream_stall_s, optimizer_pcie_s, activation_copy_s (planner/timing.py)
+    bounds: dict  # seconds per resource: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, mapped_update_s;
+    #               exposed_s (the step beyond the largest of those), gpu_lane_s, host_lane_s,
+    #               weight_stream_s, stream_stall_s, optimizer_pcie_s, issue_exposed_s,
+    #               activation_copy_s (planner/timing.py)
     reasons: list = field(default_factory=list)
     shape: dict = field(default_factory=dict)
 

@@ -1,7 +1,7 @@
 """The step-time model of plan_training(): seconds per step from the HardwareProfile's rates and
 the plan's placements. Pure arithmetic.
 
-Per block and pass (the forward; the backward with the block's recompute), the longer of
+Compute, per block and pass (the forward; the backward with the block's recompute), the longer of
     GPU:  matmul flops / (matmul_tflops x MATMUL_EFFICIENCY) + saved-activation bytes x passes /
           HBM_EW_GBPS (elementwise traffic: written in forward, read and its gradient written in
           backward: 1 forward pass, 2 backward, 1 more per recompute)
@@ -14,16 +14,46 @@ block of the stack stays for its backward. Around the stack: the embeddings', he
 flops, the logits' bytes x 3. AdamW on the GPU (resident, or the "device" share): its state
 traffic / DEVICE_ADAMW_GBPS.
 
-The offloaded optimizer's work adds to that: host AdamW (host params x 28 B, 20 with bf16
-moments, / (adamw_gbps x HOST_UNDER_DMA): the DMA shares the host's memory bandwidth) and its
-PCIe time (mapped moments, and a low-precision model's master, both ways; the host share's
-gradients down and weights up; each way at duplex_gbps while both run). Measured on the H200
-(1.8B GPT at 24 GiB, dense and chunked loss: 0.341 and 0.308 s/step): the step grows by about
-both, the backward throttled and the next forward waiting for the last buckets. Paged
-activations expose (1 - ACT_OVERLAP) of their copies.
+The offloaded optimizer (engine/: vram_share.choose_placements puts the "device" share first in
+forward order, then "mapped", the host share last) runs beside the backward on four resources, and
+the step is the longest of their lanes:
+  gpu:  compute + the stream's stalls + the mapped update. The mapped update is ramstream's CUDA
+        AdamW reading and writing its state in pinned host memory (gpu_updates.py), launched from
+        each gradient hook on the update stream; its grid (a block of 256 threads per 1024
+        elements: 16k blocks for a 16M tensor) fills every SM while it waits on PCIe, and the
+        compute stream has the same priority, so the backward's kernels queue behind it: its
+        seconds add to the compute, at MAPPED_EFFICIENCY x h2d_gbps each way (mapped bytes: 2
+        moments, and a low-precision model's fp32 master, each way). Measured (row G, 6.85B
+        bf16): the step exceeds compute by 1.12 s, the mapped update alone takes 1.18 s at the
+        kernel's rate, and the host AdamW (1.10 s in that run) hides beside it; the backward
+        was throttled 1.11 s, waiting on gradients in flight (the oldest event: a mapped
+        update's, or a copy's to the host). With a mapped share the eager time of each pass
+        adds too, instead of hiding under its GPU time (min(GPU, eager) per pass:
+        issue_exposed_s). Measured on the H200 (rows A and A_chunked, 1.8B at 24 GiB): the
+        steps exceed compute + mapped update by 0.100 and 0.098 s, the eager time of their 32
+        blocks' four passes (0.087 s at EAGER_OP_S); where the training thread falls behind the
+        GPU (the throttle's waits, the allocator under the cap) is not traced yet. Without a
+        mapped share (resident, LoRA host updates) it hides as before.
+  host: the forward, then host AdamW (host params x 28 B, 20 with bf16 moments, / (adamw_gbps x
+        HOST_UNDER_DMA): the mapped update's DMA shares the host's memory bandwidth). The host
+        share is the back of the model: its gradients land first in the backward and the next
+        forward reads it last, so the host threads work beside the backward and the mapped
+        update. A streamed block's trained share is updated on the host but sits at the front:
+        its gradients land at the end of the backward and the next forward loads it first, so
+        its AdamW follows the gpu lane (measured: the 6.85B bf16 with 6 front blocks streamed,
+        1.482 s/step, waited 0.301 s in the forward, the 1.21G params of those blocks at the
+        run's 3.84 G params/s: 0.315 s).
+  h2d, d2h: the weight stream, the host share's gradients down and weights up, the mapped
+        update's traffic and paged activations, each way at duplex_gbps while both run.
+The lanes overlap each other, so a step bound by the mapped update hides the host AdamW, and
+the other way round. What finishes after the last block's backward (the mapped updates still in
+flight, up to the engine's max_inflight_bytes; the host share's last buckets) is inside its lane.
+Paged activations expose (1 - ACT_OVERLAP) of their copies on top. The CPU engine (no GPU in
+the profile) computes and updates on the same cores: its step is their sum.
 
-The constants are fitted on the H200 machine's rows in tests/test_planner_h200.py; the profile's
-matmul rate there is calibrated once, from the 1.8B GPT uncapped.
+The constants and their measurements are next to them; tests/test_planner_h200.py holds the
+H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
+uncapped).
 """
 
 from __future__ import annotations
@@ -36,6 +66,10 @@ EAGER_OP_S = 34e-6  # host seconds per eager op and pass (H200 machine's CPU, to
 STREAM_EFFICIENCY = 0.84  # weight stream / measured H2D (7B LoRA at 8 GiB: 45.9 of 54.9 GB/s)
 DEVICE_ADAMW_GBPS = 3000.0  # AdamW on GPU state (fused or ramstream's kernel), GB/s of state
 HOST_UNDER_DMA = 0.82  # host AdamW rate while DMA runs / the profile's rate (row A's log)
+# the mapped AdamW's PCIe rate each way / the pinned H2D copy's: bench_cuda_kernels on the H200,
+# 16M params with fp32 moments in mapped memory in 3.55 ms = 75.7 GB/s both ways, 37.8 each way,
+# of 54.9 GB/s (bench/RESULTS.md, issue 2); bf16 moments: half the bytes in half the time
+MAPPED_EFFICIENCY = 0.69
 ACT_OVERLAP = 0.9  # share of activation copies hidden behind compute, until measured
 LOGIT_PASSES = 3
 
@@ -56,9 +90,10 @@ def step_times(
     shape, prof, weight_of, *, streamed, modes, paged_bytes: int, split: dict, state_bytes: int,
     mapped_bytes_per_param: int,
 ) -> dict:  # fmt: skip
-    """Seconds per resource and the predicted step (module docstring). split: numel per placement
-    {"device", "mapped", "host"}; state_bytes: AdamW state traffic per parameter (28 / 20);
-    mapped_bytes_per_param: what one mapped update moves each way."""
+    """Seconds per resource (OVERLAPPED), per lane (gpu_lane_s, host_lane_s) and their parts,
+    and exposed_s: what the step takes beyond its largest resource (module docstring). split:
+    numel per placement {"device", "mapped", "host"}; state_bytes: AdamW state traffic per
+    parameter (28 / 20); mapped_bytes_per_param: what one mapped update moves each way."""
     sh, p = shape, prof
     T, n = sh.tokens, len(sh.blocks)
     rate = p.matmul_tflops * 1e12 * MATMUL_EFFICIENCY if p.matmul_tflops else None
@@ -68,54 +103,79 @@ def step_times(
         return (flops / rate if rate else 0.0) + nbytes / (HBM_EW_GBPS * 1e9)
 
     stream_rate = p.h2d_gbps * 1e9 * STREAM_EFFICIENCY if p.h2d_gbps else None
-    compute = stall = loads = 0.0
+    compute = stall = fwd = issue = 0.0
     for i, b in enumerate(sh.blocks):
         rc = 1 if modes[i] == "recompute" else 0
         act = sh.act_bytes(i)
         f, bw = b.fwd_flops_per_token * T, b.bwd_flops_per_token * T
-        t_f = max(gpu(f, act), b.fwd_ops * EAGER_OP_S)
-        t_b = max(gpu(bw + rc * f, act * (2 + rc)), b.fwd_ops * EAGER_OP_S * (2 + rc))
+        g_f, e_f = gpu(f, act), b.fwd_ops * EAGER_OP_S
+        g_b, e_b = gpu(bw + rc * f, act * (2 + rc)), b.fwd_ops * EAGER_OP_S * (2 + rc)
+        t_f, t_b = max(g_f, e_f), max(g_b, e_b)
         compute += t_f + t_b
+        fwd += t_f
+        issue += min(g_f, e_f) + min(g_b, e_b)
         if i in ss and stream_rate:
             load = weight_of(b) / stream_rate
             passes = [t_f] + ([t_b] if i < n - 1 else [])
-            loads += len(passes)
             stall += sum(max(0.0, load - t) for t in passes)
+    fwd += gpu(sum(q.fwd_flops_per_token * T for q in (sh.embed, sh.head)), 0.0)
     outside = sum((q.fwd_flops_per_token + q.bwd_flops_per_token) * T for q in (sh.embed, sh.head))
     compute += gpu(outside, LOGIT_PASSES * sh.logits_bytes)
     compute += split["device"] * state_bytes / (DEVICE_ADAMW_GBPS * 1e9)
     wb = sh.elem_bytes
     streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
     w_stream = sum(weight_of(sh.blocks[i]) * (2 if i < n - 1 else 1) for i in ss)
-    opt_up = max(0, split["host"] - streamed_tr) * wb + split["mapped"] * mapped_bytes_per_param
-    opt_down = split["host"] * wb + split["mapped"] * mapped_bytes_per_param
+    mapped_bytes = split["mapped"] * mapped_bytes_per_param  # each way
+    opt_up = max(0, split["host"] - streamed_tr) * wb + mapped_bytes
+    opt_down = split["host"] * wb + mapped_bytes
     opt_h2d, opt_d2h = _pcie(p, opt_up, opt_down)
-    opt_pcie = max(opt_h2d, opt_d2h)
-    host = 0.0
+    host = host_front = 0.0
     if split["host"] and p.adamw_gbps:
-        host = split["host"] * state_bytes / (p.adamw_gbps * 1e9 * (HOST_UNDER_DMA if p.vram_total else 1.0))
+        per_param = state_bytes / (p.adamw_gbps * 1e9 * (HOST_UNDER_DMA if p.vram_total else 1.0))
+        host = split["host"] * per_param
+        host_front = min(split["host"], streamed_tr) * per_param
+    mapped = 0.0
+    if mapped_bytes and p.h2d_gbps:
+        mapped = mapped_bytes / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
+    issue = issue if mapped else 0.0  # module docstring: the training thread's issue with a mapped share
     act_h2d, act_d2h = _pcie(p, paged_bytes, paged_bytes)
     act_exposed = (1 - ACT_OVERLAP) * (act_h2d + act_d2h)
     stream_s = w_stream / stream_rate if stream_rate else 0.0
     h2d = stream_s + opt_h2d + act_h2d
     d2h = opt_d2h + act_d2h
-    step = compute + stall + host + opt_pcie + act_exposed
-    bounds = {"gpu_compute_s": compute, "h2d_s": h2d, "d2h_s": d2h, "host_adamw_s": host}
+    gpu_lane = compute + stall + mapped + issue
+    host_lane = fwd + host - host_front if host else 0.0  # the back of the model, beside the backward
+    if host_front:  # streamed blocks' share: after their gradients land at the backward's end
+        host_lane = max(host_lane, gpu_lane) + host_front
+    if host and not p.vram_total:  # the CPU engine: the same cores compute and update
+        host_lane = gpu_lane + host
+    step = max(gpu_lane, host_lane, h2d, d2h) + act_exposed
+    bounds = {
+        "gpu_compute_s": compute,
+        "h2d_s": h2d,
+        "d2h_s": d2h,
+        "host_adamw_s": host,
+        "mapped_update_s": mapped,
+    }
     bounds["exposed_s"] = max(0.0, step - max(bounds.values()))
     bounds.update(
+        gpu_lane_s=gpu_lane,
+        host_lane_s=host_lane,
         weight_stream_s=stream_s,
         stream_stall_s=stall,
-        optimizer_pcie_s=opt_pcie,
+        optimizer_pcie_s=max(opt_h2d, opt_d2h),
+        issue_exposed_s=issue,
         activation_copy_s=act_exposed,
     )
     return bounds
 
 
-OVERLAPPED = ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s")
+OVERLAPPED = ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s", "mapped_update_s")
 
 
 def step_of(bounds: dict) -> tuple[float, str]:
-    """(predicted step seconds, the bound: the largest of compute, each PCIe way, host AdamW)."""
-    overl = {k: bounds[k] for k in OVERLAPPED}
+    """(predicted step seconds, the bound: the largest of compute, each PCIe way, host AdamW and
+    the mapped update)."""
+    overl = {k: bounds.get(k, 0.0) for k in OVERLAPPED}
     bound = max(overl, key=overl.get)
     return overl[bound] + bounds["exposed_s"], bound[:-2]

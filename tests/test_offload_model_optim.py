@@ -48,14 +48,15 @@ def _groups(params):
 
 class Reference:
     """The chunks resident on `device` (nn.Sequential of a deep copy); torch.optim.AdamW(fused=True)
-    steps fp32 masters on the host (where the host optimizer keeps them) and the device weights
-    take their values, so the update is torch's CPU kernel on the same gradients."""
+    steps fp32 masters on the host (where the host optimizer keeps them; gradients cast exactly)
+    and the weights take their values (a bf16 model: their rounding), so the update is torch's
+    CPU kernel on the same gradients."""
 
     def __init__(self, chunks, device, lr=1e-2, groups=_groups, clip=None, **hyper):
         self.device, self.clip = device, clip
         self.model = nn.Sequential(*copy.deepcopy(chunks)).to(device)
         self.params = list(self.model.parameters())
-        self.masters = [p.detach().cpu().clone().requires_grad_(p.requires_grad) for p in self.params]
+        self.masters = [p.detach().cpu().float().clone().requires_grad_(p.requires_grad) for p in self.params]
         self.opt = torch.optim.AdamW(groups(self.masters), lr=lr, fused=True, **hyper)
 
     def backward(self, x, y):
@@ -63,7 +64,7 @@ class Reference:
 
     def step(self):
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.detach().cpu().clone()
+            m.grad = None if p.grad is None else p.grad.detach().cpu().float().clone()
             p.grad = None
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], self.clip)
@@ -469,3 +470,29 @@ def test_model_collected_without_close_closes_its_optimizer():
     opt.step()
     model.close()
     assert opt._closed
+
+
+def test_fp32_home_is_its_own_master_and_bf16_weights_round_the_fp32_master():
+    """A streamed fp32 bucket's pinned home is the master the host AdamW updates in place (one
+    copy in RAM); a bf16 model keeps fp32 masters and its weights are their rounding, as torch's
+    AdamW on fp32 master copies with the bf16 gradients gives."""
+    model = ramstream.OffloadModel(_chunks(), device="cpu", pin=1)
+    opt = model.optimizer(lr=1e-2)
+    streamed = [b for b in opt._engine.buckets if b.streamed]
+    assert streamed and all(b.master.data_ptr() == b.slab.home.data_ptr() for b in streamed)
+    resident = [b for b in opt._engine.buckets if not b.streamed]
+    assert resident and all(b.master.data_ptr() != b.device_flat.data_ptr() for b in resident)
+    model.close()
+
+    chunks = [c.to(torch.bfloat16) for c in _chunks(frozen_bias=False)]
+    ref = Reference(chunks, "cpu", groups=lambda ps: [{"params": ps}])
+    model = ramstream.OffloadModel(chunks, device="cpu", pin=1)
+    opt = model.optimizer(lr=1e-2)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in _data(4)]
+    _run(model, opt, data)
+    _run_ref(ref, data)  # (Reference: fp32 masters, grads cast exactly, weights = masters' rounding)
+    _assert_weights(ref, model, opt)
+    masters = opt.master_weights()
+    for m, r in zip(masters, ref.masters):
+        assert m.dtype == torch.float32 and torch.equal(m, r.detach())
+    model.close()

@@ -496,3 +496,30 @@ def test_fp32_home_is_its_own_master_and_bf16_weights_round_the_fp32_master():
     for m, r in zip(masters, ref.masters):
         assert m.dtype == torch.float32 and torch.equal(m, r.detach())
     model.close()
+
+
+def test_wrap_of_an_offload_model_and_a_torch_adamw_gives_its_host_optimizer():
+    """ramstream.wrap(offload_model, torch.optim.AdamW(...)) returns (the model, its host
+    optimizer) over the torch optimizer's groups (an LR scheduler made on it before keeps
+    working) and state (here: one step taken with torch's AdamW first)."""
+    chunks = _chunks()
+    data = _data(5)
+    ref = Reference(chunks, "cpu")
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=2, gamma=0.5)
+    _run_ref(ref, data, scheduler=ref_sched)
+    model = ramstream.OffloadModel(chunks, device="cpu", pin=1)
+    torch_opt = torch.optim.AdamW(_groups(list(model.parameters())), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=2, gamma=0.5)
+    _run(model, torch_opt, data[:1], scheduler=sched)  # a step with torch's AdamW over the homes
+    same, opt = ramstream.wrap(model, torch_opt, accumulation_steps=1)
+    assert same is model and opt is model._hooks.host_opt and not torch_opt.state
+    _run(model, opt, data[1:], scheduler=sched)
+    _assert_weights(ref, model, opt)
+    assert opt.param_groups[1]["lr"] == ref.opt.param_groups[1]["lr"] == 5e-3 * 0.25
+    with pytest.raises(
+        ValueError, match="do not apply to an OffloadModel.*accepted with an OffloadModel: lr"
+    ):
+        ramstream.wrap(ramstream.OffloadModel(_chunks(), device="cpu"), param_offload=True)
+    with pytest.raises(ValueError, match="already an OffloadModel's host optimizer"):
+        ramstream.wrap(model, opt)
+    model.close()

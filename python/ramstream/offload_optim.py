@@ -58,7 +58,7 @@ def param_groups(model, params) -> list[dict]:
         if not items:
             raise ValueError("OffloadModel.optimizer: params is empty")
         if all(isinstance(g, dict) for g in items):
-            groups = [dict(g) for g in items]
+            groups = items  # the same dicts (as torch): an LR scheduler made on them keeps working
             for i, g in enumerate(groups):
                 if "params" not in g:
                     raise ValueError(f"OffloadModel.optimizer: param group {i} has no 'params'")
@@ -173,3 +173,39 @@ def step_failed(opt) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+_WRAP_OPTIONS = ("lr", *_OPTIONS)
+
+
+def wrap_offload_model(model, optimizer, options: dict) -> OffloadModelAdamW:
+    """ramstream.wrap(offload_model, optimizer, **options): the host optimizer over the given
+    optimizer's param groups (the same dicts: its LR schedulers keep working) and state, as
+    wrap() converts one; options: lr (when optimizer is None) and model.optimizer()'s."""
+    bad = sorted(set(options) - set(_WRAP_OPTIONS))
+    if bad:
+        raise ValueError(
+            f"wrap(): option(s) {', '.join(bad)} do not apply to an OffloadModel (it streams its own "
+            f"chunks); accepted with an OffloadModel: {', '.join(_WRAP_OPTIONS)}"
+        )
+    if isinstance(optimizer, OffloadModelAdamW):
+        raise ValueError("wrap(): the optimizer is already an OffloadModel's host optimizer")
+    from .options import WrapOptions
+    from .wrap import _convert_optimizer, _hand_over
+
+    opts = WrapOptions.parse(**{k: v for k, v in options.items() if k == "lr"})
+    groups, state, _ = _convert_optimizer(optimizer, model, opts)
+    g0 = groups[0]
+    opt = model.optimizer(
+        groups,
+        lr=g0.get("lr", opts.lr),
+        betas=g0.get("betas", (0.9, 0.999)),
+        eps=g0.get("eps", 1e-8),
+        weight_decay=g0.get("weight_decay", 1e-2),
+        **{k: v for k, v in options.items() if k != "lr"},
+    )
+    if state is not None:
+        opt.load_state_dict(state)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _hand_over(optimizer, opt)
+    return opt

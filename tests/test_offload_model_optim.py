@@ -523,3 +523,56 @@ def test_wrap_of_an_offload_model_and_a_torch_adamw_gives_its_host_optimizer():
     with pytest.raises(ValueError, match="already an OffloadModel's host optimizer"):
         ramstream.wrap(model, opt)
     model.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_with_kept_activations(device):
+    chunks = _chunks()
+    ref = Reference(chunks, device)
+    model = ramstream.OffloadModel(chunks, device=device, keep_activations=True)
+    opt = model.optimizer(_groups(list(model.parameters())), lr=1e-2)
+    for x, y in _data(3):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            model.step(x.to(device), targets=y.to(device), loss_fn=lambda o, t: F.mse_loss(o.float(), t))
+            F.mse_loss(ref.model(x.to(device)).float(), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    _assert_weights(ref, model, opt)
+    assert model.stats["casts_dropped"] > 0  # the kept graph held no weight casts
+    model.close()
+
+
+def test_traced_step_shows_the_host_updates(tmp_path):
+    model = ramstream.OffloadModel(_chunks(), device="cpu", pin=1)
+    opt = model.optimizer(lr=1e-2)
+    path = tmp_path / "step.json"
+    x, y = _data(1)[0]
+    model.step(x, targets=y, profile_path=str(path))
+    opt.step()
+    import json
+
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    adamw = {
+        s["args"]["bucket"] for s in spans if s["cat"] == "host optimizer" and s["name"].startswith("adamw")
+    }
+    assert adamw == set(range(len(opt._engine.buckets)))  # every chunk's update, in the step's trace
+    assert {s["name"] for s in spans if s["cat"] == "h2d"} >= {f"load {i}" for i in range(1, 5)}
+    model.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("keep", KEEPS)
+def test_a_hand_run_backward_goes_to_the_host_optimizer_too(device, keep):
+    """loss.backward() on model(x) (not model.step()): the engine's hooks take the gradients."""
+    chunks = _chunks()
+    ref = Reference(chunks, device)
+    model = ramstream.OffloadModel(chunks, device=device, pin=1, keep_activations=keep)
+    opt = model.optimizer(_groups(list(model.parameters())), lr=1e-2)
+    for x, y in _data(3):
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    _run_ref(ref, _data(3))
+    _assert_weights(ref, model, opt)
+    model.close()

@@ -353,7 +353,8 @@ class OffloadModel(torch.nn.Module):
         error); with grad_outputs (a tensor, a tuple for a tuple output, or a callable given the
         output) the output's gradient is supplied instead and no loss is computed. Gradients add
         into each trained parameter's `.grad`; a step that raises leaves them as they were.
-        profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace)."""
+        profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace; with the
+        host optimizer, the step returns after the updates it started, so they are in the trace)."""
         self._check_open()
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("OffloadModel.step: give loss_fn or grad_outputs, not both")
@@ -364,7 +365,10 @@ class OffloadModel(torch.nn.Module):
         if _trace_current() is not None:
             raise ValueError("OffloadModel.step: profile_path given inside an active ramstream.trace()")
         with Tracer(profile_path, device=self.device):
-            return self._traced_step(x, targets, loss_fn, grad_outputs)
+            res = self._traced_step(x, targets, loss_fn, grad_outputs)
+            if self._hooks.host_opt is not None:  # the host updates it started belong to its trace
+                self._hooks.host_opt._engine.updater.drain()
+            return res
 
     def _traced_step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
         tr = _trace_current()

@@ -8,6 +8,8 @@ home as the autograd engine produces them (offload_grads.py: on a D2H stream int
 on a GPU), and after every step() each trained parameter's `.grad` is at home: `.grad` lives
 where the parameter's data lives at rest, so `torch.optim.AdamW(model.parameters(), fused=True)`
 steps on the home copies directly (the next load copies the updated weights to the device).
+With ramstream's host optimizer (optimizer(), offload_optim.py) the offload engine takes the
+gradients of its parameters instead and updates each chunk during the backward.
 """
 
 from __future__ import annotations
@@ -124,6 +126,23 @@ class OffloadModel(torch.nn.Module):
             are reloaded; RNG restored: dropout-safe); False (recompute) is implemented exactly
             as "checkpoint" in this version.
         activation_offload: only False in this version.
+
+    Optimizers (the host optimizer's fp32 weights equal torch's fused AdamW's on the host copies
+    bit for bit):
+        `opt = model.optimizer(lr=...)` (or `ramstream.wrap(model, torch.optim.AdamW(...))`):
+            ramstream's host AdamW, each streamed chunk's update running on native threads as
+            soon as its gradients are home, while the backward of the chunks before it goes on;
+            the next forward waits only for the chunk it loads. Step time about forward +
+            max(backward, host AdamW of every parameter), instead of forward + backward + host
+            AdamW: faster whenever there is a backward to hide the update behind, and more so
+            with moment_dtype="bfloat16" (20 instead of 28 bytes of host traffic per parameter).
+            Its overlap is lost in the micro-batches of an accumulation before the last, and with
+            max_grad_norm or eager_updates=False (the updates then overlap only the next forward).
+        `torch.optim.AdamW(model.parameters(), fused=True)` after each step(): serial (the whole
+            update after the backward), torch's CPU AdamW for streamed chunks but its GPU AdamW
+            for pinned ones: faster when most parameters are pinned (the host optimizer updates
+            pinned chunks on the host too, their gradients and weights crossing PCIe), and when
+            the host's cores are too few to run the update beside the thread driving the GPU.
     """
 
     def __init__(

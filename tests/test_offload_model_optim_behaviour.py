@@ -88,6 +88,39 @@ def test_failed_step_leaves_weights_and_state_as_before(device, where, eager):
     model.close()
 
 
+def test_failed_micro_batch_of_an_accumulation():
+    """accumulation_steps=2: a second micro-batch that raises in its forward keeps the first one
+    (the step then equals torch's over both); one that raises in its backward drops the
+    accumulation window (RuntimeWarning), weights and state unchanged (eager_updates=False)."""
+    chunks = make_chunks(2, frozen_bias=False) + [Fail()] + make_chunks(2, frozen_bias=False)
+    ref = Reference(chunks, "cpu", groups=lambda ps: [{"params": ps}])
+    model = ramstream.OffloadModel(chunks, device="cpu", pin=1)
+    opt = model.optimizer(lr=1e-2, accumulation_steps=2, eager_updates=False)
+    (x1, y1), (x2, y2), (x3, y3) = make_data(3)
+    model.step(x1, targets=y1)
+    model.chunks[2].where = "forward"
+    with pytest.raises(RuntimeError, match="boom"):
+        model.step(x2, targets=y2)
+    model.step(x2, targets=y2)
+    opt.step()
+    opt.zero_grad()
+    ref.backward(x1, y1)
+    ref.backward(x2, y2)
+    ref.step()
+    assert_weights(ref, model, opt)
+    before = snapshot(model, opt)
+    model.step(x3, targets=y3)
+    model.chunks[2].where = "backward"
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        pytest.warns(RuntimeWarning, match="1 earlier micro-batch"),
+    ):
+        model.step(x1, targets=y1)
+    opt.step()  # nothing left to apply
+    assert_same_state(before, snapshot(model, opt))
+    model.close()
+
+
 def test_failed_backward_with_eager_updates_keeps_the_updates_that_ran_and_says_so():
     chunks = make_chunks(2, frozen_bias=False) + [Fail()] + make_chunks(2, frozen_bias=False)
     model = ramstream.OffloadModel(chunks, device="cpu")

@@ -164,6 +164,8 @@ def test_zero_grad_between_step_and_opt_step_drops_the_gradients(device):
 
 def test_bad_arguments_name_what_is_accepted():
     model = ramstream.OffloadModel(make_chunks(), device="cpu")
+    model.step(*make_data(1)[0])  # gradients at home, which a refused optimizer must not touch
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="unknown option.*fused.*accepted: moment_dtype"):
         model.optimizer(fused=True)
     with pytest.raises(ValueError, match="moment_dtype"):
@@ -174,12 +176,14 @@ def test_bad_arguments_name_what_is_accepted():
         model.optimizer(next(model.parameters()))
     with pytest.raises(ValueError, match="lr"):
         model.optimizer(lr=-1.0)
-    # a refused optimizer leaves the model as it was: a torch optimizer still trains it
+    # a refused optimizer leaves the model as it was: its gradients, and a torch optimizer trains it
+    for p, g in zip(model.parameters(), grads):
+        assert (p.grad is None) == (g is None) and (g is None or torch.equal(p.grad, g))
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.step(*make_data(1)[0])
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     torch_opt.step()
+    model.step(*make_data(1)[0])
     opt = model.optimizer()
+    assert all(p.grad is None for p in model.parameters())  # it starts with nothing gathered
     with pytest.raises(ValueError, match="already has a host optimizer"):
         model.optimizer()
     with pytest.raises(ValueError, match="set_pinned"):

@@ -101,12 +101,8 @@ def build(model, params, *, lr, betas, eps, weight_decay, **options) -> OffloadM
         for p in g["params"]
         if p.requires_grad and p.numel() > 0 and chunk_of[id(p)] not in pinned
     }
-    grads = {id(p): p for g in groups for p in g["params"]}
     model._teardown()  # the trained parameters' slabs become the engine's buckets
     try:
-        with torch.no_grad():
-            for p in grads.values():
-                p.grad = None  # the optimizer starts with no gradient gathered
         opt = OffloadModelAdamW(
             groups,
             lr=lr,
@@ -126,6 +122,8 @@ def build(model, params, *, lr, betas, eps, weight_decay, **options) -> OffloadM
         raise
     engine = opt._engine
     opt._model_ref = weakref.ref(model)
+    for s in engine.slots:
+        s.param.grad = None  # the optimizer starts with no gradient gathered
     model._build(pinned, engine=engine)
     engine.attach_forward_waits(model)
     model._hooks.host_opt = opt

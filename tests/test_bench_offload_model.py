@@ -52,10 +52,12 @@ def test_tiny_run_reports_the_ramstream_row_and_the_prediction(tmp_path):
 
 def test_tiny_bf16_moments_row(tmp_path):
     out = tmp_path / "om.json"
-    p = _run(["--tiny", "--impls", "ramstream_hostopt_bf16", "--out", str(out)])
+    p = _run(["--tiny", "--impls", "ramstream_hostopt_bf16", "--host-threads", "1", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-3000:]
     (h,) = json.loads(out.read_text())["rows"]
-    assert h["impl"] == "ramstream_hostopt_bf16" and h["moment_dtype"] == "bfloat16"
+    assert (
+        h["impl"] == "ramstream_hostopt_bf16" and h["moment_dtype"] == "bfloat16" and h["host_threads"] == 1
+    )
     assert len(h["losses"]) == 2 and all(math.isfinite(v) for v in h["losses"])
     assert "step_speedup_vs_ramstream" not in h  # no torch-AdamW row in this run
 

@@ -110,7 +110,7 @@ def child(args) -> dict:
         version = ramtorch.__version__
     moments = "bfloat16" if args.impl == "ramstream_hostopt_bf16" else "float32"
     if args.impl.startswith("ramstream_hostopt"):
-        opt = model.optimizer(lr=1e-4, moment_dtype=moments)
+        opt = model.optimizer(lr=1e-4, moment_dtype=moments, threads=args.host_threads)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     build_s = time.perf_counter() - t0
@@ -162,7 +162,7 @@ def child(args) -> dict:
     if args.impl.startswith("ramstream_hostopt"):
         st = opt.stats()
         steps = max(1, st["steps"])
-        out["moment_dtype"] = moments
+        out["moment_dtype"], out["host_threads"] = moments, args.host_threads
         out["host_update_s_per_step"] = st["host_update_s"] / steps  # engine thread, all chunks
         out["load_wait_s_per_step"] = model.stats["stream_wait_s"] / steps  # loads waiting for updates
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
@@ -220,6 +220,12 @@ def _parser():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--impls", default="ramstream,ramstream_hostopt,ramtorch")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--host-threads",
+        type=int,
+        default=None,
+        help="ramstream_hostopt: host AdamW threads (default: all cores; fewer leaves one to the GPU driver thread)",
+    )
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--tiny", action="store_true", help="the tiny GPT on the CPU, 2x64, 2 steps")
     ap.add_argument("--out", help="write the JSON rows here")
@@ -234,7 +240,7 @@ def _child_argv(args, impl: str) -> list[str]:
         "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib", str(args.cap_gib),
         "--window", str(args.window), "--pin", str(args.pin), "--keep", keep,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-    ]  # fmt: skip
+    ] + ([] if args.host_threads is None else ["--host-threads", str(args.host_threads)])  # fmt: skip
 
 
 def run(args) -> list[dict]:

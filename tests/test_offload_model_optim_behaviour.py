@@ -274,3 +274,23 @@ def test_a_hand_run_backward_goes_to_the_host_optimizer_too(device, keep):
     run_ref(ref, make_data(3))
     assert_weights(ref, model, opt)
     model.close()
+
+
+def test_parameters_outside_the_optimizer_keep_their_grad_at_home():
+    """Trained parameters the host optimizer does not hold get `.grad` at home (GradWriteback),
+    as without it; the optimizer's own never do."""
+    chunks = make_chunks(frozen_bias=False)
+    ref = Reference(chunks, "cpu")
+    model = ramstream.OffloadModel(chunks, device="cpu", pin=1)
+    left_out = list(model.chunks[2].parameters())
+    held = [p for p in model.parameters() if all(p is not q for q in left_out)]
+    opt = model.optimizer(held, lr=1e-2)
+    x, y = make_data(1)[0]
+    model.step(x, targets=y)
+    opt.step()
+    ref.backward(x, y)
+    ref_grads = [p.grad.clone() for p in ref.model[2].parameters()]
+    for p, g in zip(left_out, ref_grads):
+        assert p.device.type == "cpu" and torch.equal(p.grad, g)
+    assert all(p.grad is None for p in held)
+    model.close()

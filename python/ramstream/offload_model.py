@@ -219,6 +219,7 @@ class OffloadModel(torch.nn.Module):
         self._casts = CastSaver(self._streamed)
         taken = {id(s.param) for s in engine.slots} if engine is not None else set()
         self._written_back = [p for p in self._streamed if id(p) not in taken]  # GradWriteback's
+        self.grads.forget(taken)  # their pinned buffers of earlier steps go back to the arena
         self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
         hook = _weak_grad_hook(self)
         self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._written_back]

@@ -344,7 +344,8 @@ class OffloadModel(torch.nn.Module):
 
     def flush_grads(self) -> None:
         """RamTorch's "accumulators -> .grad". step() already leaves every gradient in `.grad`
-        (streamed parameters: on their home device); this waits for pending copies."""
+        (streamed parameters: on their home device; the host optimizer's parameters: in its
+        buffers instead); this waits for pending copies."""
         self.copier.synchronize()
         self.grads.wait()
 

@@ -92,8 +92,10 @@ for stage in $STAGES; do
       timeout $(( ${QUANT_DEADLINE:-380} + 30 )) python3 bench/train/bench_quant.py \
         --deadline "${QUANT_DEADLINE:-380}" --out "$OUT/quant.json" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1
       summary "quant rc=$?"; tail -14 "$OUT/quant.log" | tee -a "$OUT/summary.txt" ;;
-    offload)  # issue 13: OffloadModel vs RamTorch 1.11 (.whl/ramtorch-*.whl), one process each,
-              # the 1.8B GPT one chunk per block, window 2, pin 0, keep_activations=True
+    offload)  # issue 13: OffloadModel (torch's AdamW; and its host optimizer: ramstream_hostopt)
+              # vs RamTorch 1.11 (.whl/ramtorch-*.whl), one process each, the 1.8B GPT one chunk
+              # per block, window 2, pin 0, keep_activations=True (three rows: allow ~3 builds in
+              # OFFLOAD_DEADLINE; OFFLOAD_ARGS="--impls ..." picks rows, e.g. ramstream_hostopt_bf16)
       if ls .whl/ramtorch-*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site .whl/ramtorch-*.whl > "$OUT/offload_pip.log" 2>&1 \

@@ -1,9 +1,18 @@
 """ramstream.OffloadModel against RamTorch 1.11's OffloadModel on the same chunks, side by side
 (issue 13): the GPT cut one chunk per block (embedding, 32 blocks, head), bf16 autocast,
-window/pin/keep_activations the same for both, torch.optim.AdamW(model.parameters(), fused=True)
-for both; each implementation in its own process (the VRAM cap is per process). Reports s/step
-(forward+backward, and with the optimizer step), peak VRAM, host RSS, the ratio, and the
-simulator's prediction (per-chunk times from a traced ramstream step) against the measured step.
+window/pin/keep_activations the same for all, torch.optim.AdamW(model.parameters(), fused=True)
+for "ramstream" and "ramtorch"; "ramstream_hostopt" is ramstream's OffloadModel with its host
+optimizer (model.optimizer(): each chunk's host AdamW overlaps the rest of the backward; fp32
+moments, bit-identical to torch's AdamW), "ramstream_hostopt_bf16" the same with bf16 moments
+(stochastic rounding: 20 instead of 28 bytes of host traffic per parameter; not in the default
+--impls). Each implementation runs in its
+own process (the VRAM cap is per process). Reports s/step (forward+backward, and with the
+optimizer step), peak VRAM, host RSS, the ratios, and the simulator's prediction (per-chunk times
+from a traced ramstream step) against the measured step.
+
+For ramstream_hostopt, opt.step() returns at once (the updates ran during the backward) and the
+part of the host AdamW the backward did not hide shows as the next forward's wait for the first
+chunk's update: its fwd_bwd_s includes that wait, so compare step_s (the whole cycle).
 
     python bench/train/bench_offload_model.py --model 1.8b --batch 8 --seq 512 --cap-gib 24 \
         --window 2 --pin 0 --out offload_model.json
@@ -30,7 +39,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-IMPLS = ("ramstream", "ramtorch")
+IMPLS = ("ramstream", "ramstream_hostopt", "ramstream_hostopt_bf16", "ramtorch")
 
 
 def _rss_gib() -> tuple[float, float]:
@@ -89,7 +98,7 @@ def child(args) -> dict:
     t0 = time.perf_counter()
     chunks, vocab = build_chunks(args.model, args.seq)
     kw = dict(device=str(dev), window=args.window, pin=args.pin, keep_activations=args.keep)
-    if args.impl == "ramstream":
+    if args.impl.startswith("ramstream"):
         import ramstream
 
         model = ramstream.OffloadModel(chunks, **kw)
@@ -99,7 +108,11 @@ def child(args) -> dict:
 
         model = ramtorch.OffloadModel(chunks, **kw)
         version = ramtorch.__version__
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    moments = "bfloat16" if args.impl == "ramstream_hostopt_bf16" else "float32"
+    if args.impl.startswith("ramstream_hostopt"):
+        opt = model.optimizer(lr=1e-4, moment_dtype=moments, threads=args.host_threads)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(dev)
@@ -139,13 +152,19 @@ def child(args) -> dict:
         "losses": [r[2] for r in rows],
         "peak_vram_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
     }
-    if args.impl == "ramstream":
+    if args.impl.startswith("ramstream"):
         # the streamed weights on the device at once, against the window's bound: its `window`
         # largest streamed chunks
         sizes = sorted((b.nbytes for b in model.streamer.blocks), reverse=True)
         out["pinned"] = model.pinned
         out["peak_loaded_gib"] = model.stats["peak_loaded_bytes"] / 2**30
         out["window_bound_gib"] = sum(sizes[: args.window]) / 2**30
+    if args.impl.startswith("ramstream_hostopt"):
+        st = opt.stats()
+        steps = max(1, st["steps"])
+        out["moment_dtype"], out["host_threads"] = moments, args.host_threads
+        out["host_update_s_per_step"] = st["host_update_s"] / steps  # engine thread, all chunks
+        out["load_wait_s_per_step"] = model.stats["stream_wait_s"] / steps  # loads waiting for updates
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
     if args.impl == "ramstream":
         out.update(_predict(model, one, args))
@@ -199,8 +218,14 @@ def _parser():
     )
     ap.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--impls", default="ramstream,ramtorch")
+    ap.add_argument("--impls", default="ramstream,ramstream_hostopt,ramtorch")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--host-threads",
+        type=int,
+        default=None,
+        help="ramstream_hostopt: host AdamW threads (default: all cores; fewer leaves one to the GPU driver thread)",
+    )
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--tiny", action="store_true", help="the tiny GPT on the CPU, 2x64, 2 steps")
     ap.add_argument("--out", help="write the JSON rows here")
@@ -215,7 +240,7 @@ def _child_argv(args, impl: str) -> list[str]:
         "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib", str(args.cap_gib),
         "--window", str(args.window), "--pin", str(args.pin), "--keep", keep,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-    ]  # fmt: skip
+    ] + ([] if args.host_threads is None else ["--host-threads", str(args.host_threads)])  # fmt: skip
 
 
 def run(args) -> list[dict]:
@@ -247,32 +272,46 @@ def run(args) -> list[dict]:
             continue
         rows.append(json.loads(lines[-1][len("RESULT ") :]))
     by = {r["impl"]: r for r in rows if "error" not in r}
-    if "ramstream" in by and "ramtorch" in by:
-        s, t = by["ramstream"], by["ramtorch"]
-        s["speedup_vs_ramtorch"] = {k: t[k] / s[k] for k in ("fwd_bwd_s", "step_s")}
-        if s["peak_vram_gib"] is not None:
-            s["vram_vs_ramtorch"] = s["peak_vram_gib"] / t["peak_vram_gib"]
+    for name, s in by.items():
+        if name.startswith("ramstream") and "ramtorch" in by:
+            t = by["ramtorch"]
+            s["speedup_vs_ramtorch"] = {k: t[k] / s[k] for k in ("fwd_bwd_s", "step_s")}
+            if s["peak_vram_gib"] is not None:
+                s["vram_vs_ramtorch"] = s["peak_vram_gib"] / t["peak_vram_gib"]
+        if name.startswith("ramstream_hostopt") and "ramstream" in by:  # against torch's AdamW
+            s["step_speedup_vs_ramstream"] = by["ramstream"]["step_s"] / s["step_s"]
     return rows
 
 
 def report(rows, args) -> None:
     cfg = f"{args.model} {args.batch}x{args.seq} window={args.window} pin={args.pin} keep_activations={args.keep}"
     print(f"config {cfg} device={args.device} cap={args.cap_gib} GiB")
-    print(f"{'impl':<10} {'fwd+bwd s':>9} {'step s':>8} {'VRAM GiB':>8} {'RSS GiB':>8} {'speedup':>8}")
+    print(
+        f"{'impl':<18} {'fwd+bwd s':>9} {'step s':>8} {'VRAM GiB':>8} {'RSS GiB':>8} "
+        f"{'fwd+bwd x':>9} {'step x':>7}  (x: speedup vs ramtorch)"
+    )
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:<10} {r['error']}")
+            print(f"{r['impl']:<18} {r['error']}")
             continue
         vram = "-" if r["peak_vram_gib"] is None else f"{r['peak_vram_gib']:.2f}"
-        sp = r.get("speedup_vs_ramtorch", {}).get("fwd_bwd_s")
+        sp = r.get("speedup_vs_ramtorch", {})
         line = (
-            f"{r['impl']:<10} {r['fwd_bwd_s']:>9.3f} {r['step_s']:>8.3f} {vram:>8} {r['peak_rss_gib']:>8.2f}"
+            f"{r['impl']:<18} {r['fwd_bwd_s']:>9.3f} {r['step_s']:>8.3f} {vram:>8} {r['peak_rss_gib']:>8.2f}"
         )
-        print(line + (f" {sp:>7.2f}x" if sp else ""))
+        if sp:
+            line += f" {sp['fwd_bwd_s']:>8.2f}x {sp['step_s']:>6.2f}x"
+        print(line)
+        if "step_speedup_vs_ramstream" in r:
+            print(
+                f"{'':<18} host optimizer ({r['moment_dtype']} moments): step "
+                f"{r['step_speedup_vs_ramstream']:.2f}x ramstream with torch's AdamW; host AdamW "
+                f"{r['host_update_s_per_step']:.3f} s/step, loads waited {r['load_wait_s_per_step']:.3f} s/step"
+            )
         if "predicted_s" in r:
             err = r["predicted_s"] / r["fwd_bwd_s"] - 1
             print(
-                f"{'':<10} simulator: {r['predicted_s']:.3f} s predicted vs {r['fwd_bwd_s']:.3f} s ({err:+.1%})"
+                f"{'':<18} simulator: {r['predicted_s']:.3f} s predicted vs {r['fwd_bwd_s']:.3f} s ({err:+.1%})"
             )
 
 

@@ -43,6 +43,11 @@ class GradWriteback:
             self._pool[id(p)] = buf
         return buf
 
+    def forget(self, ids) -> None:
+        """Drops the pooled buffers of these parameters (another owner takes their gradients)."""
+        for pid in ids:
+            self._pool.pop(pid, None)
+
     def land(self, p, g: torch.Tensor) -> None:
         """p's gradient of this backward (a device tensor on CUDA; freed by the caller at once)."""
         tr = _trace_current()

@@ -8,6 +8,8 @@ home as the autograd engine produces them (offload_grads.py: on a D2H stream int
 on a GPU), and after every step() each trained parameter's `.grad` is at home: `.grad` lives
 where the parameter's data lives at rest, so `torch.optim.AdamW(model.parameters(), fused=True)`
 steps on the home copies directly (the next load copies the updated weights to the device).
+With ramstream's host optimizer (optimizer(), offload_optim.py) the offload engine takes the
+gradients of its parameters instead and updates each chunk during the backward.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .activations.recompute import Recompute, checkpointed
 from .offload_casts import CastSaver
 from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
 from .offload_grads import GradWriteback
+from .offload_optim import step_failed as _host_step_failed
+from .offload_optim import streamed_blocks
 from .trace import Tracer
 from .trace import current as _trace_current
 from .trace import register as _trace_register
@@ -55,6 +59,19 @@ class _Hooks:
         self.streamer = None
         self.grad_hooks: list = []
         self.recompute = None
+        self.host_opt = None  # the host optimizer (offload_optim.py), while attached
+        self.opt_handles: list = []
+
+    def release_host_opt(self) -> None:
+        """Closes the attached host optimizer's engine (waits for its updates, removes its hooks)."""
+        opt, self.host_opt = self.host_opt, None
+        for h in self.opt_handles:
+            h.remove()
+        self.opt_handles = []
+        if opt is not None:
+            from .optim import OffloadAdamW
+
+            OffloadAdamW.close(opt)
 
     def release_streamer(self) -> None:
         if self.streamer is not None:
@@ -65,6 +82,7 @@ class _Hooks:
         self.grad_hooks = []
 
     def release(self) -> None:
+        self.release_host_opt()
         self.release_streamer()
         if self.recompute is not None:
             self.recompute.close()
@@ -108,6 +126,23 @@ class OffloadModel(torch.nn.Module):
             are reloaded; RNG restored: dropout-safe); False (recompute) is implemented exactly
             as "checkpoint" in this version.
         activation_offload: only False in this version.
+
+    Optimizers (the host optimizer's fp32 weights equal torch's fused AdamW's on the host copies
+    bit for bit):
+        `opt = model.optimizer(lr=...)` (or `ramstream.wrap(model, torch.optim.AdamW(...))`):
+            ramstream's host AdamW, each streamed chunk's update running on native threads as
+            soon as its gradients are home, while the backward of the chunks before it goes on;
+            the next forward waits only for the chunk it loads. Step time about forward +
+            max(backward, host AdamW of every parameter), instead of forward + backward + host
+            AdamW: faster whenever there is a backward to hide the update behind, and more so
+            with moment_dtype="bfloat16" (20 instead of 28 bytes of host traffic per parameter).
+            Its overlap is lost in the micro-batches of an accumulation before the last, and with
+            max_grad_norm or eager_updates=False (the updates then overlap only the next forward).
+        `torch.optim.AdamW(model.parameters(), fused=True)` after each step(): serial (the whole
+            update after the backward), torch's CPU AdamW for streamed chunks but its GPU AdamW
+            for pinned ones: faster when most parameters are pinned (the host optimizer updates
+            pinned chunks on the host too, their gradients and weights crossing PCIe), and when
+            the host's cores are too few to run the update beside the thread driving the GPU.
     """
 
     def __init__(
@@ -145,9 +180,19 @@ class OffloadModel(torch.nn.Module):
         return self._hooks.streamer
 
     # ---- building ------------------------------------------------------------------------------
-    def _build(self, pinned: set[int]) -> None:
+    def _build(self, pinned: set[int], engine=None) -> None:
+        """The streamer over the unpinned chunks. With `engine` (the host optimizer's), a chunk's
+        trained parameters in it are the engine's streamed buckets (their slabs, and a load waits
+        for their update: Block.ready) and their gradients go to the engine; the others' go
+        home through GradWriteback."""
         self.pinned = sorted(pinned)
         grads = {id(p): p.grad for p in self.parameters()}
+        owned = streamed_blocks(engine)
+        if engine is not None and engine.copier is not None:
+            self.copier = engine.copier  # one copy stream for every slab of the streamer
+        elif engine is not None:
+            engine.copier = self.copier
+        wait = engine._weak_wait if engine is not None else None
         blocks = []
         with torch.no_grad():
             for i, c in enumerate(self.chunks):
@@ -161,16 +206,23 @@ class OffloadModel(torch.nn.Module):
                     for p in c.parameters():
                         p.data = p.data.to(self.device)
                 else:
-                    blocks.append(Block(i, c, frozen_slabs(c, set(), self.copier), []))
+                    trained = owned.get(i, [])
+                    skip = {id(s.param) for b in trained for s in b.slots}
+                    slabs = [b.slab for b in trained] + frozen_slabs(c, skip, self.copier)
+                    ready = [lambda b=b: wait(b) for b in trained]
+                    blocks.append(Block(i, c, slabs, ready))
             for p in self.parameters():
                 g = grads[id(p)]
                 p.grad = None if g is None else g.to(p.device)
         self._hooks.streamer = WeightStreamer(blocks, copier=self.copier, ahead=self.window - 1)
         self._streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
         self._casts = CastSaver(self._streamed)
+        taken = {id(s.param) for s in engine.slots} if engine is not None else set()
+        self._written_back = [p for p in self._streamed if id(p) not in taken]  # GradWriteback's
+        self.grads.forget(taken)  # their pinned buffers of earlier steps go back to the arena
         self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
         hook = _weak_grad_hook(self)
-        self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._streamed]
+        self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._written_back]
 
     def _teardown(self) -> None:
         streamer = self._hooks.streamer
@@ -188,6 +240,11 @@ class OffloadModel(torch.nn.Module):
         parameters; build the optimizer after this call (its state would stay where the
         parameters were)."""
         self._check_open()
+        if self._hooks.host_opt is not None:
+            raise ValueError(
+                "OffloadModel.set_pinned: the host optimizer (model.optimizer()) keeps its buckets "
+                "where the chunks live; call set_pinned before model.optimizer(), or opt.close() first"
+            )
         if isinstance(indices, int) and not isinstance(indices, bool):
             pinned = pinned_set(indices, None, len(self.chunks))
         else:
@@ -195,14 +252,79 @@ class OffloadModel(torch.nn.Module):
         self._teardown()
         self._build(pinned)
 
+    def optimizer(
+        self,
+        params=None,
+        *,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **options,
+    ):
+        """ramstream's host optimizer for this model: AdamW on the host whose update of each
+        streamed chunk runs (on the engine's native threads) as soon as the chunk's gradients
+        have landed in pinned memory, while the backward of the chunks before it continues; the
+        next forward's load of a chunk waits for its update. Returns an OffloadAdamW subclass
+        (param groups, LR schedulers, torch-format state_dict()/load_state_dict(), zero_grad()).
+
+        Args:
+            params: None (every parameter of the model; frozen ones get no state) or parameters /
+                param-group dicts of this model, as torch.optim.AdamW takes them.
+            lr, betas, eps, weight_decay: as torch.optim.AdamW (a group may set its own).
+            moment_dtype: "float32" (default: fp32 results bit-identical to
+                torch.optim.AdamW(fused=True) on the host copies) or "bfloat16" (stochastic
+                rounding; 20 instead of 28 bytes of host traffic per parameter: faster).
+            accumulation_steps: model.step() calls summed (on the host, in fp32) per opt.step();
+                a further model.step() before opt.step() raises RuntimeError.
+            max_grad_norm: clip by the global norm as torch.nn.utils.clip_grad_norm_ (None: off);
+                the updates then wait for opt.step() (the norm needs every gradient) and overlap
+                only the next forward. torch.nn.utils.clip_grad_norm_(model.parameters(), n)
+                between model.step() and opt.step() needs max_grad_norm or eager_updates=False.
+            eager_updates: True (default): the updates of the last micro-batch's model.step()
+                (with accumulation_steps=1: every model.step()) run during its backward, and
+                opt.step() only closes the step; False: they run at opt.step() (queued in forward
+                order; the next forward waits for each chunk's), so a backward that raises
+                leaves weights and optimizer state exactly as before it.
+            threads: host threads of the update (None: RAMSTREAM_NUM_THREADS or all cores).
+            bucket_bytes: gradients land and are updated in buckets of about this size (a bucket
+                never spans two chunks).
+
+        Semantics: after `model.step(x, y); opt.step()` the weights equal torch.optim.AdamW's
+        over the same gradients (fp32: bit for bit). The gradients of the optimizer's parameters
+        go to its buffers, never to `.grad`. Hyper-parameters are read when the updates are
+        queued: with eager updates, in the backward of the step's last model.step(), so change
+        them (or step an LR scheduler) after opt.step(), as a torch loop does. A model.step()
+        that raises before its backward changes nothing; one that raises inside it drops the
+        gradients gathered since the last opt.step() (RuntimeWarning when there were earlier
+        micro-batches), and with eager updates the chunks whose update already ran keep it
+        (RuntimeWarning with their count). Pinned chunks' parameters are updated on the host
+        too (fp32 master there, new weights copied back to the device before their forward).
+        Call set_pinned() before this; opt.close() (or model.close()) detaches it."""
+        self._check_open()
+        if self._hooks.host_opt is not None:
+            raise ValueError(
+                "OffloadModel.optimizer: this model already has a host optimizer; close it first (opt.close())"
+            )
+        from .offload_optim import build
+
+        return build(self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options)
+
+    def _release_host_optimizer(self) -> None:
+        """opt.close(): the engine waits and unhooks; the model streams with its own slabs again."""
+        self._hooks.release_host_opt()
+        self._teardown()
+        self._build(set(self.pinned))
+
     @property
     def stats(self) -> dict:
         """The streamer's counters (loads, bytes_h2d, evictions, peak_loaded_bytes, ...), the
-        gradient write-back's (bytes_d2h) and casts_dropped (autocast's weight casts the kept
+        gradient write-back's (bytes_d2h, the host optimizer's included) and casts_dropped (autocast's weight casts the kept
         graph did not hold: cast again in backward)."""
+        opt = self._hooks.host_opt
         return {
             **self.streamer.stats,
-            "bytes_d2h": self.grads.stats["bytes_d2h"],
+            "bytes_d2h": self.grads.stats["bytes_d2h"] + (opt._engine.stats["bytes_d2h"] if opt else 0),
             "casts_dropped": self._casts.stats["casts_dropped"],
         }
 
@@ -222,7 +344,8 @@ class OffloadModel(torch.nn.Module):
 
     def flush_grads(self) -> None:
         """RamTorch's "accumulators -> .grad". step() already leaves every gradient in `.grad`
-        (streamed parameters: on their home device); this waits for pending copies."""
+        (streamed parameters: on their home device; the host optimizer's parameters: in its
+        buffers instead); this waits for pending copies."""
         self.copier.synchronize()
         self.grads.wait()
 
@@ -251,7 +374,8 @@ class OffloadModel(torch.nn.Module):
         error); with grad_outputs (a tensor, a tuple for a tuple output, or a callable given the
         output) the output's gradient is supplied instead and no loss is computed. Gradients add
         into each trained parameter's `.grad`; a step that raises leaves them as they were.
-        profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace)."""
+        profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace; with the
+        host optimizer, the step returns after the updates it started, so they are in the trace)."""
         self._check_open()
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("OffloadModel.step: give loss_fn or grad_outputs, not both")
@@ -262,7 +386,10 @@ class OffloadModel(torch.nn.Module):
         if _trace_current() is not None:
             raise ValueError("OffloadModel.step: profile_path given inside an active ramstream.trace()")
         with Tracer(profile_path, device=self.device):
-            return self._traced_step(x, targets, loss_fn, grad_outputs)
+            res = self._traced_step(x, targets, loss_fn, grad_outputs)
+            if self._hooks.host_opt is not None:  # the host updates it started belong to its trace
+                self._hooks.host_opt._engine.updater.drain()
+            return res
 
     def _traced_step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
         tr = _trace_current()
@@ -275,7 +402,7 @@ class OffloadModel(torch.nn.Module):
 
     def _step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
         before = {}
-        for p in self._streamed:
+        for p in self._written_back:
             before[id(p)] = p.grad
             p.grad = None
         self._in_step = True
@@ -316,8 +443,10 @@ class OffloadModel(torch.nn.Module):
                 self.grads.commit(before)
             else:
                 self.grads.discard()
-                for p in self._streamed:
+                for p in self._written_back:
                     p.grad = before[id(p)]
+                if self._hooks.host_opt is not None:
+                    _host_step_failed(self._hooks.host_opt)
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -8,6 +8,8 @@ import weakref
 import torch
 
 from .host_fit import pick_moment_dtype
+from .offload_model import OffloadModel
+from .offload_optim import wrap_offload_model
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog
@@ -274,9 +276,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     of flat buffers) and a ramstream.OffloadAdamW holding the converted optimizer's groups and
     state. Every option is in the README table under "ramstream.wrap"; an unknown name or a
     value not accepted raises ValueError listing what is accepted.
+    An OffloadModel gets its host optimizer (OffloadModel.optimizer) over the optimizer's groups.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(): model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, OffloadModel):  # its chunks stream already: its host optimizer
+        return model, wrap_offload_model(model, optimizer, options)
     if getattr(model, "_ramstream", None) is not None:
         raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
     opts = WrapOptions.parse(**options)

@@ -76,9 +76,11 @@ def update(
 ) -> list[tuple[int, int]]:
     """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
     to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
-    are written to `out` in the same pass. Returns the updated ranges, merged."""
+    are written to `out` in the same pass (none when `out` is the master itself). Returns the
+    updated ranges, merged."""
     grad = b.acc if accumulate else b.landing
     ordered = sorted(pieces, key=lambda p: p.offset)
+    in_place = out.data_ptr() == b.master.data_ptr()  # a streamed fp32 bucket: home is the master
     for p in ordered:
         h = hypers[p.group]
         start = p.offset
@@ -89,7 +91,7 @@ def update(
             exp_avg=_ptr(b.exp_avg, start),
             exp_avg_sq=_ptr(b.exp_avg_sq, start),
             moment_dtype=b.exp_avg.dtype,
-            out=_ptr(out, start),
+            out=0 if in_place else _ptr(out, start),
             out_dtype=out.dtype,
             n=p.numel,
             offset=b.state_offset + start,

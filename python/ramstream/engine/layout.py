@@ -55,7 +55,8 @@ def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
 def _allocate_streamed(engine, b: Bucket, owned: bool) -> None:
     """A streamed bucket: its weights at home in a pinned slab (weights/slab.py, its device
     storage released until its block runs), fp32 master and moments on the host; the host
-    AdamW writes the new weights into the slab's home."""
+    AdamW writes the new weights into the slab's home. An fp32 bucket's home is its own master
+    (updated in place: no second copy in RAM, no separate write of the new weights)."""
     from ..weights.slab import Slab
 
     if b.placement != "host" or not owned:
@@ -63,7 +64,8 @@ def _allocate_streamed(engine, b: Bucket, owned: bool) -> None:
     params = [s.param for s in b.slots]
     b.slab = Slab(params, [s.offset for s in b.slots], b.numel, copier=engine.copier)
     b.device_flat = b.slab.flat
-    b.master = b.slab.home.to(torch.float32, copy=True)
+    home = b.slab.home
+    b.master = home if home.dtype == torch.float32 else home.to(torch.float32, copy=True)
     b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype)
     b.exp_avg_sq = torch.zeros(b.numel, dtype=engine.moment_dtype)
     b.landing = engine.dev.host_buffer(b.numel, b.dtype)

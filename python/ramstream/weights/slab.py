@@ -23,6 +23,14 @@ from __future__ import annotations
 import torch
 
 
+def _unguarded():
+    """Pointing a parameter at other storage reads no weight: it must not wait for the
+    parameter's pending update (engine/guard.py), or evicting a chunk in backward would wait
+    for the host AdamW that its own gradients just started. (A load waits for the update
+    before it copies: the streamer's Block.ready.)"""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 class Copier:
     """Where a slab's copies run. The CPU version copies at once (the engine's `device="cpu"`
     mode, which CI tests); CudaCopier queues them on a copy stream ordered by events."""
@@ -143,8 +151,9 @@ class Slab:
         if self.loaded:
             return
         self.event = self.copier.fill(self._alias, self.home, self.nbytes)
-        for p, v in zip(self.params, self.dviews):
-            p.data = v
+        with _unguarded():
+            for p, v in zip(self.params, self.dviews):
+                p.data = v
         self.loaded = True
 
     def wait(self) -> None:
@@ -154,8 +163,9 @@ class Slab:
         """The parameters become views of `home`; the device storage is released."""
         if not self.loaded:
             return
-        for p, v in zip(self.params, self.hviews):
-            p.data = v
+        with _unguarded():
+            for p, v in zip(self.params, self.hviews):
+                p.data = v
         self.flat.untyped_storage().resize_(0)
         self.loaded = False
         self.event = None

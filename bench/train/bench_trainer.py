@@ -160,7 +160,18 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
     cfg = transformers.Qwen2Config(**shape, max_position_embeddings=max(a.seq, 4096))
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = transformers.Qwen2ForCausalLM(cfg)  # on the CPU: the same weights in every process
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    from ramstream.integrations.random_init import init_module_
+
+    with no_init_weights():  # torch's one-core normal draws took ~15 s of each process
+        model = transformers.Qwen2ForCausalLM(cfg)  # on the CPU: the same weights in every process
+    for m in model.modules():  # HF's distributions, drawn on every core (seeded above)
+        init_module_(m, cfg.initializer_range, model._init_weights)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
     if a.weights == "bf16":
         model = model.to(torch.bfloat16)
     res["build_s"] = time.perf_counter() - t0

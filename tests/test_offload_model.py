@@ -370,7 +370,9 @@ def test_tuple_outputs_pass_between_chunks():
         (dict(pin_layers=[5]), "pin_layers"),
         (dict(pin_layers=[-1]), "pin_layers"),
         (dict(keep_activations="yes"), "keep_activations"),
-        (dict(activation_offload=True), "activation_offload"),
+        (dict(activation_offload=True), "activation_offload"),  # needs keep_activations=True
+        (dict(activation_offload=True, keep_activations="checkpoint"), "activation_offload"),
+        (dict(activation_offload="yes", keep_activations=True), "activation_offload"),
         (dict(device="nope"), "device"),
         (dict(device="cuda:99"), "device"),
         (dict(device="meta"), "device"),

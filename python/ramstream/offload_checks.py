@@ -113,7 +113,13 @@ def check_options(window, keep_activations, activation_offload) -> None:
         raise ValueError(
             f"OffloadModel: keep_activations must be False, True or 'checkpoint', got {keep_activations!r}"
         )
-    if activation_offload is not False:
+    if not isinstance(activation_offload, bool):
         raise ValueError(
-            f"OffloadModel: activation_offload must be False (paging is not built yet), got {activation_offload!r}"
+            f"OffloadModel: activation_offload must be True or False, got {activation_offload!r}"
+        )
+    if activation_offload and keep_activations is not True:
+        raise ValueError(
+            "OffloadModel: activation_offload=True pages the saved tensors of the kept graph to host "
+            f"memory: it needs keep_activations=True (with keep_activations={keep_activations!r} each "
+            "chunk keeps only its input and recomputes the rest)"
         )

@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .activations.hooks import ActivationOffloader
 from .activations.recompute import Recompute, checkpointed
 from .offload_casts import CastSaver
 from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
@@ -61,6 +62,7 @@ class _Hooks:
         self.recompute = None
         self.host_opt = None  # the host optimizer (offload_optim.py), while attached
         self.opt_handles: list = []
+        self.activations = None  # the ActivationOffloader of activation_offload=True
 
     def release_host_opt(self) -> None:
         """Closes the attached host optimizer's engine (waits for its updates, removes its hooks)."""
@@ -84,6 +86,9 @@ class _Hooks:
     def release(self) -> None:
         self.release_host_opt()
         self.release_streamer()
+        if self.activations is not None:
+            self.activations.detach()
+            self.activations = None
         if self.recompute is not None:
             self.recompute.close()
             self.recompute = None
@@ -125,7 +130,11 @@ class OffloadModel(torch.nn.Module):
             torch.utils.checkpoint (inputs kept, forward recomputed in backward after the weights
             are reloaded; RNG restored: dropout-safe); False (recompute) is implemented exactly
             as "checkpoint" in this version.
-        activation_offload: only False in this version.
+        activation_offload: True pages the kept graph's large saved tensors (1 MiB and more) of
+            every chunk to host memory in forward and brings them back in backward, a chunk
+            ahead (ramstream's ActivationOffloader, the one wrap(activation_offload=...) uses);
+            needs keep_activations=True. Under autocast the weights' low-precision casts are then
+            paged with the other saved tensors instead of being cast again in backward.
 
     Optimizers (the host optimizer's fp32 weights equal torch's fused AdamW's on the host copies
     bit for bit):
@@ -168,6 +177,9 @@ class OffloadModel(torch.nn.Module):
         self._hooks = _Hooks()
         if keep_activations is not True:
             self._hooks.recompute = Recompute(chunks, range(len(chunks)))
+        if activation_offload:
+            self._hooks.activations = ActivationOffloader(chunks, self.device).attach()
+            self._hooks.activations.set_paged(range(len(chunks)))
         self._finalizer = weakref.finalize(self, self._hooks.release)
         self._in_step = False
         self._casts = None
@@ -319,13 +331,18 @@ class OffloadModel(torch.nn.Module):
     @property
     def stats(self) -> dict:
         """The streamer's counters (loads, bytes_h2d, evictions, peak_loaded_bytes, ...), the
-        gradient write-back's (bytes_d2h, the host optimizer's included) and casts_dropped (autocast's weight casts the kept
-        graph did not hold: cast again in backward)."""
+        gradient write-back's (bytes_d2h, the host optimizer's included), casts_dropped
+        (autocast's weight casts the kept graph did not hold: cast again in backward) and, with
+        activation_offload=True, activation_bytes_paged (the last forward's saved tensors sent
+        to host memory) and activation_host_bytes (the host buffers held)."""
         opt = self._hooks.host_opt
+        act = self._hooks.activations.stats() if self._hooks.activations is not None else {}
         return {
             **self.streamer.stats,
             "bytes_d2h": self.grads.stats["bytes_d2h"] + (opt._engine.stats["bytes_d2h"] if opt else 0),
             "casts_dropped": self._casts.stats["casts_dropped"],
+            "activation_bytes_paged": act.get("bytes_paged_last_pass", 0),
+            "activation_host_bytes": act.get("host_bytes_held", 0),
         }
 
     def _apply(self, fn, recurse=True):
@@ -408,7 +425,11 @@ class OffloadModel(torch.nn.Module):
         self._in_step = True
         ok = False
         casts = contextlib.nullcontext()
-        if self.keep_activations is True and torch.is_autocast_enabled(self.device.type):
+        if (
+            self.keep_activations is True
+            and self._hooks.activations is None  # (paging takes the casts with the rest)
+            and torch.is_autocast_enabled(self.device.type)
+        ):
             casts = self._casts.hooks()  # the kept graph holds no weight casts
         try:
             with torch.enable_grad():
@@ -445,6 +466,10 @@ class OffloadModel(torch.nn.Module):
                 self.grads.discard()
                 for p in self._written_back:
                     p.grad = before[id(p)]
+                act = self._hooks.activations
+                if act is not None:  # the failed pass's paged tensors leave the pool now
+                    act.release_abandoned()
+                    act.after_failed_step(failed=True)
                 if self._hooks.host_opt is not None:
                     _host_step_failed(self._hooks.host_opt)
 

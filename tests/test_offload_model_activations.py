@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 import ramstream
 
+from _offload_optim_ref import Boom
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 D, ROWS = 256, 1024  # a [1024, 256] fp32 activation is 1 MiB: the offloader's default threshold
 
@@ -21,16 +23,6 @@ D, ROWS = 256, 1024  # a [1024, 256] fp32 activation is 1 MiB: the offloader's d
 def _chunks(n=4):
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(n)]
-
-
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("boom in backward")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -65,7 +57,7 @@ def test_a_failed_backward_leaves_no_paged_buffer_alive(device):
     x, y = torch.randn(ROWS, D, device=device), torch.randn(ROWS, D, device=device)
 
     def bad_loss(out, t):
-        return F.mse_loss(_Boom.apply(out), t)
+        return F.mse_loss(Boom.apply(out), t)
 
     with pytest.raises(RuntimeError, match="boom"):
         model.step(x, targets=y, loss_fn=bad_loss)

@@ -288,4 +288,8 @@ def test_ranks_owning_no_bucket(three):
     for r in res:
         _identical(r["params"], res[0]["params"])
         assert r["norms"] == pytest.approx(norms, rel=1e-5)
-    _close(res[0]["params"], ref.parameters())
+    # data parallel sums three shards' gradients where the reference takes one full-batch
+    # gradient: they differ by rounding, which Adam's normalisation lifts on elements whose
+    # gradient is near zero (1.7e-5 measured on an AVX2 host; under 1e-5 where CI passed before);
+    # still below 1 % of the two updates' size (2 x lr 3e-3)
+    _close(res[0]["params"], ref.parameters(), tol=5e-5)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, offload, trainer, doctor, probe), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, offload, trainer, loss, doctor, probe), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -110,6 +110,10 @@ for stage in $STAGES; do
       timeout $(( ${TRAINER_DEADLINE:-300} + 30 )) python3 bench/train/bench_trainer.py \
         --deadline "${TRAINER_DEADLINE:-300}" --out "$OUT/trainer.json" ${TRAINER_ARGS:-} > "$OUT/trainer.log" 2>&1
       summary "trainer rc=$?"; tail -12 "$OUT/trainer.log" | tee -a "$OUT/summary.txt" ;;
+    loss)  # issue 12: the chunked causal-LM loss against HF's dense one, Qwen2-1.5B's head
+      timeout 120 python3 bench/train/bench_loss.py --profile --out "$OUT/loss.json" ${LOSS_ARGS:-} \
+        > "$OUT/loss.log" 2>&1
+      summary "loss rc=$?"; sed -n '1,8p' "$OUT/loss.log" | tee -a "$OUT/summary.txt" ;;
     doctor)  # issue 9: what this machine offers, one screen
       timeout 120 ramstream doctor > "$OUT/doctor.log" 2>&1
       summary "doctor rc=$?"; cat "$OUT/doctor.log" ;;

@@ -44,7 +44,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stream_models import TINY, build_gpt, build_qwen, h2d_gbps  # noqa: E402
+from stream_models import TINY, build_gpt, build_qwen, h2d_gbps, load_rate  # noqa: E402
 from stream_report import planner_prediction, summarize, write_results  # noqa: E402
 
 BEST = {"optimizer_mode": "auto", "activation_offload": "auto"}
@@ -367,6 +367,21 @@ def _train(args, cfg: dict, res: dict) -> None:
             if wb is not None:
                 res["h2d_weights_gbps_achieved"] = wb / s / 1e9
                 res["h2d_weights_util"] = res["h2d_weights_gbps_achieved"] / gbps
+    if rs and cfg["bandwidth"]:  # one step more, traced (after the stats): the loads' own rate
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(prefix="rs-trace-"), "step.json")
+        with ramstream.trace(path, device=dev):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = loss_fn(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+            _sync(dev)
+        res["weight_loads"] = load_rate(path)
+        if res.get("h2d_gbps") and res["weight_loads"]["gbps"]:
+            res["weight_loads"]["util"] = res["weight_loads"]["gbps"] / res["h2d_gbps"]
 
 
 # ---- the driver (never touches the device) -----------------------------------------------------

@@ -117,6 +117,10 @@ def summarize(results: list[dict], by_name: dict) -> list[str]:
                 notes.append(f"loads/step {r['loads_per_step']:.1f}")
             if r.get("h2d_weights_util") is not None:
                 notes.append(f"weight H2D {r['h2d_weights_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
+            wl = r.get("weight_loads") or {}
+            if wl.get("gbps"):
+                util = f" = {wl['util']:.0%}" if wl.get("util") is not None else ""
+                notes.append(f"loads {wl['gbps']:.1f} GB/s while loading{util} (traced step)")
             elif r.get("h2d_total_util") is not None:
                 notes.append(f"all H2D {r['h2d_total_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
             if r.get("mode"):

@@ -24,6 +24,7 @@
 #include "ramstream/adamw.h"
 #include "ramstream/cuda/adamw.h"
 #include "ramstream/cuda/common.h"
+#include "ramstream/cuda/cross_entropy.h"
 #include "ramstream/cuda/dequant.h"
 #include "ramstream/cuda/norm.h"
 #endif
@@ -253,6 +254,58 @@ void cuda_sq_norm(const Array& x, const Array& out, bool accumulate, std::uintpt
   check_without_gil([&] { return cuda::sq_norm(p, t, n, o, cuda::as_stream(stream), accumulate); });
 }
 
+// The checks shared by cuda_ce_forward/_backward: logits [rows, vocab] float, targets int64 [rows],
+// the per-row vectors float32 [rows]; all CUDA, contiguous, on one device. Returns the device.
+int ce_checks(const Array& logits, const Array& targets, const Array& a, const char* a_name, const Array& b,
+              const char* b_name, OptDevice device) {
+  require_cuda_buffer(logits, "logits");
+  require_float_dtype(logits, "logits");
+  if (logits.ndim() != 2) raise_value_error("logits: expected a 2-D [rows, vocab] tensor");
+  const auto rows = static_cast<std::int64_t>(logits.shape(0));
+  require_cuda_buffer(targets, "targets");
+  if (!(targets.dtype() == nb::dtype<std::int64_t>())) raise_type_error("targets: expected an int64 tensor");
+  require_numel(targets, "targets", rows, "logits' rows");
+  const auto per_row = [rows](const Array& arr, const char* name) {
+    require_cuda_buffer(arr, name);
+    require_dtype(arr, DType::kFloat32, name);
+    require_numel(arr, name, rows, "logits' rows");
+  };
+  per_row(a, a_name);
+  per_row(b, b_name);
+  const int d = select_device(device, logits);
+  require_on_device(logits, d, "logits");
+  require_on_device(targets, d, "targets");
+  require_on_device(a, d, a_name);
+  require_on_device(b, d, b_name);
+  return d;
+}
+
+void cuda_ce_forward(const Array& logits, const Array& targets, const Array& lse, const Array& target_logit,
+                     std::uintptr_t stream, OptDevice device) {
+  ce_checks(logits, targets, lse, "lse", target_logit, "target_logit", device);
+  const void* x = logits.data();
+  const DType t = dtype_of(logits, "logits");
+  const auto rows = static_cast<std::int64_t>(logits.shape(0));
+  const auto vocab = static_cast<std::int64_t>(logits.shape(1));
+  const auto* tg = static_cast<const std::int64_t*>(targets.data());
+  auto* l = static_cast<float*>(lse.data());
+  auto* tl = static_cast<float*>(target_logit.data());
+  check_without_gil([&] { return cuda::ce_forward(x, t, rows, vocab, tg, l, tl, cuda::as_stream(stream)); });
+}
+
+void cuda_ce_backward(const Array& logits, const Array& targets, const Array& lse, const Array& scale,
+                      std::uintptr_t stream, OptDevice device) {
+  ce_checks(logits, targets, lse, "lse", scale, "scale", device);
+  void* x = logits.data();
+  const DType t = dtype_of(logits, "logits");
+  const auto rows = static_cast<std::int64_t>(logits.shape(0));
+  const auto vocab = static_cast<std::int64_t>(logits.shape(1));
+  const auto* tg = static_cast<const std::int64_t*>(targets.data());
+  const auto* l = static_cast<const float*>(lse.data());
+  const auto* sc = static_cast<const float*>(scale.data());
+  check_without_gil([&] { return cuda::ce_backward(x, t, rows, vocab, tg, l, sc, cuda::as_stream(stream)); });
+}
+
 #else  // no CUDA in this build: same signatures, each raises RuntimeError
 
 [[noreturn]] void no_cuda(const char* fn) {
@@ -279,6 +332,12 @@ void cuda_adamw(const Array&, const Array&, const Array&, const Array&, const Op
 }
 void cuda_sq_norm(const Array&, const Array&, bool, std::uintptr_t, OptDevice) {
   no_cuda("cuda_sq_norm");
+}
+void cuda_ce_forward(const Array&, const Array&, const Array&, const Array&, std::uintptr_t, OptDevice) {
+  no_cuda("cuda_ce_forward");
+}
+void cuda_ce_backward(const Array&, const Array&, const Array&, const Array&, std::uintptr_t, OptDevice) {
+  no_cuda("cuda_ce_backward");
 }
 
 #endif
@@ -315,6 +374,17 @@ void bind_cuda(nb::module_& m) {
         "out[0] (a 1-element float64 CUDA tensor) = sum of squares of x (float32/bfloat16/\n"
         "float16, CUDA, contiguous) in double; zeroed first unless accumulate. Asynchronous on\n"
         "`stream` (read out after it); GIL released.");
+  m.def("cuda_ce_forward", &cuda_ce_forward, "logits"_a.noconvert(), "targets"_a.noconvert(),
+        "lse"_a.noconvert(), "target_logit"_a.noconvert(), nb::kw_only(), "stream"_a = 0,
+        "device"_a = nb::none(),
+        "Per row of logits ([rows, vocab], float32/bfloat16/float16): lse[r] = logsumexp(x[r])\n"
+        "and target_logit[r] = x[r, targets[r]] (float32 [rows]; targets int64 in [0, vocab)).\n"
+        "All CUDA, contiguous, on `device`. Asynchronous on `stream`; GIL released.");
+  m.def("cuda_ce_backward", &cuda_ce_backward, "logits"_a.noconvert(), "targets"_a.noconvert(),
+        "lse"_a.noconvert(), "scale"_a.noconvert(), nb::kw_only(), "stream"_a = 0,
+        "device"_a = nb::none(),
+        "In place: logits[r, c] = exp(x - lse[r]) * scale[r] - (c == targets[r]) * scale[r], rounded\n"
+        "to the logits' dtype: the gradient of sum_r scale[r] * nll[r]. As cuda_ce_forward.");
 }
 
 }  // namespace ramstream::py

@@ -62,7 +62,9 @@ def _grads(fn, h, w, b):
 def test_kernel_path_equals_the_torch_path(fused, chunk, bias):
     h, w, b, t = _case(bias=bias)
     got = _grads(lambda: chunked_cross_entropy(h, w, t, b, chunk_size=chunk), h, w, b)
-    assert fused["forward"] == -(-53 // chunk) and fused["backward"] == fused["forward"]
+    assert fused["forward"] == -(-53 // chunk)
+    # a trained bias takes torch's backward (its float32 sums); without one, the kernel's
+    assert fused["backward"] == (0 if bias else fused["forward"])
     ref = F.cross_entropy(F.linear(h, w, b), t)
     want = [ref.detach()] + list(torch.autograd.grad(ref, [x for x in (h, w, b) if x is not None]))
     for a, r in zip(got, want):

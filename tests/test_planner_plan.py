@@ -223,7 +223,7 @@ def test_step_time_model_by_hand_mapped():
     assert b["h2d_s"] == pytest.approx(12 * n / 50e9) and b["d2h_s"] == pytest.approx(12 * n / 50e9)
     # a GPT block's 20 eager ops per pass are shorter than its GPU time in every pass
     passes = sum(2 + (a == "recompute") for a in m.activations) + 32
-    assert b["issue_exposed_s"] == pytest.approx(passes * 20 * tm.EAGER_OP_S, rel=1e-9)
+    assert b["issue_exposed_s"] == pytest.approx(tm.ISSUE_EXPOSED * passes * 20 * tm.EAGER_OP_S, rel=1e-9)
     lane = b["gpu_compute_s"] + mapped + b["issue_exposed_s"]
     assert b["gpu_lane_s"] == pytest.approx(lane, rel=1e-9)
     assert m.predicted["step_s"] == pytest.approx(lane, rel=1e-9) and m.predicted["bound"] == "mapped_update"

@@ -169,7 +169,10 @@ class _ChunkedCE(torch.autograd.Function):
     def _grads(ctx, grad_out):
         hidden, weight, bias, safe, valid, denom_t, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cdtype, chunk, fused = ctx.cdtype, ctx.chunk, ctx.fused
+        cdtype, chunk = ctx.cdtype, ctx.chunk
+        # a bias gradient summed from the kernel's 16-bit gradient would lose its float32 sums:
+        # with a trained bias the chunk takes torch's path (HF causal LMs have no head bias)
+        fused = ctx.fused and not need_b
         acc = _acc_dtype(cdtype)
         denom = denom_t if denom_t is not None else ctx.denom
         dh = dw = db = None
@@ -188,8 +191,6 @@ class _ChunkedCE(torch.autograd.Function):
                 h = hidden[s:e].to(cdtype)
                 if fused:  # the gradient written over the recomputed logits, in cdtype
                     g = _ce_kernels.backward_(F.linear(h, w, b), safe[s:e], lse[s:e], row_scale[s:e].float())
-                    if need_b:
-                        db += g.sum(0, dtype=acc)
                 else:
                     # d loss / d logits in torch's cross_entropy order: exp(log_softmax) * scale,
                     # then - scale at the target (rows ignored: scale 0); float32, then one cast

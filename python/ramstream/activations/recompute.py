@@ -139,6 +139,17 @@ def recomputes_every_block(model, blocks, device, option, optimizer_mode: str = 
     return auto_checkpointing(model, blocks, device, lambda msg: None, optimizer_mode)
 
 
+def _drop_casts() -> None:
+    torch.clear_autocast_cache()
+
+
+def _autocasting() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    except TypeError:  # pragma: no cover - torch < 2.4
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 class Recompute:
     """Checkpoints the forward of `blocks[i]` for i in `indices`; close() restores them."""
 
@@ -154,7 +165,13 @@ class Recompute:
             def run(*args, _fwd=fwd, **kwargs):
                 if not torch.is_grad_enabled():
                     return _fwd(*args, **kwargs)
-                return checkpointed(_fwd, *args, **_without_cache(kwargs))
+                out = checkpointed(_fwd, *args, **_without_cache(kwargs))
+                if _autocasting():
+                    # autocast keeps the low-precision cast of every weight it casts until the
+                    # outermost region ends: for a recomputed block nothing else holds them (its
+                    # backward casts again), so they would only fill VRAM until the loss
+                    _drop_casts()
+                return out
 
             m.forward = run
             self._patched.append((m, had, orig))

@@ -198,7 +198,10 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
         "stream_window": min(len(ss), STREAM_WINDOW) * max((ctx.weight(sh.blocks[i]) for i in ss), default=0),
         "outside_activations": sh.outside_act_bytes,
     }
-    fwd_only = {"autocast_cache": sh.autocast_cache_bytes, "logits": sh.logits_bytes}
+    fwd_only = {
+        "autocast_cache": sh.autocast_cache_bytes_without(ss | set(ctx.recompute)),
+        "logits": sh.logits_bytes,
+    }
     inflight = min(sh.trained_numel * wb, ctx.inflight_cap)
     acts = [sh.act_bytes(i) for i in range(n)]
     bnd = [sh.boundary_bytes(i) for i in range(n)]

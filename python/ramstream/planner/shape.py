@@ -131,10 +131,16 @@ class ModelShape:
     def autocast_cache_bytes(self) -> int:
         """bf16 copies of the matmul weights autocast keeps during the forward (0 without autocast
         or for a low-precision model); the chunked loss casts the head itself, outside the cache."""
+        return self.autocast_cache_bytes_without(())
+
+    def autocast_cache_bytes_without(self, blocks) -> int:
+        """autocast_cache_bytes less the blocks in `blocks`: wrap() clears the cache after each
+        recomputed or streamed block (their casts have no other holder)."""
         if not self.autocast or self.elem_bytes <= 2:
             return 0
-        n = sum(b.matrix_numel for b in self.blocks) + (self.head.matrix_numel if self.loss == "dense" else 0)
-        return 2 * n
+        skip = set(blocks)
+        n = sum(b.matrix_numel for i, b in enumerate(self.blocks) if i not in skip)
+        return 2 * (n + (self.head.matrix_numel if self.loss == "dense" else 0))
 
     @property
     def tokens(self) -> int:

@@ -216,6 +216,7 @@ class SplitRefiner:
             "mapped_bytes_per_step": m["mapped_bytes"] // n_steps,
             "throttle_s_per_step": m["throttle_s"] / n_steps,
             "step_s": wall_s,
+            "measured": dict(m),  # the window's sums (host_numel, host_s, mapped_*, throttle_s)
         }
         if host <= 0 or pcie <= 0:
             entry["reason"] = "no rate to refine with"

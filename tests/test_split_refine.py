@@ -121,9 +121,9 @@ def _flip(calls):
     return relocate
 
 
-def _window(host_rate, pcie_rate):
-    return lambda: {"host_numel": int(host_rate), "host_s": 1.0, "mapped_numel": 1,
-                    "mapped_s": 1.0, "mapped_bytes": int(pcie_rate), "throttle_s": 0.25}  # fmt: skip
+def _window(host_rate, pcie_rate, wall_s=1.0):
+    return lambda: {"host_numel": int(host_rate), "host_s": 1.0, "mapped_numel": 1, "mapped_s": 1.0,
+                    "mapped_bytes": int(pcie_rate), "throttle_s": 0.25, "wall_s": wall_s}  # fmt: skip
 
 
 def test_one_refinement_moves_logs_records_and_a_second_settles():
@@ -176,6 +176,25 @@ def test_at_most_max_refinements_even_when_every_window_asks_for_a_move():
     ramstream.unwrap(model)
 
 
+def test_a_move_that_made_the_measured_step_slower_is_undone_and_settles():
+    model, opt = _wrapped()
+    calls = []
+    windows = iter([_window(1, 1e12, wall_s=1.0), _window(1, 1e12, wall_s=1.0 * (1 + 2 * refine.MIN_GAIN))])
+    r = SplitRefiner(opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls))
+    for steps in range(1, 12):
+        r.after_step(steps)
+    assert [h["change"] for h in opt.plan_history] == ["optimizer split refined", "optimizer split reverted"]
+    undo = opt.plan_history[1]
+    assert undo["step"] == 6 and undo["step_s_before"] == 0.5 and undo["step_s"] == pytest.approx(0.55)
+    assert undo["moved_buckets"] == len(opt._engine.buckets) and r.settled
+    assert all(b.placement == "host" for b in opt._engine.buckets) and opt._engine.mapped_numel == 0
+    report = ramstream.memory_report(model)
+    assert [h["change"] for h in report["plan"]["optimizer"]["split"]["refinements"]] == [
+        "optimizer split refined", "optimizer split reverted"]  # fmt: skip
+    assert any("moved back, split settled" in line for line in report["events"])
+    ramstream.unwrap(model)
+
+
 def test_running_out_of_memory_keeps_the_bucket_and_the_rest_where_they_were():
     model, opt = _wrapped()
     calls = []
@@ -210,8 +229,9 @@ def test_the_host_rate_is_measured_from_the_engine_in_training():
     (entry,) = opt.plan_history
     assert entry["rate_sources"]["host"] == "measured" and entry["rate_sources"]["pcie"] == "isolated"
     assert entry["host_s_per_step"] > 0 and entry["mapped_s_per_step"] == 0
-    m = entry["measured"]  # steps 3-4, and what of step 2's jobs finished after it returned
-    assert 2 * numel <= m["host_numel"] <= 3 * numel and m["mapped_numel"] == 0
+    m = entry["measured"]  # steps 3-4
+    assert m["host_numel"] == 2 * numel and m["mapped_numel"] == 0  # the window opens drained
+    assert entry["step_s"] == pytest.approx(m["wall_s"] / 2) and m["wall_s"] > 0
     assert entry["host_params_per_s"] == pytest.approx(m["host_numel"] / m["host_s"])
     assert entry["change"] == "optimizer split refined" and {c[2] for c in calls} == {"mapped"}
     for b in opt._engine.buckets:

@@ -6,8 +6,11 @@ share and of the gradients shares the host's memory bandwidth) and the mapped ke
 differs from a lone copy's, so the crossing point moves. Schedule (SWITCH_AFTER_STEPS = 2 in
 optim.py): the VRAM share is decided after step 2; steps 3-4 are measured; after step 4 the split
 is solved again and, when that is worth it, buckets move; a refinement that moved buckets is
-measured over the next MEASURE_STEPS and refined once more; then the split settles (at most
-MAX_REFINEMENTS, never a measurement after that).
+measured over the next MEASURE_STEPS and refined once more, unless that window's measured step
+took more than MIN_GAIN longer than the window before the move: then the move is undone (the model
+below leaves out what a mapped share costs the GPU lane, planner/timing.py). Then the split settles
+(at most MAX_REFINEMENTS decisions, no measurement after that: no oscillation). Each window starts
+after a synchronize (two or three pipeline drains in all, the one before the move included).
 
 Measured over the window, per rate:
   host:   elements the host AdamW updated / seconds it spent (stats host_updated_numel, and
@@ -18,6 +21,8 @@ Measured over the window, per rate:
           per bucket and step, only inside the window; read after the synchronize the move needs
           anyway). The rate is what the kernel achieved beside the gradients' and weights' copies.
 Without host (or mapped) buckets in the window the isolated rate stands in (sources says which).
+The record's per-step seconds are the window's sums over its steps (a job of the step before the
+window that finishes inside it counts there; the rates, ratios of sums, are not biased by it).
 
 The decision (choose_refined): the same model as split.choose_mapped_fraction, minimised over
 bucket boundaries instead of a continuous fraction. Movable buckets (not streamed, not "device",
@@ -78,12 +83,24 @@ def choose_refined(
     now = {b.index: b.placement for b in buckets}
     cur_host, cur_pcie = _times(buckets, lambda b: now[b.index], host_params_per_s, pcie_bytes_per_s)
     t_now = max(cur_host, cur_pcie)
+    # every boundary k in one pass: the fixed part (streamed host buckets; "device" adds nothing),
+    # then the movable buckets' elements on the host and their bytes each way, host and mapped
+    fixed_host, fixed_pcie = _times(
+        [b for b in buckets if not _movable(b)], lambda b: b.placement, 1.0, 1.0
+    )
+    host_left = sum(b.numel for b in movable)
+    pcie_left = sum(b.numel * _bytes(b)[0] for b in movable)
+    pcie_mapped = 0
     best = None
     for k in range(len(movable) + 1):
-        mapped = {b.index for b in movable[:k]}
-        place = lambda b: "mapped" if b.index in mapped else ("host" if _movable(b) else now[b.index])  # noqa: E731
-        th, tp = _times(buckets, place, host_params_per_s, pcie_bytes_per_s)
-        if best is None or max(th, tp) < best[0] - 1e-12:
+        if k:
+            b = movable[k - 1]
+            host_left -= b.numel
+            pcie_left -= b.numel * _bytes(b)[0]
+            pcie_mapped += b.numel * _bytes(b)[1]
+        th = (fixed_host + host_left) / host_params_per_s
+        tp = (fixed_pcie + pcie_left + pcie_mapped) / pcie_bytes_per_s
+        if best is None or max(th, tp) < best[0] * (1 - 1e-12):
             best = (max(th, tp), k, th, tp)
     t_new, k, t_host, t_pcie = best
     move = t_now > 0 and t_new < (1.0 - min_gain) * t_now
@@ -130,10 +147,15 @@ class SplitRefiner:
         self.settled = False
         self._open_at: int | None = None
         self._snap: dict = {}
+        self._t_end = 0.0  # when the window's last step returned
+        self._before: dict | None = None  # placements and step_s before the last refinement
 
     # ---- the window -------------------------------------------------------------------------------
     def _open(self, steps: int) -> None:
+        """Starts a window from a drained pipeline (every window alike: its first step does not
+        inherit the last one's queued updates, its own last queued updates count)."""
         e = self.opt._engine
+        self.opt.synchronize()
         self._open_at = steps
         self._snap = {k: e.stats[k] for k in ("host_update_s", "host_land_s", "host_updated_numel", "throttle_s")}
         self._snap["t"] = time.perf_counter()
@@ -151,6 +173,7 @@ class SplitRefiner:
             "mapped_s": mapped_s,
             "mapped_bytes": mapped_bytes,
             "throttle_s": st["throttle_s"] - s0["throttle_s"],
+            "wall_s": self._t_end - s0["t"],  # the window's steps, up to the last one's return
         }
 
     def _stop(self) -> None:
@@ -171,16 +194,41 @@ class SplitRefiner:
             return
         if steps - self._open_at < MEASURE_STEPS:
             return
-        wall = time.perf_counter() - self._snap["t"]
-        self.opt.synchronize()
+        self._t_end = time.perf_counter()
+        self.opt.synchronize()  # relocate needs it (its seconds are not the window's)
         m = self.measured()
         n_steps = steps - self._open_at
-        moved = self._refine(m, first=self._open_at + 1, last=steps, wall_s=wall / n_steps)
+        first, step_s = self._open_at + 1, m["wall_s"] / n_steps
         self.refinements += 1
+        before = self._before
+        if before is not None and step_s > before["step_s"] * (1 + MIN_GAIN):
+            self._revert(before, m, first=first, last=steps, step_s=step_s)
+            self._stop()
+            return
+        placements = [b.placement for b in self.opt._engine.buckets]
+        moved = self._refine(m, first=first, last=steps, wall_s=step_s)
+        self._before = {"placements": placements, "step_s": step_s}
         if moved and self.refinements < MAX_REFINEMENTS:
             self._open(steps)
         else:
             self._stop()
+
+    def _revert(self, before: dict, m: dict, *, first: int, last: int, step_s: float) -> None:
+        """The measured step got slower after the last move (what the model leaves out: the
+        mapped kernel's seconds on the GPU, the issue time): the placements go back, settled."""
+        opt, e = self.opt, self.opt._engine
+        moved = self._move(before["placements"])
+        e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
+        opt.plan_history.append({
+            "step": last, "change": "optimizer split reverted", "measured_steps": [first, last],
+            "refinement": self.refinements, "step_s": step_s, "step_s_before": before["step_s"],
+            "measured": dict(m), "moved_buckets": moved,
+        })  # fmt: skip
+        opt._log(
+            f"optimizer_mode=auto after step {last}: steps {first}-{last} took {step_s:.3f} s/step, "
+            f"{step_s / before['step_s'] - 1:.0%} more than before the last refinement "
+            f"({before['step_s']:.3f}); {moved} buckets moved back, split settled"
+        )
 
     def _rates(self, m: dict) -> tuple[float, float, dict]:
         alone = self.opt.split_info
@@ -209,7 +257,7 @@ class SplitRefiner:
             "step": last,
             "change": "keep optimizer split",
             "measured_steps": [first, last],
-            "refinement": self.refinements + 1,
+            "refinement": self.refinements,
             "rate_sources": src,
             "host_s_per_step": m["host_s"] / n_steps,
             "mapped_s_per_step": m["mapped_s"] / n_steps,
@@ -273,12 +321,10 @@ class SplitRefiner:
                 self.opt._log(f"optimizer split refinement: bucket {b.index} stays {was} (page-lock budget)")
                 break
             moved += 1
-        if e.dev.type == "cuda":
-            torch.cuda.empty_cache()
         return moved
 
 
-REFINED = ("optimizer split refined", "keep optimizer split")  # plan_history's changes here
+REFINED = ("optimizer split refined", "keep optimizer split", "optimizer split reverted")  # plan_history's changes here
 
 
 def split_report(opt) -> dict:

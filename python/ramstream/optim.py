@@ -56,7 +56,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         mode: "cpu" (host threads update, state in host RAM), "gpu" (the CUDA kernel updates
             state kept in pinned host memory over PCIe; the host CPU does nothing) or "auto"
-            (a share of each, from measured host and PCIe rates). On a CPU device "auto" updates
+            (a share of each, from measured host and PCIe rates, solved again from the rates
+            measured in training after step 4, engine/refine.py). On a CPU device "auto" updates
             on the host and "gpu" raises ValueError; with `distributed` every mode updates on
             the host.
         max_grad_norm: clip by the global norm like torch.nn.utils.clip_grad_norm_ (None: off).
@@ -195,6 +196,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             eager_updates=eager_updates,
             streamed=_streamed,
         )
+        from .engine.refine import make_refiner
+
+        # "auto": the host / mapped split solved again from the rates of steps 3-4 (refine.py)
+        self._refiner = make_refiner(self, SWITCH_AFTER_STEPS)
         self._had_grads = False
         from .clipping import register
 
@@ -250,6 +255,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             e.synchronize()
         if self.offload == "auto" and e.stats["steps"] == SWITCH_AFTER_STEPS:
             self._maybe_go_resident()
+        if self._refiner is not None:
+            self._refiner.after_step(e.stats["steps"])
         self._after_step()
         return loss
 
@@ -353,7 +360,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         return out
 
     def stats(self) -> dict:
-        """steps, bytes_d2h, bytes_h2d, host_update_s, host_land_s, wait_s, waits, throttle_s
+        """steps, bytes_d2h, bytes_h2d, host_update_s, host_updated_numel (elements the host AdamW
+        updated in that time), host_land_s, wait_s, waits, throttle_s
         (backward waiting on max_inflight_bytes), gpu_updates, grad_hook_calls, eager_updates
         (bucket updates run during backward); TrainStream's names: grad_bytes_offloaded
         (= bytes_d2h), param_bytes_uploaded (= bytes_h2d), guard_waits (= waits: reads that

@@ -446,6 +446,8 @@ def memory_report(model: torch.nn.Module) -> dict:
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
+    from .engine.refine import split_report
+
     e = w.optimizer._engine
     host_state = sum(
         t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
@@ -495,6 +497,7 @@ def memory_report(model: torch.nn.Module) -> dict:
                     )
                 },
                 "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
+                "split": split_report(w.optimizer),  # optimizer_mode="auto" (engine/refine.py)
             },
             "history": list(w.plan.get("history", [])) + list(w.optimizer.plan_history),
             "activations": w.activations.report() if w.activations is not None else None,

@@ -109,6 +109,7 @@ class Engine:
             "bytes_d2h": 0,
             "bytes_h2d": 0,
             "host_update_s": 0.0,
+            "host_updated_numel": 0,  # elements the host AdamW updated (with host_update_s: its rate)
             "host_land_s": 0.0,
             "wait_s": 0.0,
             "waits": 0,

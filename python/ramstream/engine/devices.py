@@ -166,8 +166,10 @@ class CudaDevice:
         self.upd.wait_stream(torch.cuda.current_stream(self.device))
         return self._upd_handle
 
-    def end_update(self):
-        ev = torch.cuda.Event()
+    def end_update(self, timing: bool = False):
+        """An event on the update stream after the work queued there (timing=True: one that
+        elapsed_time() can read, for the split's measured refinement, engine/refine.py)."""
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(self.upd)
         return ev
 

@@ -16,12 +16,17 @@ class MappedUpdates:
         self.dev, self.device, self.seed = dev, device, seed
         self.inflight, self.weights, self.stats = inflight, weights, stats
         self._norm = None  # float64 device scalar: sum of squared mapped gradients
+        # a list while the split's refinement measures (engine/refine.py): (start event, end
+        # event, numel, PCIe bytes each way) of every mapped bucket's launch; None otherwise
+        self.timing: list | None = None
 
     def launch(self, b, slots, hyper_of, grad_scale: float) -> None:
         """Queues the CUDA AdamW of mapped slots on the update stream (after the compute that
         produced their gradients); their gradients are released once it has run."""
         self.inflight.throttle(sum(s.param.grad.nbytes for s in slots))
         stream = self.dev.begin_update()
+        timed = self.timing is not None and b.placement == "mapped"
+        start = self.dev.end_update(timing=True) if timed else None
         for s in slots:
             g = s.param.grad
             h = hyper_of(s.group)
@@ -56,9 +61,25 @@ class MappedUpdates:
             g.record_stream(self.dev.upd)
             s.param.grad = None
         self.stats["gpu_updates"] += len(slots)
-        event = self.dev.end_update()
+        event = self.dev.end_update(timing=timed)
+        if timed:  # the moments (and a low-precision model's fp32 master) cross PCIe each way
+            numel = sum(s.numel for s in slots)
+            per = 2 * b.exp_avg.element_size() + (4 if b.master is not None else 0)
+            self.timing.append((start, event, numel, numel * per))
         self.inflight.track(event, sum(s.numel for s in slots) * b.dtype.itemsize)
         self.weights.updated_in_place(b, event)
+
+    def take_timing(self) -> tuple[float, int, int]:
+        """After the update stream has finished (synchronize): (seconds, numel, PCIe bytes each
+        way) of the mapped launches timed since the last call."""
+        seconds, numel, nbytes = 0.0, 0, 0
+        for start, end, n, nb in self.timing or ():
+            seconds += start.elapsed_time(end) / 1e3
+            numel += n
+            nbytes += nb
+        if self.timing is not None:
+            self.timing = []
+        return seconds, numel, nbytes
 
     def norm_add(self, g: torch.Tensor) -> None:
         """Adds the squared norm of a mapped slot's gradient to a device scalar (clipping)."""

@@ -134,6 +134,7 @@ class Updater:
         ranges = update(b, pieces, hypers, grad_scale, accumulate, out, self.seed)
         t1 = time.perf_counter()
         self.stats["host_update_s"] += t1 - t0
+        self.stats["host_updated_numel"] += sum(p.numel for p in pieces)
         tr = _trace_current()
         if tr is not None:
             tr.span("host optimizer", f"adamw bucket {b.index}", t0, t1, bucket=b.index)

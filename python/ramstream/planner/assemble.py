@@ -8,6 +8,12 @@ from .timing import step_of
 _GIB = 2**30
 
 
+def _refined(split: dict, total: int) -> dict:
+    mapped = split.get("refined_mapped", split["mapped"])
+    host = split["host"] + split["mapped"] - mapped
+    return {"device": split["device"] / total, "mapped": mapped / total, "host": host / total}
+
+
 def line(name: str, parts: dict, have: int, what: str) -> str:
     body = " + ".join(f"{k} {v / _GIB:.2f}" for k, v in parts.items() if v)
     need = sum(parts.values())
@@ -47,6 +53,8 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
             "moment_dtype": c["moment"],
             "split": {k: split[k] / total for k in ("device", "mapped", "host")},
             "numel": {k: split[k] for k in ("device", "mapped", "host")},
+            # engine/refine.py's settled split if the rates under load are timing.py's (estimate)
+            "refined_split": _refined(split, total),
         },
         quantize=ctx.quant,
         memory={"vram": vram, "ram": ram, "pinned": pinned},

@@ -2,7 +2,8 @@
 does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
 (activations/recompute.py auto_checkpointing), the resident switch (engine/resident.py
 resident_peak) and the optimizer state's split between VRAM, the GPU over PCIe and the host
-(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction). Pure functions.
+(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction; the measured
+refinement after step 4, engine/refine.py, as an estimate: refined_fraction). Pure functions.
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def optimizer_split(
     """Numel per placement after step 2 (vram_share.maybe_share): "device" for the first params
     whose state (2 moments + an fp32 master for a low-precision model) fits in `room`; the rest
     "mapped" by choose_mapped_fraction (mode "auto"), all of it (mode "gpu") or none ("cpu"), the
-    others "host". Trained params of streamed blocks stay on the host."""
+    others "host". Trained params of streamed blocks stay on the host. "refined_mapped": the
+    mapped numel after the measured refinement of steps 3-4 (refined_fraction), an estimate
+    reported beside the plan; the predicted step stays the split of step 2's (module docstring of
+    timing.py: the H200 rows it is calibrated on were measured before the refinement existed)."""
     master = 4 if wb < 4 else 0
     movable = max(0, trained - streamed_trained)
     dev = 0
@@ -94,6 +98,9 @@ def optimizer_split(
             master_on_host=wb < 4,
         )
     mapped = int(math.floor(f * rest))
+    refined = mapped
+    if mode == "auto" and rest and prof.vram_total:
+        refined = int(math.floor(rest * refined_fraction(rest, prof, wb=wb, mb=mb)))
     return {
         "device": dev,
         "mapped": mapped,
@@ -101,4 +108,23 @@ def optimizer_split(
         "mapped_fraction_of_rest": f,
         "device_bytes_per_param": 2 * mb + master,
         "split_estimate_s": info.get("t_estimate_s"),
+        "refined_mapped": refined,
     }
+
+
+def refined_fraction(rest: int, prof, *, wb: int, mb: int) -> float:
+    """The mapped fraction of `rest` the engine's measured refinement (engine/refine.py, after
+    step 4) settles on if the rates under load are the step-time model's: the host AdamW at
+    timing.HOST_UNDER_DMA of the profile's rate, the mapped kernel at timing.MAPPED_EFFICIENCY
+    of the H2D rate. Same crossing as choose_mapped_fraction, loaded rates instead of isolated."""
+    from .timing import HOST_UNDER_DMA, MAPPED_EFFICIENCY
+
+    f, _ = choose_mapped_fraction(
+        numel=rest,
+        host_params_per_s=prof.adamw_gbps * 1e9 / HOST_STATE_BYTES * HOST_UNDER_DMA,
+        pcie_bytes_per_s=prof.h2d_gbps * 1e9 * MAPPED_EFFICIENCY,
+        working_bytes=wb,
+        moment_bytes=mb,
+        master_on_host=wb < 4,
+    )
+    return f

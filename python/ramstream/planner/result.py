@@ -23,7 +23,8 @@ class Plan:
     weights: dict  # {"resident": [block indices], "streamed": [block indices]}
     activations: list  # per block: "keep", "page" or "recompute"
     optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
-    #                  "split": shares {"device", "mapped", "host"}, "numel": the same in params}
+    #                  "split": shares {"device", "mapped", "host"}, "numel": the same in params,
+    #                  "refined_split": the shares engine/refine.py is estimated to settle on}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}

@@ -51,6 +51,15 @@ flight, up to the engine's max_inflight_bytes; the host share's last buckets) is
 Paged activations expose (1 - ACT_OVERLAP) of their copies on top. The CPU engine (no GPU in
 the profile) computes and updates on the same cores: its step is their sum.
 
+The split these lanes time is the one wrap() takes after step 2 (policy.optimizer_split: the
+isolated rates of split.py). Since then the engine solves the host / mapped split again from the
+rates it measured in steps 3-4 (engine/refine.py), minimising max(host AdamW, mapped PCIe) at the
+rates under load; policy.refined_fraction estimates where that settles from HOST_UNDER_DMA and
+MAPPED_EFFICIENCY (the plan's optimizer["refined_split"]). The predicted step still times the
+step-2 split: the refinement's model ignores what the lanes here add to the mapped update (its
+kernel's seconds on the gpu lane, the eager issue time), and the H200 rows this model is
+calibrated on were measured before the refinement; re-measure them, then time the refined split.
+
 The constants and their measurements are next to them; tests/test_planner_h200.py holds the
 H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
 uncapped).

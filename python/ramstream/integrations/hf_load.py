@@ -12,12 +12,23 @@ import torch.nn as nn
 
 from ..quant.model import parse_block_size, parse_format
 from ..quant.packed import quantizable, quantize_module_
+from ..ops.quant import quantize_into_
 from .safetensors_files import checkpoint_files, read_header
+from .tensor_reads import read_into, run_bounded, usable_cores, with_range
 
 __all__ = ["load_model"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_REOPEN_BYTES = 16 << 20  # a file is re-opened after this much is read: its mapped pages leave RSS
+# Tensors are read by up to _WORKERS threads (no more than the usable cores) in pieces
+# (block-aligned where they are packed); the bytes read and not yet turned into what the model
+# keeps stay within 1/_WORKING_SHARE of the loaded model's size (at least _MIN_CAP, at most
+# _WORKERS pieces of _CHUNK_BYTES), and a piece is at most that cap / workers, so that every
+# worker has one: the peak RSS stays close to the model's own size.
+_CHUNK_BYTES = 64 << 20
+_WORKERS = 4
+_WORKING_SHARE = 16
+_MIN_CAP = 4 << 20
+_MIN_PIECE = 1 << 16
 
 
 def _available_ram() -> int:
@@ -145,7 +156,7 @@ def _plan(headers, owners, prefix):
     """{file: [(key, owners entry id)]} and the model names no file provides."""
     by_name = {o[2]: pid for pid, os_ in owners.items() for o in os_}
     plan, found = {}, set()
-    for path, header in headers.items():
+    for path, (header, _start) in headers.items():
         rows = []
         for key in header:
             name = key if key in by_name else None
@@ -209,9 +220,10 @@ def load_model(
     """A Hugging Face causal LM (AutoModelForCausalLM) from a local folder or the HF cache holding
     config.json and .safetensors files (one, or shards with model.safetensors.index.json).
 
-    The model is built without memory (parameters on the meta device), then filled tensor by
-    tensor from the memory-mapped files: each frozen weight of the block stack is packed as
-    ``quantize`` codes right after it is read (int8/NF4; ``"auto"``: only when the model in
+    The model is built without memory (parameters on the meta device), then filled from the
+    files by a few threads, piece by piece (tensor_reads.py; a cap on the bytes in flight,
+    results installed in file order whatever the thread timing): each frozen weight of the block
+    stack is packed as ``quantize`` codes right after it is read (int8/NF4; ``"auto"``: only when the model in
     ``dtype`` does not fit in ``ram_fraction`` of the available RAM, int8 before NF4), so the
     full-precision base never exists in RAM at once. Packed weights are frozen; the others keep
     requires_grad=True, as from_pretrained leaves them. With ``quantize="none"`` the result equals
@@ -230,7 +242,7 @@ def load_model(
     """
     fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction)
     folder = _resolve(name_or_path)
-    headers = {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}
+    headers = {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}  # (header, start)
     from transformers import AutoConfig  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **config_overrides)
@@ -242,13 +254,13 @@ def load_model(
     except ValueError:
         blocks = []
     targets = {id(m): m for b in blocks for m in b.modules() if quantizable(m)}
-    fmt, _sizes = _decide(fmt, model, list(targets.values()), block, ram_fraction)
+    fmt, sizes = _decide(fmt, model, list(targets.values()), block, ram_fraction)
     owners = _owners(model)
     weight_of = {id(m._parameters["weight"]): m for m in targets.values()}
     if random_weights:
         _fill_random(model, owners, weight_of, fmt, block)
     else:
-        _fill(model, headers, owners, weight_of, fmt, block)
+        _fill(model, headers, owners, weight_of, fmt, block, int(sizes[fmt]))
     left = [
         n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"
     ]
@@ -260,13 +272,11 @@ def load_model(
     return model
 
 
-def _fill(model, headers, owners, weight_of, fmt, block):
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
-
+def _fill(model, headers, owners, weight_of, fmt, block, model_bytes):
     plan, missing = _plan(headers, owners, getattr(model, "base_model_prefix", ""))
     for path, rows in plan.items():  # shapes, before anything is read
         for key, pid in rows:
-            want, got = tuple(_current(owners[pid]).shape), tuple(headers[path][key]["shape"])
+            want, got = tuple(_current(owners[pid]).shape), tuple(headers[path][0][key]["shape"])
             if got != want:
                 raise ValueError(
                     f"load_model(): {path}, tensor {key!r} has shape {got}, the config's model expects {want} "
@@ -276,26 +286,24 @@ def _fill(model, headers, owners, weight_of, fmt, block):
         raise ValueError(
             f"load_model(): the checkpoint lacks {len(missing)} tensor(s) of the model: {', '.join(missing[:8])}"
         )
+    workers = max(1, min(_WORKERS, usable_cores()))
+    cap = max(_MIN_CAP, min(model_bytes // _WORKING_SHARE, workers * _CHUNK_BYTES))
+    chunk = max(_MIN_PIECE, cap // workers)
     bar = _progress(sum(len(r) for r in plan.values()), "load_model")
-    for path, rows in plan.items():
-        done = 0
-        while done < len(rows):
-            try:
-                with safe_open(path, framework="pt", device="cpu") as f:
-                    read = 0
-                    while done < len(rows) and read < _REOPEN_BYTES:
-                        key, pid = rows[done]
-                        t = f.get_tensor(key)
-                        read += t.nbytes
-                        _store(owners[pid], t, weight_of.get(pid), fmt, block)
-                        del t
-                        done += 1
-                        if bar is not None:
-                            bar.update(1)
-            except SafetensorError as e:
-                raise ValueError(f"load_model(): {path}, tensor {rows[done][0]!r}: {e}") from None
-    if bar is not None:
-        bar.close()
+
+    def jobs():
+        for path, rows in plan.items():
+            header, start = headers[path]
+            for key, pid in rows:
+                module = weight_of.get(pid) if fmt in ("int8", "nf4") else None
+                info, entries = header[key], owners[pid]
+                yield from _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar)
+
+    try:
+        run_bounded(jobs(), workers=workers, cap=cap)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _current(entries) -> torch.Tensor:
@@ -303,16 +311,88 @@ def _current(entries) -> torch.Tensor:
     return m._parameters[attr] if attr in m._parameters else m._buffers[attr]
 
 
-def _store(entries, t, module, fmt, block):
-    """``t`` views the memory-mapped file: what is kept is a copy, so that no tensor holds the
-    mapping (and the pages it touched, counted in RSS) once the file is closed."""
+def _named(path, key, fn):
+    """fn, with its errors naming the file and the tensor (ValueError; MemoryError stays one)."""
+
+    def run():
+        try:
+            fn()
+        except MemoryError as e:
+            e.add_note(f"load_model(): while reading {path}, tensor {key!r}")
+            raise
+        except (OSError, ValueError, TypeError, RuntimeError, BufferError) as e:
+            raise ValueError(f"load_model(): {path}, tensor {key!r}: {e}") from None
+
+    return run
+
+
+def _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar):
+    """The jobs (size, work, done) that read one tensor in pieces of about ``chunk`` bytes into
+    what the model keeps:
+    packed codes (``module``: the Linear it packs into) or a tensor of the model's dtype (a float
+    cast to the skeleton's float dtype, as from_pretrained does; other dtypes as stored). The
+    outputs are allocated here, on the calling thread; the last piece's done installs them. No
+    tensor keeps a view of the file: a kept tensor is always a copy."""
     old = _current(entries)
-    if t.is_floating_point() and old.is_floating_point():
-        t = t.to(old.dtype)
-    if module is not None and fmt in ("int8", "nf4"):
-        quantize_module_(module, fmt, block, weight=t)
-        return
-    _place(entries, t.clone(memory_format=torch.contiguous_format), getattr(old, "requires_grad", False))
+    src = _torch_dtype(info["dtype"])
+    dst = old.dtype if src.is_floating_point and old.is_floating_point() else src
+    shape, (b0, b1) = tuple(info["shape"]), info["data_offsets"]
+    n, width, base = b1 - b0, src.itemsize, start + b0
+    numel = n // width
+    if module is not None:
+        nf4 = fmt == "nf4"
+        codes = torch.empty((numel + 1) // 2 if nf4 else shape, dtype=torch.uint8 if nf4 else torch.int8)
+        absmax = torch.empty(-(-numel // block), dtype=torch.float32)
+        flat_codes = codes.view(-1)
+        step = max(block, chunk // width // block * block)  # elements, a multiple of block
+
+        def piece(e0, e1):
+            def use(raw):
+                x = raw.view(src)
+                if dst != src:
+                    x = x.to(dst)  # the values quantize_model would see after from_pretrained's cast
+                c = flat_codes[e0 // 2 : (e1 + 1) // 2] if fmt == "nf4" else flat_codes[e0:e1]
+                quantize_into_(fmt, x, c, absmax[e0 // block : -(-e1 // block)], block)
+
+            return lambda: with_range(path, base + e0 * width, (e1 - e0) * width, use, width)
+
+        def done():
+            meta = torch.empty(shape, dtype=dst, device="meta")
+            quantize_module_(module, fmt, block, weight=meta, packed=(codes, absmax))
+
+        extra = dst.itemsize if dst != src else 0
+    else:
+        out = torch.empty(shape, dtype=dst)
+        flat = out.view(-1)
+        step = max(1, chunk // width)
+
+        def piece(e0, e1):
+            if dst == src:  # straight from the page cache into the kept tensor: nothing mapped
+                return lambda: read_into(path, base + e0 * width, flat[e0:e1])
+
+            def use(raw):
+                flat[e0:e1].copy_(raw.view(src))  # the cast is the copy
+
+            return lambda: with_range(path, base + e0 * width, (e1 - e0) * width, use, width)
+
+        def done():
+            _place(entries, out, getattr(old, "requires_grad", False))
+
+        extra = 0
+    cuts = list(range(0, numel, step)) + [numel] if numel else [0, 0]
+    for i in range(len(cuts) - 1):
+        e0, e1 = cuts[i], cuts[i + 1]
+        last = i == len(cuts) - 2
+        fin = None
+        if last:
+
+            def fin(done=done):
+                done()
+                if bar is not None:
+                    bar.update(1)
+
+            fin = _named(path, key, fin)
+        yield (e1 - e0) * (width + extra), _named(path, key, piece(e0, e1)), fin
 
 
 def _fill_random(model, owners, weight_of, fmt, block):

@@ -45,7 +45,9 @@ def checkpoint_files(folder: str) -> list[str]:
     )
 
 
-def read_header(path: str) -> dict[str, dict]:
-    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file, checked against the
-    file's size (_tensorfile.read_header). ValueError naming the file (and the tensor) otherwise."""
-    return _tensorfile.read_header(path, "load_model()")[0]
+def read_header(path: str) -> tuple[dict[str, dict], int]:
+    """({tensor name: {"dtype", "shape", "data_offsets"}}, file offset of the data) of a safetensors
+    file, checked against the file's size (_tensorfile.read_header); a tensor's bytes lie at
+    data offset + data_offsets. ValueError naming the file (and the tensor) otherwise."""
+    header, _meta, start = _tensorfile.read_header(path, "load_model()")
+    return header, start

@@ -204,6 +204,25 @@ def quantize_int8(x: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, 
     return codes, absmax
 
 
+def quantize_into_(
+    fmt: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block_size: int
+) -> None:
+    """Quantizes host ``x`` (n elements) into given outputs, as quantize_nf4 / quantize_int8 would
+    make them: ``fmt`` "nf4": ``codes`` uint8 of ceil(n / 2) bytes; "int8": int8 of n elements;
+    ``absmax`` float32 of ceil(n / block_size). All contiguous CPU tensors. Slices of one larger
+    tensor's outputs may be filled piece by piece: blocks are independent, so a piece that starts
+    at a multiple of block_size gets the same bytes as the whole. Releases the GIL; thread-safe
+    (concurrent calls share the host thread pool, one after another)."""
+    op = "quantize_nf4" if fmt == "nf4" else "quantize_int8"
+    block_size = _check_block_size(op, block_size)
+    _check_tensor(op, "x", x, _FLOAT_DTYPES, _FLOAT_NAMES)
+    _check_host_input(op, x)
+    want = torch.uint8 if fmt == "nf4" else torch.int8
+    _check_tensor(op, "codes", codes, (want,), str(want).removeprefix("torch."))
+    _check_tensor(op, "absmax", absmax, (torch.float32,), "float32")
+    (lib().quantize_nf4 if fmt == "nf4" else lib().quantize_int8)(x.detach(), codes, absmax, block_size)
+
+
 def dequantize_int8(
     codes: torch.Tensor,
     absmax: torch.Tensor,

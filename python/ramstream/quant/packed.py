@@ -199,12 +199,21 @@ def _pack(weight: torch.Tensor, fmt: str, block_size: int) -> tuple[torch.Tensor
 
 
 def quantize_module_(
-    module: nn.Module, fmt: str, block_size: int, weight: torch.Tensor | None = None, *, pin: bool = False
+    module: nn.Module,
+    fmt: str,
+    block_size: int,
+    weight: torch.Tensor | None = None,
+    *,
+    pin: bool = False,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
     """Replaces the module's weight parameter by packed codes + float32 absmax buffers (on the
     weight's device; pinned host memory when ``pin``) and returns their bytes. ``weight``: the
     values to pack instead of the module's own (load_model passes what it read; the module's
-    weight may then be on the meta device). Nothing changes when packing raises."""
+    weight may then be on the meta device). ``packed``: (codes, absmax) already made from
+    ``weight`` (as _pack makes them; load_model packs in worker threads), installed as they are;
+    ``weight`` then only gives the shape and dtype (a meta tensor will do). Nothing changes when
+    packing raises."""
     kind = quantizable(module)
     if kind is None:
         raise TypeError(
@@ -219,7 +228,7 @@ def quantize_module_(
     if not src.is_floating_point():
         raise TypeError(f"quantize_module_: weight must be a float tensor, got {src.dtype}")
     device = src.device if src.device.type != "meta" else torch.device("cpu")
-    codes, absmax = _pack(src, fmt, block_size)
+    codes, absmax = _pack(src, fmt, block_size) if packed is None else packed
     if device.type != "cpu":
         codes, absmax = codes.to(device), absmax.to(device)
     elif pin:

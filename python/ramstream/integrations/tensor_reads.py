@@ -1,0 +1,135 @@
+"""Byte ranges of checkpoint files for load_model, and a bounded runner that processes them on a
+few threads: each range is mapped on its own (or read with pread), used and unmapped, so that only
+the ranges in flight count in the process's RSS, never a whole file."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["read_into", "run_bounded", "usable_cores", "with_range"]
+
+_MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _check_size(fd: int, path: str, offset: int, nbytes: int) -> None:
+    size = os.fstat(fd).st_size
+    if offset + nbytes > size:
+        raise ValueError(
+            f"bytes {offset}..{offset + nbytes} lie past the end of the file ({size} bytes): it shrank "
+            "after its header was read"
+        )
+
+
+def read_into(path: str, offset: int, dst: torch.Tensor) -> None:
+    """Fills the contiguous CPU tensor ``dst`` with the file's bytes from ``offset`` (pread: one
+    copy out of the page cache, nothing mapped; the GIL is released while the kernel copies).
+    ValueError when the file ends first. Thread-safe."""
+    n = dst.numel() * dst.element_size()
+    if n == 0:
+        return
+    view = memoryview(dst.view(-1).view(torch.uint8).numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, path, offset, n)
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"the file ended {n - done} bytes early at byte {offset + done}")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor], object], align: int = 1):
+    """``fn(t)`` for a uint8 CPU tensor ``t`` of the file's bytes [offset, offset + nbytes), and
+    its result: ``t`` is a private (copy-on-write) mapping of just those pages, unmapped as soon as
+    ``fn`` returns, so they leave RSS right away; ``fn``'s result must not view ``t``. Small or
+    misaligned ranges (offset not a multiple of ``align``, the element size ``fn`` views them as)
+    are read into a new buffer instead. Thread-safe."""
+    if nbytes < _MAP_MIN or offset % align:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        read_into(path, offset, buf)
+        return fn(buf)
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, path, offset, nbytes)
+        mm = mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
+    finally:
+        os.close(fd)
+    try:
+        return fn(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base))
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # fn kept a view (or a traceback holds one): unmapped when collected
+            pass
+
+
+Job = tuple[int, Callable[[], None], Callable[[], None] | None]
+
+
+def run_bounded(jobs: Iterable[Job], *, workers: int, cap: int, on_admit=None) -> None:
+    """Runs ``work()`` of each job ``(size, work, done)`` on up to ``workers`` threads, admitting a
+    job only while the sizes of the jobs in flight stay within ``cap`` bytes (a job larger than
+    ``cap`` runs when nothing else does); ``done()`` (or None) runs on the calling thread, in the
+    order of ``jobs``, once that job and every job before it have finished, so the results never
+    depend on thread timing. ``jobs`` is consumed lazily (a job is made when it can be admitted).
+    ``on_admit(bytes in flight)``: an observer, for tests.
+
+    The first error (in job order) of a work or done is raised after every job already started has
+    finished; later jobs are not started. No thread is left running."""
+    cond = threading.Condition()
+    state = {"in_flight": 0, "failed": False}
+
+    def run(size: int, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException:
+            state["failed"] = True
+            raise
+        finally:
+            with cond:
+                state["in_flight"] -= size
+                cond.notify_all()
+
+    pending: collections.deque = collections.deque()
+
+    def drain(wait: bool) -> None:
+        while pending and (wait or pending[0][0].done()):
+            fut, done = pending.popleft()
+            fut.result()  # the job's error, if any
+            if done is not None:
+                done()
+
+    pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ramstream-load")
+    try:
+        for size, work, done in jobs:
+            with cond:
+                while state["in_flight"] and state["in_flight"] + size > cap and not state["failed"]:
+                    cond.wait()
+                if state["failed"]:
+                    break
+                state["in_flight"] += size
+                if on_admit is not None:
+                    on_admit(state["in_flight"])
+            pending.append((pool.submit(run, size, work), done))
+            drain(False)
+        drain(True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

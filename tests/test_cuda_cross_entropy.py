@@ -105,7 +105,9 @@ def _run_loss(fused, dtype, autocast, bias, ignore, chunk, vocab=5003, causal=Fa
 @pytest.mark.parametrize(
     "dtype,autocast", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
 )
-@pytest.mark.parametrize("bias,ignore,causal", [(False, False, False), (True, True, False), (False, True, True)])
+@pytest.mark.parametrize(
+    "bias,ignore,causal", [(False, False, False), (True, True, False), (False, True, True)]
+)
 def test_chunked_loss_with_kernels_equals_it_without(dtype, autocast, bias, ignore, causal):
     lf, gf, _ = _run_loss(True, dtype, autocast, bias, ignore, chunk=128, causal=causal)
     lt, gt, (h, w, b, t) = _run_loss(False, dtype, autocast, bias, ignore, chunk=128, causal=causal)

@@ -21,7 +21,11 @@ def _buckets(placements, numel=100, dtype=torch.bfloat16, streamed=()):
     """A bf16 model with fp32 moments: 2 B each way per host element, 12 B per mapped one."""
     return [
         SimpleNamespace(
-            index=i, numel=numel, dtype=dtype, placement=p, streamed=i in streamed,
+            index=i,
+            numel=numel,
+            dtype=dtype,
+            placement=p,
+            streamed=i in streamed,
             exp_avg=torch.empty(0, dtype=torch.float32),
         )  # fmt: skip
         for i, p in enumerate(placements)
@@ -150,14 +154,18 @@ def test_one_refinement_moves_logs_records_and_a_second_settles():
     assert report["plan"]["optimizer"]["split"]["refinements"] == [entry]
     assert not report["plan"]["optimizer"]["split"]["settled"]
     assert entry in report["plan"]["history"]
-    assert any("refined after step 4 from steps 3-4" in line and "buckets moved" in line for line in report["events"])
+    assert any(
+        "refined after step 4 from steps 3-4" in line and "buckets moved" in line for line in report["events"]
+    )
     for steps in range(5, 5 + MEASURE_STEPS):  # measured again: 5-6; nothing better -> kept, settled
         r.after_step(steps)
     assert len(opt.plan_history) == 2 and opt.plan_history[1]["change"] == "keep optimizer split"
     assert opt.plan_history[1]["measured_steps"] == [5, 6] and r.settled and len(calls) == len(e.buckets)
     for steps in range(7, 20):
         r.after_step(steps)
-    assert len(opt.plan_history) == 2 and ramstream.memory_report(model)["plan"]["optimizer"]["split"]["settled"]
+    assert (
+        len(opt.plan_history) == 2 and ramstream.memory_report(model)["plan"]["optimizer"]["split"]["settled"]
+    )
     for b in e.buckets:
         b.placement = "host"
     ramstream.unwrap(model)

@@ -80,8 +80,16 @@ def main(argv=None):
     rows.append({"config": "hf_dense", "ms": t_dense * 1e3, "peak_gib": peak_dense / 2**30, "ratio": 1.0})
     for c in [int(x) for x in a.chunks.split(",")]:
         t, peak, got = _time(_chunked(c), h, w, labels, dev, a.iters, autocast)
-        diff = {k: (x.float() - y.float()).abs().max().item() for k, x, y in zip(("loss", "dh", "dw"), got, ref)}
-        row = {"config": f"chunked_{c}", "ms": t * 1e3, "peak_gib": peak / 2**30, "ratio": t / t_dense, **diff}
+        diff = {
+            k: (x.float() - y.float()).abs().max().item() for k, x, y in zip(("loss", "dh", "dw"), got, ref)
+        }
+        row = {
+            "config": f"chunked_{c}",
+            "ms": t * 1e3,
+            "peak_gib": peak / 2**30,
+            "ratio": t / t_dense,
+            **diff,
+        }
         if a.profile and dev.type == "cuda":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -90,7 +98,9 @@ def main(argv=None):
             row["profile"] = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12)
         rows.append(row)
     print(f"device {dev}; tokens {a.tokens}, hidden {a.hidden}, vocab {a.vocab}, bf16 autocast {autocast}")
-    print(f"{'config':<16}{'ms fwd+bwd':>12}{'peak GiB':>10}{'vs dense':>10}{'max|dloss|':>12}{'max|dh|':>10}{'max|dw|':>10}")
+    print(
+        f"{'config':<16}{'ms fwd+bwd':>12}{'peak GiB':>10}{'vs dense':>10}{'max|dloss|':>12}{'max|dh|':>10}{'max|dw|':>10}"
+    )
     for r in rows:
         print(
             f"{r['config']:<16}{r['ms']:>12.2f}{r['peak_gib']:>10.2f}{r['ratio']:>10.3f}"

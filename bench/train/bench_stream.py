@@ -287,6 +287,12 @@ def _train(args, cfg: dict, res: dict) -> None:
     # seq + 1 tokens for the GPT (inputs and shifted targets); HF shifts the labels itself
     x = torch.randint(0, vocab, (cfg["batch"], cfg["seq"] + (0 if hf else 1)), device=dev)
     warmup = cfg["warmup"] if cfg["warmup"] is not None else args.warmup
+    if kind == "ramstream" and cfg["cap_gib"]:
+        # optimizer_mode="auto" settles after step 2 + MAX_REFINEMENTS x MEASURE_STEPS
+        # (engine/refine.py: the VRAM share, then up to two measured re-splits that move buckets)
+        from ramstream.engine.refine import MAX_REFINEMENTS, MEASURE_STEPS
+
+        warmup = max(warmup, 2 + MAX_REFINEMENTS * MEASURE_STEPS + 1)
     steps = args.steps
     if cuda:  # peak_train_gib: the steps only; peak_gib: the whole process
         res["peak_setup_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30

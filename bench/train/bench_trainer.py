@@ -235,7 +235,10 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
     res["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     steps = [b - c for c, b in zip(times, times[1:])]
     res["step_s"] = steps
-    kept = steps[a.skip :] or steps
+    # the profiled steps (5, 6) and the next one (the profiler's teardown) are not timed
+    profiled = {4, 5, 6} if profile else set()
+    res["untimed_steps"] = sorted(i + 1 for i in profiled)
+    kept = [s for i, s in enumerate(steps) if i >= a.skip and i not in profiled] or steps
     res["s_per_step"] = statistics.median(kept) if kept else None
     if kind == "ramstream":
         import ramstream

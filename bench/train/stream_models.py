@@ -159,4 +159,9 @@ def load_rate(trace_path: str) -> dict:
             end = b
     nbytes = sum(s[2] for s in spans)
     busy = busy_us / 1e6
-    return {"loads": len(spans), "bytes": nbytes, "busy_s": busy, "gbps": nbytes / busy / 1e9 if busy > 0 else None}
+    return {
+        "loads": len(spans),
+        "bytes": nbytes,
+        "busy_s": busy,
+        "gbps": nbytes / busy / 1e9 if busy > 0 else None,
+    }

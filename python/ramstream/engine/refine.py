@@ -85,9 +85,7 @@ def choose_refined(
     t_now = max(cur_host, cur_pcie)
     # every boundary k in one pass: the fixed part (streamed host buckets; "device" adds nothing),
     # then the movable buckets' elements on the host and their bytes each way, host and mapped
-    fixed_host, fixed_pcie = _times(
-        [b for b in buckets if not _movable(b)], lambda b: b.placement, 1.0, 1.0
-    )
+    fixed_host, fixed_pcie = _times([b for b in buckets if not _movable(b)], lambda b: b.placement, 1.0, 1.0)
     host_left = sum(b.numel for b in movable)
     pcie_left = sum(b.numel * _bytes(b)[0] for b in movable)
     pcie_mapped = 0
@@ -106,8 +104,7 @@ def choose_refined(
     move = t_now > 0 and t_new < (1.0 - min_gain) * t_now
     mapped = {b.index for b in movable[:k]} if move else None
     out = [
-        ("mapped" if b.index in mapped else "host") if move and _movable(b) else b.placement
-        for b in buckets
+        ("mapped" if b.index in mapped else "host") if move and _movable(b) else b.placement for b in buckets
     ]
     numel = {p: sum(b.numel for b, w in zip(buckets, out) if w == p and b.exp_avg is not None)
              for p in ("device", "mapped", "host")}  # fmt: skip
@@ -157,7 +154,9 @@ class SplitRefiner:
         e = self.opt._engine
         self.opt.synchronize()
         self._open_at = steps
-        self._snap = {k: e.stats[k] for k in ("host_update_s", "host_land_s", "host_updated_numel", "throttle_s")}
+        self._snap = {
+            k: e.stats[k] for k in ("host_update_s", "host_land_s", "host_updated_numel", "throttle_s")
+        }
         self._snap["t"] = time.perf_counter()
         e.updater.mapped.timing = []
 
@@ -314,8 +313,14 @@ class SplitRefiner:
             except (torch.OutOfMemoryError, MemoryError) as exc:
                 self.opt._log(f"optimizer split refinement: bucket {b.index} stays {was} ({exc})")
                 break
-            if where == "mapped" and e.dev.type == "cuda" and not all(
-                lib().is_arena_pinned(t.data_ptr()) for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None
+            if (
+                where == "mapped"
+                and e.dev.type == "cuda"
+                and not all(
+                    lib().is_arena_pinned(t.data_ptr())
+                    for t in (b.exp_avg, b.exp_avg_sq, b.master)
+                    if t is not None
+                )
             ):  # above the page-lock budget: back to the host before any kernel reads it
                 self.relocate(e, b, was)
                 self.opt._log(f"optimizer split refinement: bucket {b.index} stays {was} (page-lock budget)")
@@ -324,7 +329,11 @@ class SplitRefiner:
         return moved
 
 
-REFINED = ("optimizer split refined", "keep optimizer split", "optimizer split reverted")  # plan_history's changes here
+REFINED = (
+    "optimizer split refined",
+    "keep optimizer split",
+    "optimizer split reverted",
+)  # plan_history's changes here
 
 
 def split_report(opt) -> dict:

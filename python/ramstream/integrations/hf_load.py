@@ -10,9 +10,9 @@ import os
 import torch
 import torch.nn as nn
 
+from ..ops.quant import quantize_into_
 from ..quant.model import parse_block_size, parse_format
 from ..quant.packed import quantizable, quantize_module_
-from ..ops.quant import quantize_into_
 from .safetensors_files import checkpoint_files, read_header
 from .tensor_reads import read_into, run_bounded, usable_cores, with_range
 
@@ -242,7 +242,9 @@ def load_model(
     """
     fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction)
     folder = _resolve(name_or_path)
-    headers = {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}  # (header, start)
+    headers = (
+        {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}
+    )  # (header, start)
     from transformers import AutoConfig  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **config_overrides)

@@ -25,7 +25,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if _state["ok"] is None:
         c = lib()
-        _state["ok"] = bool(c.built_with_cuda() and c.cuda_device_count() > 0 and hasattr(c, "cuda_ce_forward"))
+        _state["ok"] = bool(
+            c.built_with_cuda() and c.cuda_device_count() > 0 and hasattr(c, "cuda_ce_forward")
+        )
     return _state["ok"]
 
 
@@ -40,7 +42,9 @@ def forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
     return lse, tl
 
 
-def backward_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def backward_(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """logits (contiguous [rows, vocab]) become d(sum_r scale[r] * nll[r]) / d logits, in place."""
     dev = logits.device
     _launch(dev, lib().cuda_ce_backward, logits, targets, lse, scale, stream=_stream(dev), device=dev.index)

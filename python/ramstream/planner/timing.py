@@ -152,7 +152,9 @@ def step_times(
     mapped = 0.0
     if mapped_bytes and p.h2d_gbps:
         mapped = mapped_bytes / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
-    issue = ISSUE_EXPOSED * issue if mapped else 0.0  # module docstring: the thread's issue with a mapped share
+    issue = (
+        ISSUE_EXPOSED * issue if mapped else 0.0
+    )  # module docstring: the thread's issue with a mapped share
     act_h2d, act_d2h = _pcie(p, paged_bytes, paged_bytes)
     act_exposed = (1 - ACT_OVERLAP) * (act_h2d + act_d2h)
     stream_s = w_stream / stream_rate if stream_rate else 0.0

@@ -195,6 +195,40 @@ def _train(args, cfg: dict, res: dict) -> None:
     res["bytes_h2d_total"] = st.get("bytes_h2d")
     res["weights_h2d_per_step"] = (weight_h2d() - h2d0) / args.steps  # streamed slabs, codes included
     res["events_tail"] = list(rep["events"])[-6:]
+    if args.profile:  # one more step under torch.profiler, after the timed ones (their time is kept)
+        res.update(_profiled_step(dev, lambda: _step(model, opt, x, dev)))
+
+
+def _step(model, opt, x, dev) -> None:
+    import torch
+
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _profiled_step(dev, step) -> dict:
+    """The top ops of one step by self device time and by self CPU time, and the step's wall time
+    against the device's busy time (what says whether the step is bound by the GPU or the host)."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(dev)
+    with torch.profiler.profile(activities=acts) as p:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    ka = p.key_averages()
+    out = {"profile_wall_s": wall, "profile_cpu": ka.table(sort_by="self_cpu_time_total", row_limit=25)}
+    if dev.type == "cuda":
+        out["profile_device"] = ka.table(sort_by="self_device_time_total", row_limit=30)
+        out["profile_device_busy_s"] = sum(e.self_device_time_total for e in ka) / 1e6
+    return out
 
 
 def _write(args, cfg: dict, res: dict) -> None:
@@ -308,6 +342,8 @@ def _spawn(args, cfg: dict, timeout: float) -> dict:
     cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.tiny:
         cmd.append("--tiny")
+    if args.profile:
+        cmd.append("--profile")
     base = {k: cfg[k] for k in ("name", "row", "kind", "layers")}
     t0 = time.perf_counter()
     try:
@@ -433,6 +469,12 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--ckpt", default=None, help="where LOAD writes its checkpoint (removed after)")
     ap.add_argument("--keep-ckpt", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="each training configuration runs one more step under torch.profiler after the timed "
+        "ones: top ops by device and CPU time, device busy time against wall time",
+    )
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()

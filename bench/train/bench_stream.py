@@ -388,9 +388,15 @@ def _train(args, cfg: dict, res: dict) -> None:
             opt.zero_grad(set_to_none=True)
             del loss
             _sync(dev)
-        res["weight_loads"] = load_rate(path)
-        if res.get("h2d_gbps") and res["weight_loads"]["gbps"]:
-            res["weight_loads"]["util"] = res["weight_loads"]["gbps"] / res["h2d_gbps"]
+        res["weight_loads"] = wl = load_rate(path)
+        if res.get("h2d_gbps") and wl["gbps"]:
+            wl["util"] = wl["gbps"] / res["h2d_gbps"]
+        if cuda and wl.get("beside_d2h"):  # loads beside gradient copies: against the duplex rate
+            duplex = ramstream.profile_hardware(dev).duplex_gbps
+            wl["duplex_gbps"] = duplex
+            for part, ref in (("alone", res.get("h2d_gbps")), ("beside_d2h", duplex)):
+                if wl[part]["gbps"] and ref:
+                    wl[part]["util"] = wl[part]["gbps"] / ref
 
 
 # ---- the driver (never touches the device) -----------------------------------------------------

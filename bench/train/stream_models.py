@@ -140,28 +140,47 @@ def h2d_gbps(dev) -> float | None:
     return n / sorted(ts)[1] / 1e9
 
 
-def load_rate(trace_path: str) -> dict:
-    """The weight loads of a ramstream.trace file: their count and bytes, the time the copy stream
-    spent on them (the union of their spans, CUDA-event timed) and the rate while loading, which
-    is what the issue's ">= 85 % of measured PCIe bandwidth" compares (not bytes / step time,
-    which also counts the time the stream had nothing to load)."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    spans = sorted(
-        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0))
-        for e in events
-        if e.get("cat") == "h2d" and e.get("ph") == "X" and str(e.get("name", "")).startswith("load ")
-    )
+def _busy(spans) -> tuple[int, float]:
+    """(bytes, seconds the union of the spans covers); spans are (start us, end us, bytes)."""
     busy_us, end = 0.0, float("-inf")
-    for a, b, _ in spans:
+    for a, b, _ in sorted(spans):
         if b > end:
             busy_us += b - max(a, end)
             end = b
-    nbytes = sum(s[2] for s in spans)
-    busy = busy_us / 1e6
+    return sum(s[2] for s in spans), busy_us / 1e6
+
+
+def _rate(spans) -> dict:
+    nbytes, busy = _busy(spans)
     return {
         "loads": len(spans),
         "bytes": nbytes,
         "busy_s": busy,
         "gbps": nbytes / busy / 1e9 if busy > 0 else None,
     }
+
+
+def load_rate(trace_path: str) -> dict:
+    """The weight loads of a ramstream.trace file: their count and bytes, the time the copy stream
+    spent on them (the union of their spans, CUDA-event timed) and the rate while loading, which
+    is what the issue's ">= 85 % of measured PCIe bandwidth" compares (not bytes / step time,
+    which also counts the time the stream had nothing to load). "alone" and "beside_d2h" split the
+    loads by whether a gradient copy (the d2h lane) ran during them: the bus then carries both
+    directions, whose reference is the duplex rate, not the one-way one."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+
+    def lane(cat, prefix=""):
+        return [
+            (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0))
+            for e in events
+            if e.get("cat") == cat and e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)
+        ]
+
+    loads, d2h = lane("h2d", "load "), lane("d2h")
+    beside = [s for s in loads if any(a < s[1] and b > s[0] for a, b, _ in d2h)]
+    alone = [s for s in loads if s not in beside]
+    out = _rate(loads)
+    if d2h:
+        out["alone"], out["beside_d2h"] = _rate(alone), _rate(beside)
+    return out

@@ -121,6 +121,10 @@ def summarize(results: list[dict], by_name: dict) -> list[str]:
             if wl.get("gbps"):
                 util = f" = {wl['util']:.0%}" if wl.get("util") is not None else ""
                 notes.append(f"loads {wl['gbps']:.1f} GB/s while loading{util} (traced step)")
+                for part, what in (("alone", "alone"), ("beside_d2h", "beside D2H, of duplex")):
+                    pw = wl.get(part) or {}
+                    if pw.get("util") is not None:
+                        notes.append(f"{pw['loads']} loads {what} {pw['gbps']:.1f} GB/s = {pw['util']:.0%}")
             elif r.get("h2d_total_util") is not None:
                 notes.append(f"all H2D {r['h2d_total_util']:.0%} of {r['h2d_gbps']:.1f} GB/s")
             if r.get("mode"):

@@ -3,6 +3,7 @@ shape (random weights), full fine-tune, 10 steps, bf16; uncapped and under a 12 
 
 Configurations, each in its own subprocess (a fresh CUDA context, its own peak):
   stock            transformers.Trainer, no cap                      (the baseline)
+  stock_again      the same once more                                its own run-to-run loss difference
   ramstream        OffloadTrainer (wrap() defaults), no cap          losses vs stock, step-time ratio
   stock_cap12      transformers.Trainer under the 12 GiB cap         expected: out of memory
   ramstream_cap12  OffloadTrainer under the 12 GiB cap               s/step, peak VRAM
@@ -35,6 +36,8 @@ import time
 
 CONFIGS = {  # name: (trainer, cap in GiB or None, OffloadTrainer options added to --options)
     "stock": ("stock", None, {}),
+    # the stock Trainer once more: its own run-to-run difference, the floor of any loss comparison
+    "stock_again": ("stock", None, {}),
     "ramstream": ("ramstream", None, {}),
     "stock_cap12": ("stock", 12.0, {}),
     "ramstream_cap12": ("ramstream", 12.0, {}),
@@ -80,6 +83,14 @@ def parse(argv=None) -> argparse.Namespace:
         "--options", default="{}", help="JSON: wrap() options for the ramstream rows (default {})"
     )
     ap.add_argument("--weights", choices=("fp32", "bf16"), default="fp32", help="weights' dtype (see above)")
+    ap.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16: bf16 autocast (the timed benchmark); fp32: no autocast, no TF32, eager attention and "
+        "torch.use_deterministic_algorithms, where the stock Trainer repeats itself exactly and a "
+        "2e-4 loss comparison means something (see stock_again)",
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 on the CPU, seconds")
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
@@ -126,7 +137,7 @@ def run_config(a, name: str) -> dict:
     a.wrap_options = {**a.wrap_options, **extra_opts}
     cuda = a.device == "cuda"
     res = {"name": name, "kind": kind, "cap_gib": cap if cuda else None, "device": a.device, "status": "OK"}
-    res.update(batch=a.batch, accum=a.accum, seq=a.seq, lr=a.lr, weights=a.weights)
+    res.update(batch=a.batch, accum=a.accum, seq=a.seq, lr=a.lr, weights=a.weights, precision=a.precision)
     if kind == "ramstream":
         res["options"] = a.wrap_options
     if cuda and cap:
@@ -157,6 +168,11 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
     from ramstream.integrations.huggingface import OffloadTrainer
 
     shape = SHAPES["tiny" if a.tiny else "qwen2-1.5b"]
+    exact = a.precision == "fp32"
+    if exact:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        torch.use_deterministic_algorithms(True)
+        shape = dict(shape, attn_implementation="eager")  # SDPA's backward kernels use atomics
     cfg = transformers.Qwen2Config(**shape, max_position_embeddings=max(a.seq, 4096))
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -217,7 +233,7 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
             save_strategy="no",
             report_to=[],
             use_cpu=not cuda,
-            bf16=cuda,
+            bf16=cuda and not exact,
             seed=0,
             disable_tqdm=True,
             optim="adamw_torch_fused" if cuda else "adamw_torch",
@@ -260,13 +276,27 @@ def _train(a, kind: str, cuda: bool, res: dict) -> None:
 # ---- the driver ------------------------------------------------------------------------------------
 def _spawn(a, name: str, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--config", name, "--device", a.device]
-    for flag in ("steps", "skip", "batch", "accum", "seq", "lr", "weights", "options", "profile"):
+    for flag in (
+        "steps",
+        "skip",
+        "batch",
+        "accum",
+        "seq",
+        "lr",
+        "weights",
+        "precision",
+        "options",
+        "profile",
+    ):
         cmd += [f"--{flag}", str(getattr(a, flag))]
     if a.tiny:
         cmd.append("--tiny")
+    env = dict(os.environ)
+    if a.precision == "fp32":  # cuBLAS's deterministic workspaces (read when CUDA starts)
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         return {"name": name, "status": "TIMEOUT", "error": f"over {timeout:.0f} s", "wall_s": timeout}
     got = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]

@@ -175,7 +175,7 @@ def _train(model, steps, opt_fn, wrap=False):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _lora(model):
+def _lora(model, lora_dropout=0.0):
     peft = pytest.importorskip("peft")
     torch.manual_seed(10)  # lora_A's init
     model = peft.get_peft_model(
@@ -183,7 +183,7 @@ def _lora(model):
         peft.LoraConfig(
             r=4,
             lora_alpha=8,
-            lora_dropout=0.0,
+            lora_dropout=lora_dropout,
             target_modules=[
                 "q_proj",
                 "k_proj",

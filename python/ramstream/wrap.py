@@ -405,6 +405,12 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             quant_report["packed_streamed_bytes"] = w.plan["weights"]["packed_bytes"]
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not opt:
         _hand_over(optimizer, opt)
+    if opts.prefer == "speed" and quant_report is not None and quant_report.get("format"):
+        from .quant.lora_fused import fuse_lora_
+
+        quant_report["lora_fused"] = n = fuse_lora_(model)
+        if n:
+            log(f"prefer='speed': {n} LoRA layers over quantized bases run as one fused node each")
     log(
         f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
         f"buckets on {device} ({len(engine.frozen)} frozen ones left as they are); moments "
@@ -435,6 +441,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model._apply = w.orig_apply
     del model._ramstream
     from .quant import dequantize_model
+    from .quant.lora_fused import unfuse_lora_
 
+    unfuse_lora_(model)  # peft's own forward again
     dequantize_model(model)  # quantized weights become permanent (dequantized) parameters
     return model

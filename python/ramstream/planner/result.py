@@ -23,8 +23,10 @@ class Plan:
     weights: dict  # {"resident": [block indices], "streamed": [block indices]}
     activations: list  # per block: "keep", "page" or "recompute"
     optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
-    #                  "split": shares {"device", "mapped", "host"}, "numel": the same in params,
-    #                  "refined_split": the shares engine/refine.py is estimated to settle on}
+    #                  "split": shares {"device", "mapped", "host"} the run settles on (after the
+    #                  refinement of engine/refine.py), "numel": the same in params, "initial_split":
+    #                  the shares after step 2, "refinements": per move {"split", "host_params_per_s",
+    #                  "pcie_bytes_per_s"(, "reverted")}}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}

@@ -5,13 +5,13 @@ The measurements (bench/train/bench_stream.py on the H200, 2026-12-02, s/step th
 after the warm-up; bench/RESULTS.md "Weight streaming and the planner", rows A from the lead's run
 of the same script with activation checkpointing by default):
   A   1.8B GPT (d 2048, 32 blocks, fp32 weights, bf16 autocast) 8x512, 24 GiB, defaults, dense loss:
-      0.341 s; every block recomputes; 59 % of the params' state in VRAM, 27 % mapped, 14 % host
-  A   the same with ramstream.chunked_cross_entropy: 0.308 s (72 % VRAM, 18 % mapped, 9 % host)
+      every block recomputes; 0.341 s in the second session (59 / 27 / 14 % of the params' state in
+      VRAM / mapped / host), 0.232 s in the fourth (below)
   B   1.8B uncapped: 0.112 s (resident)          C   6.85B fp32 uncapped: 0.369 s (resident)
   D24 LoRA r16 on the Qwen2.5-7B shape 4x512, 24 GiB: 0.363 s (every block recomputes, base resident)
   E   LoRA r16 on the Qwen2.5-14B shape 4x512, 24 GiB: 0.926 s (25 of 48 blocks streamed, window 2)
   D8  LoRA r16 7B at 8 GiB, param_offload=True: 0.566 s (28 blocks streamed, PCIe-bound)
-  G   6.85B GPT (d 4096, 32 blocks) with bf16 weights (fp32 masters on the host), 8x512, chunked
+  G_step2  6.85B GPT (d 4096, 32 blocks) with bf16 weights (fp32 masters on the host), 8x512, chunked
       loss, 24 GiB, defaults: every block recomputes, 7.5 % of the state in VRAM, 54 % mapped, 38 %
       host; 1.540 s (call 5: no block streamed, as planned now; host AdamW 1.096 s, backward
       throttled 1.110 s) and 1.482 s (call 4, before the 70 % weight-share rule: 6 blocks
@@ -36,6 +36,20 @@ wrap() seeded the split with, from the profile; its step-2 split 42 / 51 follows
 at least that rate (2.86 gives 13 / 7), so the fourth session's rows take 4.56. A and A_chunked
 ran before engine/refine.py existed (call 2; refine1 merged in call 3): they are timed at the
 split after step 2 (plan_training(_refine=False)), as is the second session's G row (G_step2).
+
+What is fitted on which row (planner/timing.py names each constant's measurement):
+  matmul rate          fitted on B (the bisection below), the only number fitted to a step time here
+  ISSUE_EXPOSED 0.5    fitted on A and A_chunked (call 2: half their eager time), with the second
+                       session's 2.86 host rate; with 4.56 they land 5 and 3 % low
+  HOST_UNDER_DMA 0.82  row A's log (second session); G_defaults's log measured 3.73 / 4.56 = 0.818
+  MAPPED_EFFICIENCY    bench_cuda_kernels alone (37.8 of 54.9 GB/s each way), no row
+  the refinement       no constant: refine.choose_refined on the rates timing.refiner_rates gives,
+                       the mapped kernels slowed by the link time of the host share's copies at
+                       the doctor's duplex rate: 32.8 GB/s at G_defaults's step-2 split, 32.6
+                       measured (test_first_refinement_as_measured)
+G_defaults and G_bf16_moments were fitted to nothing: 1.180 and 0.921 s planned (-6 and -4.5 %),
+split 7.5 / 33.5 / 59 after one move (the run moved twice, to 7 / 30 / 63) and 11 / 26 / 63 after
+two (measured 11 / 30 / 59): within 5 points.
 """
 
 from __future__ import annotations

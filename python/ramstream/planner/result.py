@@ -68,6 +68,13 @@ class Plan:
                 else ""
             )
         )
+        sp0, rounds = o.get("initial_split"), o.get("refinements") or []
+        if sp0 and rounds:
+            lines[-1] += (
+                f", after {len(rounds)} refinement{'s' if len(rounds) > 1 else ''}"
+                + (" (undone)" if rounds[-1].get("reverted") else "")
+                + f" of step 2's (device {sp0['device']:.0%}, mapped {sp0['mapped']:.0%}, host {sp0['host']:.0%})"
+            )
         if self.quantize != "none":
             lines.append(f"  frozen block weights quantized: {self.quantize}")
         for where in ("vram", "ram", "pinned"):

@@ -324,7 +324,7 @@ def test_cli_plan_config_lora_json(tmp_path, capsys, no_cache):
                "--ram-gb", "128", "--json"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] and out["sources"]["rates"].startswith("H200-machine defaults")
-    assert out["profile"]["h2d_gbps"] == 54.9 and out["profile"]["adamw_gbps"] == pytest.approx(2.86 * 28)
+    assert out["profile"]["h2d_gbps"] == 54.9 and out["profile"]["adamw_gbps"] == pytest.approx(4.56 * 28)
     assert (
         out["plan"]["weights"]["streamed"] == plan_training(qwen(QWEN14), prof(24, 128)).weights["streamed"]
     )
@@ -350,3 +350,32 @@ def test_cli_plan_exit_2_when_it_does_not_fit(tmp_path, capsys, no_cache):
     assert rc == 2 and "does not fit" in err and "VRAM (least-VRAM plan)" in err
     assert main(["plan", "--config", str(tmp_path / "missing.json")]) == 2
     assert main(["plan", "--gpt", "1.8b", "--batch", "0"]) == 2
+
+
+def test_the_step_is_timed_at_the_refined_split(monkeypatch):
+    """optimizer_mode="auto": the plan times the split engine/refine.py settles on (its rounds in
+    optimizer["refinements"]); a first move predicted more than MIN_GAIN slower is undone, as the
+    refiner undoes it, and then the step-2 split is timed."""
+    from ramstream.planner import policy
+
+    sh = ModelShape.gpt("6.85b", batch=8, seq=512, dtype="bf16", loss="chunked")
+    p = plan_training(sh, prof(24, 120))
+    o = p.optimizer
+    assert o["refinements"] and o["split"] == o["refinements"][-1]["split"]
+    assert o["split"]["device"] == o["initial_split"]["device"]  # the VRAM share stays
+    step2 = plan_training(sh, prof(24, 120), _refine=False)
+    assert step2.optimizer["split"] == step2.optimizer["initial_split"] == o["initial_split"]
+    assert step2.optimizer["refinements"] == []
+    assert p.predicted["step_s"] < step2.predicted["step_s"]
+    # cpu / gpu modes do not refine
+    assert plan_training(sh, prof(24, 120), optimizer_mode="gpu").optimizer["refinements"] == []
+
+    def bad(split, **kw):  # every movable parameter mapped: PCIe-bound, slower
+        moved = split["mapped"] + split["host"] - kw["streamed_trained"]
+        return [{**split, "mapped": moved, "host": kw["streamed_trained"]}]
+
+    monkeypatch.setattr(policy, "refinement_rounds", bad)
+    r = plan_training(sh, prof(24, 120))
+    assert r.optimizer["refinements"][0]["reverted"]
+    assert r.optimizer["split"] == r.optimizer["initial_split"]
+    assert r.predicted["step_s"] == pytest.approx(step2.predicted["step_s"])

@@ -8,10 +8,13 @@ from .timing import step_of
 _GIB = 2**30
 
 
-def _refined(split: dict, total: int) -> dict:
-    mapped = split.get("refined_mapped", split["mapped"])
-    host = split["host"] + split["mapped"] - mapped
-    return {"device": split["device"] / total, "mapped": mapped / total, "host": host / total}
+def _shares(split: dict, total: int) -> dict:
+    return {k: split[k] / total for k in ("device", "mapped", "host")}
+
+
+def _round(r: dict, total: int) -> dict:
+    out = {"split": _shares(r, total), **r.get("refine_rates", {})}
+    return {**out, "reverted": True} if r.get("reverted") else out
 
 
 def line(name: str, parts: dict, have: int, what: str) -> str:
@@ -51,10 +54,12 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
             "placement": placement,
             "vram_share": c["share"],
             "moment_dtype": c["moment"],
-            "split": {k: split[k] / total for k in ("device", "mapped", "host")},
+            # the split the run trains at once optimizer_mode="auto" has refined it (engine/refine.py
+            # after steps 4 and 6, on the rates timing.refiner_rates predicts); the step is timed on it
+            "split": _shares(split, total),
             "numel": {k: split[k] for k in ("device", "mapped", "host")},
-            # engine/refine.py's settled split if the rates under load are timing.py's (estimate)
-            "refined_split": _refined(split, total),
+            "initial_split": _shares(c.get("initial_split", split), total),  # after step 2
+            "refinements": [_round(r, total) for r in c.get("refinements", [])],
         },
         quantize=ctx.quant,
         memory={"vram": vram, "ram": ram, "pinned": pinned},

@@ -15,7 +15,8 @@ default policy (policy.py) and predicts the step with timing.py's model.
   estimated from it (policy.resident_peak) fits in usable VRAM (free x (1 - vram_headroom));
   else the optimizer state of the first parameters that fits in usable - peak - 512 MiB lives in
   VRAM ("device"), the rest is split between the GPU over PCIe ("mapped") and the host threads
-  (policy.optimizer_split).
+  (policy.optimizer_split); the step is timed at the split the measured refinement after steps 4
+  and 6 settles on (policy.refinement_rounds, _settle).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _Ctx:
     max_slowdown: float
     inflight_cap: int
     recompute: tuple = ()
+    refine: bool = True  # time the split optimizer_mode="auto" settles on (False: step 2's)
 
     @property
     def wb(self) -> int:
@@ -228,23 +230,47 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
                             wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
     share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
     vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
-    h, m = split["host"], split["mapped"]
-    ram = {
-        "optimizer_state": h * (4 + 2 * mb) + m * (_master(wb) + 2 * mb),
-        "gradient_landing": h * wb,
-        "streamed_weights": sum(ctx.weight(sh.blocks[i]) for i in ss),
-        "paged_activations": paged,
-    }
-    pinned = {
-        "gradient_landing": ram["gradient_landing"],
-        "streamed_weights": ram["streamed_weights"],
-        "paged_activations": paged,
-        "mapped_state": m * (_master(wb) + 2 * mb),
-    }
-    bounds = _times(ctx, streamed, paged, modes, moment, split)
+    settled, bounds, rounds = _settle(ctx, streamed, paged, modes, moment, split, streamed_tr)
+    # host memory for the larger of the step-2 split and the settled one (a refinement moves state)
+    ram, pinned = max((_host_memory(ctx, sp, moment, ss, paged) for sp in (split, settled)),
+                      key=lambda rp: sum(rp[0].values()))  # fmt: skip
     return dict(select_s=step_of(bounds)[0], vram=vram, ram=ram, pinned=pinned, modes=modes, share=share,
-                bounds=bounds, act_why=act_why, streamed=sorted(ss), moment=moment, split=split, peak=peak,
-                room=room)  # fmt: skip
+                bounds=bounds, act_why=act_why, streamed=sorted(ss), moment=moment, split=settled, peak=peak,
+                room=room, initial_split=split, refinements=rounds)  # fmt: skip
+
+
+def _host_memory(ctx: _Ctx, split: dict, moment: str, ss: set, paged: int) -> tuple[dict, dict]:
+    """(RAM, pinned) components with the optimizer placement `split`."""
+    wb, mb = ctx.wb, _mb(moment)
+    h, m = split["host"], split["mapped"]
+    streamed_w = sum(ctx.weight(ctx.shape.blocks[i]) for i in ss)
+    ram = {"optimizer_state": h * (4 + 2 * mb) + m * (_master(wb) + 2 * mb), "gradient_landing": h * wb,
+           "streamed_weights": streamed_w, "paged_activations": paged}  # fmt: skip
+    pinned = {"gradient_landing": h * wb, "streamed_weights": streamed_w, "paged_activations": paged,
+              "mapped_state": m * (_master(wb) + 2 * mb)}  # fmt: skip
+    return ram, pinned
+
+
+def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int):
+    """(the split the run trains at, its step bounds, the refinement rounds): optimizer_mode="auto"
+    re-solves the host / mapped split after steps 4 and 6 (policy.refinement_rounds); refine.py
+    undoes the first move when the steps after it took more than MIN_GAIN longer (here: their
+    predicted steps), and then settles."""
+    from ..engine.refine import MIN_GAIN
+    from .policy import refinement_rounds
+
+    bounds = _times(ctx, streamed, paged, modes, moment, split)
+    if not ctx.refine or ctx.opt_mode != "auto" or not (split["mapped"] or split["host"] > streamed_tr):
+        return split, bounds, []
+    rounds = refinement_rounds(split, streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment),
+                               state_bytes=ADAMW_STATE_BYTES[moment], prof=ctx.prof)  # fmt: skip
+    if not rounds:
+        return split, bounds, []
+    first = _times(ctx, streamed, paged, modes, moment, rounds[0])
+    if step_of(first)[0] > step_of(bounds)[0] * (1 + MIN_GAIN):
+        return split, bounds, [{**rounds[0], "reverted": True}]
+    last = first if len(rounds) == 1 else _times(ctx, streamed, paged, modes, moment, rounds[-1])
+    return rounds[-1], last, rounds
 
 
 def _fits(ctx: _Ctx, c: dict) -> tuple[bool, bool]:
@@ -305,6 +331,7 @@ def plan_training(
     vram_headroom: float = 0.10,
     max_activation_slowdown: float = 0.15,
     _suggest: bool = True,
+    _refine: bool = True,
 ) -> Plan:
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
     thread-safe.
@@ -322,6 +349,9 @@ def plan_training(
         quantize: "none", "int8" or "nf4": how frozen block weight matrices are stored.
         vram_headroom: share of free VRAM left unused, in [0, 1).
         max_activation_slowdown: the step slowdown activation paging may cost (>= 0).
+
+    _refine=False times the split after step 2 instead of the refined one (engine/refine.py; the
+    engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
 
     Returns a Plan. Raises PlanError (a MemoryError) with the arithmetic per component and the
     options that would fit, ValueError / TypeError for a bad argument.
@@ -366,7 +396,7 @@ def plan_training(
             )
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
-               min(GRAD_INFLIGHT_MAX, p.vram_total // 10))  # fmt: skip
+               min(GRAD_INFLIGHT_MAX, p.vram_total // 10), refine=bool(_refine))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "

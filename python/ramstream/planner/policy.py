@@ -2,13 +2,15 @@
 does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
 (activations/recompute.py auto_checkpointing), the resident switch (engine/resident.py
 resident_peak) and the optimizer state's split between VRAM, the GPU over PCIe and the host
-(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction; the measured
-refinement after step 4, engine/refine.py, as an estimate: refined_fraction). Pure functions.
+(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction) and where the
+measured refinement after steps 4 and 6 moves it (engine/refine.py choose_refined, on the rates
+the step-time model says the run measures: refinement_rounds). Pure functions.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from ..engine.split import choose_mapped_fraction
 
@@ -16,6 +18,7 @@ LORA_LIKE = 0.10  # blocks with less trained share than this are LoRA-like (reco
 STREAM_SHARE = {True: 0.7, False: 0.5}  # share of usable VRAM resident weights may take (setup.py)
 MARGIN_BYTES = 512 << 20  # engine/vram_share.py MARGIN_BYTES: kept free beyond the headroom
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
+BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
 
 
 def lora_like(shape) -> bool:
@@ -75,10 +78,8 @@ def optimizer_split(
     """Numel per placement after step 2 (vram_share.maybe_share): "device" for the first params
     whose state (2 moments + an fp32 master for a low-precision model) fits in `room`; the rest
     "mapped" by choose_mapped_fraction (mode "auto"), all of it (mode "gpu") or none ("cpu"), the
-    others "host". Trained params of streamed blocks stay on the host. "refined_mapped": the
-    mapped numel after the measured refinement of steps 3-4 (refined_fraction), an estimate
-    reported beside the plan; the predicted step stays the split of step 2's (module docstring of
-    timing.py: the H200 rows it is calibrated on were measured before the refinement existed)."""
+    others "host". Trained params of streamed blocks stay on the host. What the run settles on
+    after the measured refinement: refinement_rounds."""
     master = 4 if wb < 4 else 0
     movable = max(0, trained - streamed_trained)
     dev = 0
@@ -98,9 +99,6 @@ def optimizer_split(
             master_on_host=wb < 4,
         )
     mapped = int(math.floor(f * rest))
-    refined = mapped
-    if mode == "auto" and rest and prof.vram_total:
-        refined = int(math.floor(rest * refined_fraction(rest, prof, wb=wb, mb=mb)))
     return {
         "device": dev,
         "mapped": mapped,
@@ -108,23 +106,48 @@ def optimizer_split(
         "mapped_fraction_of_rest": f,
         "device_bytes_per_param": 2 * mb + master,
         "split_estimate_s": info.get("t_estimate_s"),
-        "refined_mapped": refined,
     }
 
 
-def refined_fraction(rest: int, prof, *, wb: int, mb: int) -> float:
-    """The mapped fraction of `rest` the engine's measured refinement (engine/refine.py, after
-    step 4) settles on if the rates under load are the step-time model's: the host AdamW at
-    timing.HOST_UNDER_DMA of the profile's rate, the mapped kernel at timing.MAPPED_EFFICIENCY
-    of the H2D rate. Same crossing as choose_mapped_fraction, loaded rates instead of isolated."""
-    from .timing import HOST_UNDER_DMA, MAPPED_EFFICIENCY
+def _stand_ins(split: dict, streamed_trained: int, wb: int, mb: int) -> list:
+    """The engine's buckets as engine/refine.py sees them, in forward order: the streamed blocks'
+    (host, not movable), the "device" share (not movable), then the mapped and the host share in
+    buckets of BUCKET_BYTES of the working dtype."""
+    import torch
 
-    f, _ = choose_mapped_fraction(
-        numel=rest,
-        host_params_per_s=prof.adamw_gbps * 1e9 / HOST_STATE_BYTES * HOST_UNDER_DMA,
-        pcie_bytes_per_s=prof.h2d_gbps * 1e9 * MAPPED_EFFICIENCY,
-        working_bytes=wb,
-        moment_bytes=mb,
-        master_on_host=wb < 4,
-    )
-    return f
+    dtype = {2: torch.bfloat16, 4: torch.float32}[wb]
+    moment = torch.empty(0, dtype=torch.bfloat16 if mb == 2 else torch.float32)
+    per = max(1, BUCKET_BYTES // wb)
+    parts = [("host", True, streamed_trained), ("device", False, split["device"])]
+    for where, numel in (("mapped", split["mapped"]), ("host", split["host"] - streamed_trained)):
+        parts += [(where, False, min(per, numel - i)) for i in range(0, numel, per)]
+    return [
+        SimpleNamespace(index=i, numel=n, dtype=dtype, placement=w, streamed=s, exp_avg=moment)
+        for i, (w, s, n) in enumerate(p for p in parts if p[2] > 0)
+    ]
+
+
+def refinement_rounds(
+    split: dict, *, streamed_trained: int, wb: int, mb: int, state_bytes: int, prof
+) -> list:
+    """The splits optimizer_mode="auto" moves to after steps 4 and 6 (engine/refine.py, at most
+    MAX_REFINEMENTS moves), from `split` (optimizer_split's numel per placement): each round is
+    refine.choose_refined itself, on stand-ins of the buckets, with the rates the run measures
+    at the split of that round (timing.refiner_rates). Returns the numel per placement after each
+    move ([] when the first round keeps the split); plan.py applies refine's revert rule."""
+    from ..engine.refine import MAX_REFINEMENTS, choose_refined
+    from .timing import refiner_rates
+
+    rounds, now = [], split
+    for _ in range(MAX_REFINEMENTS):
+        host, pcie = refiner_rates(prof, now, wb=wb, mb=mb, state_bytes=state_bytes)
+        if host <= 0 or pcie <= 0:
+            break
+        _, info = choose_refined(
+            _stand_ins(now, streamed_trained, wb, mb), host_params_per_s=host, pcie_bytes_per_s=pcie
+        )
+        if not info["move"]:
+            break
+        now = {**now, **info["numel"], "refine_rates": {"host_params_per_s": host, "pcie_bytes_per_s": pcie}}
+        rounds.append(now)
+    return rounds

@@ -23,8 +23,10 @@ class Plan:
     weights: dict  # {"resident": [block indices], "streamed": [block indices]}
     activations: list  # per block: "keep", "page" or "recompute"
     optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
-    #                  "split": shares {"device", "mapped", "host"}, "numel": the same in params,
-    #                  "refined_split": the shares engine/refine.py is estimated to settle on}
+    #                  "split": shares {"device", "mapped", "host"} the run settles on (after the
+    #                  refinement of engine/refine.py), "numel": the same in params, "initial_split":
+    #                  the shares after step 2, "refinements": per move {"split", "host_params_per_s",
+    #                  "pcie_bytes_per_s"(, "reverted")}}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
@@ -66,6 +68,13 @@ class Plan:
                 else ""
             )
         )
+        sp0, rounds = o.get("initial_split"), o.get("refinements") or []
+        if sp0 and rounds:
+            lines[-1] += (
+                f", after {len(rounds)} refinement{'s' if len(rounds) > 1 else ''}"
+                + (" (undone)" if rounds[-1].get("reverted") else "")
+                + f" of step 2's (device {sp0['device']:.0%}, mapped {sp0['mapped']:.0%}, host {sp0['host']:.0%})"
+            )
         if self.quantize != "none":
             lines.append(f"  frozen block weights quantized: {self.quantize}")
         for where in ("vram", "ram", "pinned"):

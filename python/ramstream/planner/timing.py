@@ -51,14 +51,20 @@ flight, up to the engine's max_inflight_bytes; the host share's last buckets) is
 Paged activations expose (1 - ACT_OVERLAP) of their copies on top. The CPU engine (no GPU in
 the profile) computes and updates on the same cores: its step is their sum.
 
-The split these lanes time is the one wrap() takes after step 2 (policy.optimizer_split: the
-isolated rates of split.py). Since then the engine solves the host / mapped split again from the
-rates it measured in steps 3-4 (engine/refine.py), minimising max(host AdamW, mapped PCIe) at the
-rates under load; policy.refined_fraction estimates where that settles from HOST_UNDER_DMA and
-MAPPED_EFFICIENCY (the plan's optimizer["refined_split"]). The predicted step still times the
-step-2 split: the refinement's model ignores what the lanes here add to the mapped update (its
-kernel's seconds on the gpu lane, the eager issue time), and the H200 rows this model is
-calibrated on were measured before the refinement; re-measure them, then time the refined split.
+The split these lanes time is the one the run settles on. wrap() splits after step 2 from the
+isolated rates (policy.optimizer_split: split.py's crossing); optimizer_mode="auto" then solves the
+host / mapped split again after steps 4 and 6 from the rates it measured (engine/refine.py), so that
+the host AdamW and the PCIe traffic (refine's model: the mapped bytes and the host share's copies at
+the kernels' measured rate) finish together. policy.refinement_rounds runs refine.choose_refined
+itself on stand-ins of the buckets, with the rates refiner_rates says the run measures at each
+round's split: the host at HOST_UNDER_DMA of the profile's rate over the AdamW state bytes (28, 20
+with bf16 moments: the refinement measures the real throughput, split.py's step-2 rate counts 28),
+the mapped kernels at mapped_kernel_s (their bytes at MAPPED_EFFICIENCY, plus the link time of the
+host share's copies beside them); plan.py undoes the first move when it predicts the steps after it
+more than MIN_GAIN slower, as refine.py does. The gpu lane keeps the mapped update at
+MAPPED_EFFICIENCY alone: the kernels' stalls behind the copies do not all delay the compute
+stream (the second session's row G, 54 % mapped: the step exceeded compute by 1.12 s, its mapped
+bytes at the kernel's rate are 1.18 s, with the copies' link time 1.29 s).
 
 The constants and their measurements are next to them; tests/test_planner_h200.py holds the
 H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
@@ -74,7 +80,9 @@ HBM_EW_GBPS = 1500.0  # elementwise traffic (norms, activations, casts, their gr
 EAGER_OP_S = 34e-6  # host seconds per eager op and pass (H200 machine's CPU, torch 2.11)
 STREAM_EFFICIENCY = 0.84  # weight stream / measured H2D (7B LoRA at 8 GiB: 45.9 of 54.9 GB/s)
 DEVICE_ADAMW_GBPS = 3000.0  # AdamW on GPU state (fused or ramstream's kernel), GB/s of state
-HOST_UNDER_DMA = 0.82  # host AdamW rate while DMA runs / the profile's rate (row A's log)
+# host AdamW rate while DMA runs / the profile's rate: row A's log (second session); the fourth
+# session's G_defaults refinement measured 3.73 of 4.56 G params/s (0.818)
+HOST_UNDER_DMA = 0.82
 # the mapped AdamW's PCIe rate each way / the pinned H2D copy's: bench_cuda_kernels on the H200,
 # 16M params with fp32 moments in mapped memory in 3.55 ms = 75.7 GB/s both ways, 37.8 each way,
 # of 54.9 GB/s (bench/RESULTS.md, issue 2); bf16 moments: half the bytes in half the time
@@ -99,6 +107,40 @@ def _pcie(prof, up: float, down: float) -> tuple[float, float]:
     up_s = (up - both) / (prof.h2d_gbps * 1e9) if up > both else 0.0
     down_s = (down - both) / (prof.d2h_gbps * 1e9) if down > both else 0.0
     return t_both + up_s, t_both + down_s
+
+
+def mapped_kernel_s(prof, mapped_bytes: float, host_numel: int, wb: int) -> float:
+    """Seconds the mapped AdamW kernels take per step on the update stream: their bytes each way
+    at MAPPED_EFFICIENCY x h2d_gbps, plus the time the host share's copies hold the link (its
+    gradients down, its new weights up: host_numel x wb the larger way, at duplex_gbps). The
+    kernels' loads and stores and the copy engines' DMA share PCIe, and the copies run while the
+    kernels do (the host share's gradients as the backward reaches the mapped front of the model,
+    its new weights beside the mapped update). Checked on row G_defaults's first refinement window
+    (42 % mapped, 51 % host, tests/test_planner_h200.py): 32.8 GB/s each way predicted, 32.6
+    measured by refine.py's CUDA events; no constant is fitted here."""
+    if not (mapped_bytes and prof.h2d_gbps):
+        return 0.0
+    seconds = mapped_bytes / (prof.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
+    return seconds + host_numel * wb / ((prof.duplex_gbps or prof.h2d_gbps) * 1e9)
+
+
+def refiner_rates(prof, split: dict, *, wb: int, mb: int, state_bytes: int) -> tuple[float, float]:
+    """(host params/s, mapped PCIe bytes/s each way) that engine/refine.py measures at `split`
+    (numel per placement): the host AdamW's elements / its seconds, memory-bound at state_bytes per
+    parameter (28, 20 with bf16 moments) at HOST_UNDER_DMA of the profile's rate beside the DMA;
+    the mapped kernels' bytes / their seconds (mapped_kernel_s). Without a host (mapped) share the
+    isolated rate stands in, as in refine.py: the profile's AdamW rate over 28 B (split.seed), its
+    H2D rate."""
+    if not (prof.h2d_gbps and prof.adamw_gbps):
+        return 0.0, 0.0
+    if split["host"]:
+        host = prof.adamw_gbps * 1e9 * (HOST_UNDER_DMA if prof.vram_total else 1.0) / state_bytes
+    else:
+        host = prof.adamw_gbps * 1e9 / 28
+    mapped_bytes = split["mapped"] * (2 * mb + (4 if wb < 4 else 0))
+    if not mapped_bytes:
+        return host, prof.h2d_gbps * 1e9
+    return host, mapped_bytes / mapped_kernel_s(prof, mapped_bytes, split["host"], wb)
 
 
 def step_times(
@@ -150,7 +192,7 @@ def step_times(
         host = split["host"] * per_param
         host_front = min(split["host"], streamed_tr) * per_param
     mapped = 0.0
-    if mapped_bytes and p.h2d_gbps:
+    if mapped_bytes and p.h2d_gbps:  # the gpu lane's share of the kernels' seconds (docstring)
         mapped = mapped_bytes / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
     issue = (
         ISSUE_EXPOSED * issue if mapped else 0.0

@@ -323,7 +323,9 @@ def move_buckets(opt, targets: list[str], relocate_fn=relocate, who: str = "rams
             where == "mapped"
             and e.dev.type == "cuda"
             and not all(
-                lib().is_arena_pinned(t.data_ptr()) for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None
+                lib().is_arena_pinned(t.data_ptr())
+                for t in (b.exp_avg, b.exp_avg_sq, b.master)
+                if t is not None
             )
         ):  # above the page-lock budget: back where it was before any kernel reads it
             relocate_fn(e, b, was)

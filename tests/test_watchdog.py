@@ -314,10 +314,12 @@ def _to_device(opt):
         layout.relocate(opt._engine, b, "device")
 
 
-def _free(model):
-    ramstream.unwrap(model)
+def _clean(dev):
+    """After the last reference to a run is gone: its memory and its peak go, so the next run
+    (and its watchdog) sees only its own."""
     gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
 
 
 @pytest.mark.cuda
@@ -328,8 +330,7 @@ def test_a_batch_that_grows_under_a_cap_moves_the_state_out_of_vram_bit_exact():
     small, large = _gpu_batches(dev, [2] * 4), _gpu_batches(dev, [24] * 3, seed=4)
     total = torch.cuda.get_device_properties(dev).total_memory
     try:
-        gc.collect()
-        torch.cuda.empty_cache()
+        _clean(dev)
         ref, ref_opt = _gpu_wrap(base, dev, watchdog=False)
         _steps(ref, ref_opt, small, first=_to_device)
         torch.cuda.synchronize(dev)
@@ -338,8 +339,11 @@ def test_a_batch_that_grows_under_a_cap_moves_the_state_out_of_vram_bit_exact():
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)  # the large batch's peak, state in VRAM
         _steps(ref, ref_opt, large[1:])
+        ref_opt.synchronize()
         want = [p.detach().clone() for p in ref.parameters()]
-        _free(ref)
+        ramstream.unwrap(ref)
+        del ref, ref_opt
+        _clean(dev)
 
         # vram_headroom 0.5: the trigger is 75 % of the cap; the large step's peak is at 85 %
         model, opt = _gpu_wrap(base, dev, vram_headroom=0.5)
@@ -366,7 +370,7 @@ def test_a_batch_that_grows_under_a_cap_moves_the_state_out_of_vram_bit_exact():
     assert first in plan["history"] and plan["watchdog"]["actions"][0] == first
     for a, b in zip(want, model.parameters()):  # device -> mapped: the same kernel, bit for bit
         assert torch.equal(a, b)
-    _free(model)
+    ramstream.unwrap(model)
 
 
 @pytest.mark.cuda
@@ -377,12 +381,14 @@ def test_a_step_that_ran_out_of_memory_moves_the_state_out_of_vram_bit_exact():
     small = _gpu_batches(dev, [2] * 6)
     (huge,) = _gpu_batches(dev, [512], seed=5)
     try:
-        gc.collect()
-        torch.cuda.empty_cache()
+        _clean(dev)
         ref, ref_opt = _gpu_wrap(base, dev, watchdog=False, eager_updates=False)
         _steps(ref, ref_opt, small, first=_to_device)
+        ref_opt.synchronize()
         want = [p.detach().clone() for p in ref.parameters()]
-        _free(ref)
+        ramstream.unwrap(ref)
+        del ref, ref_opt
+        _clean(dev)
 
         model, opt = _gpu_wrap(base, dev, eager_updates=False)
         wd = model._ramstream.watchdog
@@ -411,4 +417,4 @@ def test_a_step_that_ran_out_of_memory_moves_the_state_out_of_vram_bit_exact():
     assert opt._engine.buckets[-1].placement == "mapped"  # the back of the model first
     for a, b in zip(want, model.parameters()):  # as the run without the failed step, bit for bit
         assert torch.equal(a, b)
-    _free(model)
+    ramstream.unwrap(model)

@@ -97,6 +97,7 @@ VALID = {
     "quantize": st.sampled_from(["auto", "none", None, False, "int8", "nf4"]),
     "quant_block_size": st.sampled_from([2, 64, 128]),
     "prefer": st.sampled_from(["exact", "speed"]),
+    "watchdog": st.booleans(),
 }
 
 

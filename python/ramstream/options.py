@@ -109,6 +109,7 @@ class WrapOptions:
     quantize: Any = "auto"
     quant_block_size: int = 64
     prefer: str = "exact"
+    watchdog: bool = True
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -137,7 +138,7 @@ class WrapOptions:
         from .activations.recompute import parse_checkpointing
 
         o.activation_checkpointing = parse_checkpointing(o.activation_checkpointing)
-        for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile"):
+        for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile", "watchdog"):
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")
         o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)

@@ -83,5 +83,7 @@ def memory_report(model: torch.nn.Module) -> dict:
             },
             "history": list(w.plan.get("history", [])) + list(w.optimizer.plan_history),
             "activations": w.activations.report() if w.activations is not None else None,
+            # VRAM growth after the plan settled (engine/watchdog.py)
+            "watchdog": w.watchdog.report() if w.watchdog is not None else {"enabled": False},
         },
     }

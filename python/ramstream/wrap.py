@@ -32,6 +32,7 @@ class _Wrapped:
         self.activations = None
         self.streamer = None
         self.recompute = None
+        self.watchdog = None
 
 
 def _trace_modules(model: torch.nn.Module):
@@ -246,6 +247,12 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
         opt._zero_grad_callbacks.append(w.activations.off.after_failed_step)
         opt._step_callbacks.append(w.activations.off._pool.commit)
         engine.on_abandon.append(w.activations.off.release_abandoned)
+    if opts.watchdog:  # after the activation policy's callback: it sees this step's phase
+        from .engine.watchdog import Watchdog
+        from .optim import SWITCH_AFTER_STEPS
+
+        w.watchdog = Watchdog(opt, w.activations, start_after=SWITCH_AFTER_STEPS)
+        opt._step_callbacks.append(w.watchdog.after_step)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(
         model.register_load_state_dict_pre_hook(

@@ -215,9 +215,8 @@ class SplitRefiner:
     def _revert(self, before: dict, m: dict, *, first: int, last: int, step_s: float) -> None:
         """The measured step got slower after the last move (what the model leaves out: the
         mapped kernel's seconds on the GPU, the issue time): the placements go back, settled."""
-        opt, e = self.opt, self.opt._engine
+        opt = self.opt
         moved = self._move(before["placements"])
-        e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
         opt.plan_history.append({
             "step": last, "change": "optimizer split reverted", "measured_steps": [first, last],
             "refinement": self.refinements, "step_s": step_s, "step_s_before": before["step_s"],
@@ -276,7 +275,6 @@ class SplitRefiner:
             entry["change"] = "optimizer split refined"
             moved = self._move(targets)
         entry.update(moved_buckets=moved, relocate_s=time.perf_counter() - t0)
-        e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
         got = {p: sum(b.numel for b in e.buckets if b.placement == p and b.exp_avg is not None)
                for p in ("device", "mapped", "host")}  # fmt: skip
         entry["numel_now"] = got
@@ -298,35 +296,44 @@ class SplitRefiner:
         return moved > 0
 
     def _move(self, targets: list[str]) -> int:
-        """Relocates the buckets whose target differs (quiescent: after synchronize). Running out
-        of memory (device or pinned), or pinned memory falling back to pageable memory the GPU
-        cannot read, keeps that bucket, and the rest, where they were."""
-        from .._native import lib
+        return move_buckets(self.opt, targets, self.relocate, "optimizer split refinement")
 
-        e, moved = self.opt._engine, 0
-        for b, where in zip(e.buckets, targets):
-            if where == b.placement or not _movable(b):
-                continue
-            was = b.placement
-            try:
-                self.relocate(e, b, where)
-            except (torch.OutOfMemoryError, MemoryError) as exc:
-                self.opt._log(f"optimizer split refinement: bucket {b.index} stays {was} ({exc})")
-                break
-            if (
-                where == "mapped"
-                and e.dev.type == "cuda"
-                and not all(
-                    lib().is_arena_pinned(t.data_ptr())
-                    for t in (b.exp_avg, b.exp_avg_sq, b.master)
-                    if t is not None
-                )
-            ):  # above the page-lock budget: back to the host before any kernel reads it
-                self.relocate(e, b, was)
-                self.opt._log(f"optimizer split refinement: bucket {b.index} stays {was} (page-lock budget)")
-                break
-            moved += 1
-        return moved
+
+def move_buckets(opt, targets: list[str], relocate_fn=relocate, who: str = "ramstream") -> int:
+    """Relocates opt's buckets whose target (in bucket order) differs from their placement, in
+    bucket order, with relocate_fn (layout.relocate or a test's stand-in); the engine must be
+    quiescent (after synchronize). Streamed buckets and those without state stay. Running out of
+    memory (device or pinned), or pinned memory falling back to pageable memory the GPU cannot
+    read, keeps that bucket, and the rest, where they were (logged, prefixed by `who`). Updates
+    the engine's mapped_numel; returns the buckets moved. Used by the refinement and the
+    watchdog (watchdog.py)."""
+    from .._native import lib
+
+    e, moved = opt._engine, 0
+    for b, where in zip(e.buckets, targets):
+        if where == b.placement or b.streamed or b.exp_avg is None:
+            continue
+        was = b.placement
+        try:
+            relocate_fn(e, b, where)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            opt._log(f"{who}: bucket {b.index} stays {was} ({exc})")
+            break
+        if (
+            where == "mapped"
+            and e.dev.type == "cuda"
+            and not all(
+                lib().is_arena_pinned(t.data_ptr())
+                for t in (b.exp_avg, b.exp_avg_sq, b.master)
+                if t is not None
+            )
+        ):  # above the page-lock budget: back where it was before any kernel reads it
+            relocate_fn(e, b, was)
+            opt._log(f"{who}: bucket {b.index} stays {was} (page-lock budget)")
+            break
+        moved += 1
+    e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
+    return moved
 
 
 REFINED = (

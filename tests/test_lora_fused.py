@@ -62,6 +62,34 @@ def test_fused_node_equals_float64(dtype, bias):
         assert err <= tol * max(1.0, ref.abs().max().item()), err
 
 
+@pytest.mark.parametrize("limit", [1 << 30, 0], ids=["stashed", "over_the_limit"])
+def test_a_recomputed_forward_keeps_its_expanded_weight_for_the_backward(monkeypatch, limit):
+    import gc
+
+    import ramstream.quant.lora_fused as lf
+
+    base, a, b, x, gy = _case(torch.float32, True)
+    fn = lambda t: FusedQuantLoraFn.apply(t, a, b, base.bias, base, 2.0, torch.float32)  # noqa: E731
+    fn(x).backward(gy)  # plain: expanded in forward and again in backward
+    ref = [t.grad.clone() for t in (x, a, b, base.bias)]
+    for t in (x, a, b, base.bias):
+        t.grad = None
+    calls = []
+    expand = lf.expand_weight
+    monkeypatch.setattr(lf, "expand_weight", lambda m, reuse: calls.append(reuse) or expand(m, reuse=reuse))
+    monkeypatch.setattr(lf.STASH, "limit", limit)
+    y = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+    y.backward(gy)
+    # forward (shared buffer), the recompute (its own tensor when stashed), and the backward only
+    # when nothing was stashed
+    assert calls == ([True, False] if limit else [True, True, True])
+    for t, r in zip((x, a, b, base.bias), ref):
+        assert_bits_equal(t.grad, r)
+    del y
+    gc.collect()
+    assert lf.STASH.held == 0  # given back when the stashed weight was freed
+
+
 def _pair(**lora_kw):
     """The same frozen base with LoRA (_lora draws a nonzero B: both adapters get gradients), twice."""
     return [_lora(_llama(seed=0).requires_grad_(False), **lora_kw) for _ in range(2)]

@@ -21,6 +21,9 @@ arguments, mixed dtypes without autocast) takes peft's own forward, unchanged.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -31,44 +34,97 @@ __all__ = ["FusedQuantLoraFn", "fuse_lora_", "unfuse_lora_", "is_fused"]
 _FLAG = "_ramstream_fused_lora"
 
 
+class _Stash:
+    """A forward that runs inside backward (a recomputed block) keeps the weight it expanded for
+    that layer's backward, which then does not expand it once more. Kept per base module: the
+    backward that runs is the original forward's node (non-reentrant checkpointing recomputes
+    only the saved tensors), and the expanded weight depends on the module alone. At most
+    ``limit`` bytes are held (beyond it the backward expands again, as in plain training); a kept
+    tensor gives its bytes back when it is freed, whatever frees it."""
+
+    _KEY = "_ramstream_expanded"
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+        self.lock = threading.Lock()
+
+    def put(self, base: nn.Module, cd: torch.dtype) -> torch.Tensor | None:
+        """Expands base's weight into a tensor of its own and keeps it; None over the limit."""
+        nbytes = torch.Size(base.quant_shape).numel() * torch.empty((), dtype=cd).element_size()
+        with self.lock:
+            if base.__dict__.get(self._KEY) is not None or self.held + nbytes > self.limit:
+                return None
+            self.held += nbytes
+        w = expand_weight(base, reuse=False)
+        w = w if w.dtype == cd else w.to(cd)
+        weakref.finalize(w, self._give_back, nbytes)
+        base.__dict__[self._KEY] = w
+        return w
+
+    def pop(self, base: nn.Module) -> torch.Tensor | None:
+        return base.__dict__.pop(self._KEY, None)
+
+    def _give_back(self, nbytes: int) -> None:
+        with self.lock:
+            self.held -= nbytes
+
+
+STASH = _Stash(1 << 30)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class FusedQuantLoraFn(torch.autograd.Function):
     """y = x W^T + b + s (x A^T) B^T with W expanded from ``base``'s packed codes (see the module
-    docstring); x, A and B are cast to the compute dtype ``cd``. Saves x and h = x A^T."""
+    docstring); x, A and B are cast to the compute dtype ``cd``. Saves x, h = x A^T and the cast
+    adapters; a recomputed forward also keeps its expanded W for the backward (``STASH``)."""
 
     @staticmethod
     def forward(ctx, x, a_weight, b_weight, bias, base, scaling, cd):  # noqa: D102
         ctx.base, ctx.scaling, ctx.x_dtype = base, scaling, x.dtype
+        ctx.a_dtype, ctx.b_dtype = a_weight.dtype, b_weight.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(cd)
         a, b = a_weight.to(cd), b_weight.to(cd)
         h = x2.mm(a.t())
+        kept = STASH.put(base, cd) if _in_backward() else None
         with EXPAND.lock:
-            w = expand_weight(base, reuse=True)
-            w = w if w.dtype == cd else w.to(cd)
+            if kept is not None:
+                w = kept
+            else:
+                w = expand_weight(base, reuse=True)
+                w = w if w.dtype == cd else w.to(cd)
             y = torch.addmm(bias.to(cd), x2, w.t()) if bias is not None else x2.mm(w.t())
         y.addmm_(h, b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, h, a_weight, b_weight)
+        del w, kept
+        ctx.save_for_backward(x2, h, a, b)
         return y.view(x.shape[:-1] + (y.shape[-1],))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        x2, h, a_weight, b_weight = ctx.saved_tensors
+        x2, h, a, b = ctx.saved_tensors
+        stashed = STASH.pop(ctx.base)
+        stashed = stashed if stashed is not None and stashed.dtype == x2.dtype else None
         cd, s = x2.dtype, ctx.scaling
         g2 = grad.reshape(-1, grad.shape[-1]).to(cd)
-        gs = g2 * s if s != 1 else g2
         need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
         gx = ga = gb = gbias = None
-        if need_b:
-            gb = gs.t().mm(h).to(b_weight.dtype)
+        if need_b:  # the scale goes on the [out, r] and [tokens, r] products, not on g
+            gb = g2.t().mm(h).mul_(s).to(ctx.b_dtype)
         if need_x or need_a:
-            gh = gs.mm(b_weight.to(cd))
+            gh = g2.mm(b).mul_(s)
             if need_a:
-                ga = gh.t().mm(x2).to(a_weight.dtype)
+                ga = gh.t().mm(x2).to(ctx.a_dtype)
             if need_x:
-                with EXPAND.lock:
-                    w = expand_weight(ctx.base, reuse=True)
-                    gx = g2.mm(w if w.dtype == cd else w.to(cd))
-                gx.addmm_(gh, a_weight.to(cd))
+                if stashed is not None:
+                    gx = g2.mm(stashed)
+                else:
+                    with EXPAND.lock:
+                        w = expand_weight(ctx.base, reuse=True)
+                        gx = g2.mm(w if w.dtype == cd else w.to(cd))
+                gx.addmm_(gh, a)
                 gx = gx.view(grad.shape[:-1] + (gx.shape[-1],)).to(ctx.x_dtype)
         if need_bias:
             gbias = g2.sum(0)

@@ -67,6 +67,10 @@ def memory_report(model: torch.nn.Module) -> dict:
         },
         "plan": {
             **w.plan,
+            # the blocks recomputing now (activation_checkpointing="auto" in LoRA keeps some after
+            # step 1: activations/recompute_keep.py)
+            **({"recompute": w.recompute.recomputed()} if w.recompute is not None else {}),
+            "recompute_keep": w.keep.report() if getattr(w, "keep", None) is not None else None,
             "optimizer": {
                 "resident": w.optimizer.resident,
                 "buckets": {

@@ -32,6 +32,7 @@ class _Wrapped:
         self.activations = None
         self.streamer = None
         self.recompute = None
+        self.keep = None  # activations/recompute_keep.KeepPolicy
         self.watchdog = None
 
 
@@ -231,14 +232,23 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
             if ckpt != "auto":
                 raise
             blocks = []
-        if ckpt == "auto":
+        auto = ckpt == "auto"
+        if auto:
             ckpt = auto_checkpointing(model, blocks, device, log, opts.optimizer_mode)
     if ckpt is not False:
-        w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)))
+        from .activations.recompute import is_lora_like
+        from .activations.recompute_keep import KeepPolicy, measured_memory_fn
+
+        # "auto" in LoRA: after step 1 the blocks that fit keep their activations
+        memory_fn = measured_memory_fn(device) if auto and is_lora_like(blocks) else None
+        w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)), memory_fn=memory_fn)
         w.plan["recompute"] = list(w.recompute.indices)
         log(
             f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward"
         )
+        if memory_fn is not None:
+            w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log, opt.plan_history)
+            opt._step_callbacks.append(w.keep.after_step)
     if opts.activation_offload is not False:
         from .activations import ActivationPolicy
 
@@ -251,7 +261,7 @@ def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, l
         from .engine.watchdog import Watchdog
         from .optim import SWITCH_AFTER_STEPS
 
-        w.watchdog = Watchdog(opt, w.activations, start_after=SWITCH_AFTER_STEPS)
+        w.watchdog = Watchdog(opt, w.activations, start_after=SWITCH_AFTER_STEPS, keep=w.keep)
         opt._step_callbacks.append(w.watchdog.after_step)
     w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
     w.handles.append(

@@ -81,13 +81,12 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
         return False
     if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
         return False
-    from ..quant.packed import packed_buffers, quantized_numel
+    from ..quant.packed import packed_buffers
 
     # a quantized layer's frozen weight is no parameter but packed buffers: counted by its
     # full-precision elements for the trained share, by its packed bytes for what VRAM holds
     params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
-    total = sum(p.numel() for p in params) + sum(quantized_numel(b) for b in blocks)
-    trained = sum(p.numel() for p in params if p.requires_grad)
+    trained, total = trained_share(blocks)
     if total == 0:
         return False
     from ..hardware import gpu_memory
@@ -105,6 +104,20 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
         f"{usable / 2**30:.2f} GiB: every block recomputes in backward"
     )
     return True
+
+
+def trained_share(blocks) -> tuple[int, int]:
+    """(trained elements, all elements) of the blocks' weights, quantized ones at full size."""
+    from ..quant.packed import quantized_numel
+
+    params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
+    total = sum(p.numel() for p in params) + sum(quantized_numel(b) for b in blocks)
+    return sum(p.numel() for p in params if p.requires_grad), total
+
+
+def is_lora_like(blocks) -> bool:
+    trained, total = trained_share(blocks)
+    return total > 0 and trained < 0.10 * total
 
 
 def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool:
@@ -151,10 +164,20 @@ def _autocasting() -> bool:
 
 
 class Recompute:
-    """Checkpoints the forward of `blocks[i]` for i in `indices`; close() restores them."""
+    """Checkpoints the forward of `blocks[i]` for i in `indices`; keep() lets chosen ones keep
+    their activations again (and recompute_again() undoes that), bit for bit either way: the
+    recompute runs the same forward. With ``measure_device`` (a CUDA device), each recompute
+    records in ``kept_bytes[i]`` what the block's recomputed forward left allocated: its saved
+    activations and output, what the block would hold if it kept its activations. close()
+    restores the blocks."""
 
-    def __init__(self, blocks, indices: list[int]) -> None:
+    def __init__(self, blocks, indices: list[int], measure_device=None, memory_fn=None) -> None:
         self.indices = list(indices)
+        self.active = set(self.indices)
+        self.kept_bytes: dict[int, int] = {}
+        self._memory = memory_fn or (
+            (lambda: torch.cuda.memory_allocated(measure_device)) if measure_device is not None else None
+        )
         self._patched: list = []
         for i in self.indices:
             m = blocks[i]
@@ -162,10 +185,19 @@ class Recompute:
             orig = m.__dict__.get("forward", None)
             fwd = m.forward
 
-            def run(*args, _fwd=fwd, **kwargs):
-                if not torch.is_grad_enabled():
+            def inner(*args, _fwd=fwd, _i=i, **kwargs):
+                if self._memory is None or torch._C._current_graph_task_id() == -1:
                     return _fwd(*args, **kwargs)
-                out = checkpointed(_fwd, *args, **_without_cache(kwargs))
+                m0 = self._memory()  # the recompute, inside backward
+                try:
+                    return _fwd(*args, **kwargs)
+                finally:  # also when the checkpoint stops the recompute early
+                    self.kept_bytes[_i] = max(self.kept_bytes.get(_i, 0), self._memory() - m0)
+
+            def run(*args, _fwd=fwd, _inner=inner, _i=i, **kwargs):
+                if not torch.is_grad_enabled() or _i not in self.active:
+                    return _fwd(*args, **kwargs)
+                out = checkpointed(_inner, *args, **_without_cache(kwargs))
                 if _autocasting():
                     # autocast keeps the low-precision cast of every weight it casts until the
                     # outermost region ends: for a recomputed block nothing else holds them (its
@@ -175,6 +207,16 @@ class Recompute:
 
             m.forward = run
             self._patched.append((m, had, orig))
+
+    def recomputed(self) -> list[int]:
+        return sorted(self.active)
+
+    def keep(self, indices) -> None:
+        """These blocks keep their activations from the next forward on."""
+        self.active -= set(indices)
+
+    def recompute_again(self, indices) -> None:
+        self.active |= set(indices) & set(self.indices)
 
     def close(self) -> None:
         for m, had, orig in self._patched:

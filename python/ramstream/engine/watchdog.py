@@ -94,10 +94,19 @@ class Watchdog:
     reset_peak: called after acting (default: torch.cuda.reset_peak_memory_stats)."""
 
     def __init__(
-        self, opt, activations=None, *, start_after: int = 2, measure=None, relocate_fn=None, reset_peak=None
+        self,
+        opt,
+        activations=None,
+        *,
+        start_after: int = 2,
+        measure=None,
+        relocate_fn=None,
+        reset_peak=None,
+        keep=None,
     ) -> None:
         self._opt = weakref.ref(opt)  # opt holds this watchdog's after_step: no cycle
         self.activations = activations
+        self.keep = keep  # activations/recompute_keep.KeepPolicy: kept blocks recompute again first
         self.start_after = start_after
         self.measure = measure or self._measure
         self.relocate = relocate_fn or relocate
@@ -175,6 +184,20 @@ class Watchdog:
 
     def _act(self, steps: int, m: dict, *, oom: bool, need: int, trigger: int, target: int) -> None:
         opt, e, a = self.opt, self.opt._engine, self.activations
+        back = self.keep.give_back(need) if self.keep is not None else []
+        if back:  # the cheapest lever: blocks that kept their activations recompute again
+            entry = {
+                "step": steps, "change": "watchdog freed VRAM", "reason": "out of memory" if oom else "peak",
+                "peak_bytes": int(m["peak"]), "usable_bytes": int(m["usable"]), "trigger_bytes": trigger,
+                "target_bytes": target, "need_bytes": need, "ooms": m.get("ooms", 0),
+                "peaks": [list(x) for x in self.recent],
+                "moves": [{"lever": "recompute", "blocks": back}],
+                "freed_bytes": len(back) * self.keep.decision["block_bytes"],
+            }  # fmt: skip
+            self._record(entry)
+            self.reset_peak()
+            opt._log(f"watchdog after step {steps}: {self._numbers(entry)}; blocks {back} recompute again")
+            return
         off = a.off if a is not None else None
         moves = choose_levers(
             e.buckets if opt._resident is None else [],

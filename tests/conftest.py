@@ -1,10 +1,16 @@
-"""Test configuration: the `cuda` marker skips without a GPU (fails with RAMSTREAM_REQUIRE_CUDA=1)."""
+"""Test configuration: the `cuda` marker skips without a GPU (fails with RAMSTREAM_REQUIRE_CUDA=1);
+the hardware profile's cache goes to a folder of the test session's own, so that a profile measured
+under a test's conditions never reaches the user's cache (and the benchmarks run after the tests)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+
+if "RAMSTREAM_CACHE_DIR" not in os.environ:
+    os.environ["RAMSTREAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="ramstream-test-cache-")
 
 
 def _gpu_ready() -> tuple[bool, str]:

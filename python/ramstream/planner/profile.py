@@ -184,8 +184,11 @@ def _write_cache(path: str, key: dict, rates: dict) -> None:
 
 def measure_rates(device: str, quick: bool = True) -> dict:
     """The rates of RATE_FIELDS, measured now on `device` ("cpu" or "cuda:N"). quick: 64 MiB copies
-    and 2M-parameter AdamW steps (about a second or two); otherwise 256 MiB and 16M."""
-    nbytes, n = (64 << 20, 2_000_000) if quick else (256 << 20, 16_000_000)
+    (about a second or two); otherwise 256 MiB. The host AdamW runs on 16M parameters either way
+    (448 MB of state, beyond any cache, ~4 ms a step at 110 GB/s): with 2M, the 16-core GPU
+    machine measured 55-104 GB/s in three sessions where its training steps ran at 97-136 GB/s
+    (bench/RESULTS.md, fifth session), which put the planner's optimizer time off by up to 1.5x."""
+    nbytes, n = (64 << 20, 16_000_000) if quick else (256 << 20, 16_000_000)
     copies = measure.copy_rates(nbytes, device)
     return {
         "h2d_gbps": copies["h2d_gbps"],

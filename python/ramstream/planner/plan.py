@@ -24,18 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import policy
 from .activations import choose_paged_blocks, fraction_to_blocks
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
 from .measure import ADAMW_STATE_BYTES
-from .policy import (
-    MARGIN_BYTES,
-    auto_recompute,
-    auto_streamed,
-    grad_inflight_bytes,
-    optimizer_split,
-    resident_peak,
-)
+from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split, resident_peak
 from .profile import HardwareProfile
 from .result import Plan, PlanError
 from .shape import ModelShape
@@ -402,7 +396,7 @@ def plan_training(
             )
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
-               grad_inflight_bytes(p), refine=bool(_refine))  # fmt: skip
+               policy.grad_inflight_bytes(p), refine=bool(_refine))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "

@@ -38,11 +38,14 @@ the step is the longest of their lanes:
         HOST_UNDER_DMA): the mapped update's DMA shares the host's memory bandwidth). The host
         share is the back of the model: its gradients land first in the backward and the next
         forward reads it last, so the host threads work beside the backward and the mapped
-        update. A streamed block's trained share is updated on the host but sits at the front:
-        its gradients land at the end of the backward and the next forward loads it first, so
-        its AdamW follows the gpu lane (measured: the 6.85B bf16 with 6 front blocks streamed,
-        1.482 s/step, waited 0.301 s in the forward, the 1.21G params of those blocks at the
-        run's 3.84 G params/s: 0.315 s).
+        update. A streamed block's trained share is updated on the host as its gradients land,
+        lowest bucket first, and the next forward's loads wait for it (stream_host.py runs that
+        queue for a few steps: the lane is its cycle). Front blocks' gradients land at the end of
+        the backward and the forward loads them first, so their AdamW follows the backward
+        (measured: the 6.85B bf16 with 6 front blocks streamed, 1.482 s/step, waited 0.301 s in
+        the forward, the 1.21G params of those blocks at the run's 3.84 G params/s: 0.315 s);
+        with every block streamed the host starts at the last block's landing and the forward
+        trails it (row F: 0.53-0.56 s/step, 0.43-0.44 s of host AdamW).
   h2d, d2h: the weight stream, the host share's gradients down and weights up, the mapped
         update's traffic and paged activations, each way at duplex_gbps while both run.
 The lanes overlap each other, so a step bound by the mapped update hides the host AdamW, and

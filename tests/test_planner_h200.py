@@ -47,6 +47,18 @@ What is fitted on which row (planner/timing.py names each constant's measurement
                        the mapped kernels slowed by the link time of the host share's copies at
                        the doctor's duplex rate: 32.8 GB/s at G_defaults's step-2 split, 32.6
                        measured (test_first_refinement_as_measured)
+Row F (issue 10, bench/train/bench_stream.py F_stream4, two calls of one later session: 0.560 and
+0.528 s/step, the row takes their mean, 0.544): the 1.8B GPT (fp32 weights, bf16 autocast, 8x512,
+chunked loss) under a 4 GiB cap, wrap(param_offload=True, activation_checkpointing=True): every block
+streamed (61 loads, 12.29 GB per step at 45.8 GB/s) and recomputed, peak 3.18 GiB
+(max_memory_allocated), the optimizer 4 buckets mapped (the 208M embedding / head / norm params,
+11 %) and 224 streamed on the host (89 %), kept by the refinement; host AdamW 0.430 / 0.442 s per
+step (3.75 / 3.65 G params/s beside the DMA), waits 0.11 / 0.08 s, 6.45 GB of gradients D2H. Its
+profile takes the fourth session's host rate (HOST_4TH x HOST_UNDER_DMA = 3.74 G params/s, the rate
+this run measured; its quick-mode profile cache said 3.70 and 3.05 alone). Nothing is fitted to F:
+the matmul rate is B's, ISSUE_EXPOSED A's; the peak follows engine/core.py's max_inflight_bytes (a
+tenth of the 4 GiB cap, 0.40 GiB, where the planner counted 1 GiB and refused the row), the step
+stream_host.py's queue: 0.474 s (-13 %), 0.431 s of it host AdamW.
 G_defaults and G_bf16_moments were fitted to nothing: 1.180 and 0.921 s planned (-6 and -4.5 %),
 split 7.5 / 33.5 / 59 after one move (the run moved twice, to 7 / 30 / 63) and 11 / 26 / 63 after
 two (measured 11 / 30 / 59): within 5 points.
@@ -106,8 +118,10 @@ ROWS = [
     # fourth session call 4: the split refined after steps 4 and 6 (engine/refine.py)
     ("G_defaults", gpt_bf16("6.85b"), 24, {}, 1.258),
     ("G_bf16_moments", gpt_bf16("6.85b"), 24, {"moment_dtype": "bfloat16"}, 0.964),
+    # F_stream4 (the docstring): 0.560 and 0.528 s/step in two calls
+    ("F", gpt("1.8b", "chunked"), 4, {"param_offload": True, "activation_checkpointing": True}, 0.544),
 ]
-FOURTH = {"A", "A_chunked", "G_defaults", "G_bf16_moments"}  # profiled at HOST_4TH
+FOURTH = {"A", "A_chunked", "G_defaults", "G_bf16_moments", "F"}  # profiled at HOST_4TH
 STEP2 = {"A", "A_chunked", "G_step2"}  # measured before engine/refine.py: timed at step 2's split
 BY = {r[0]: r for r in ROWS}
 
@@ -168,6 +182,43 @@ def test_decisions_are_wraps(tflops):
         g = _predict(name, tflops)
         assert g.mode == "offload" and set(g.activations) == {"recompute"} and g.weights["streamed"] == []
         assert g.predicted["bound"] == "host_adamw" and g.optimizer["refinements"], name
+
+
+def test_row_f_fits_as_measured(tflops):
+    """F's peak is what the run measured (3.18 GiB) within 3 %, per component: the resident
+    embeddings and head (0.78 GiB fp32, untied), the 3 streamed blocks loaded at once (the run's
+    peak_loaded_bytes), 32 fp32 block inputs plus one block's recompute, and the larger of the
+    chunked loss's working set and the 0.40 GiB of gradients in flight; host AdamW bound."""
+    p = _predict("F", tflops)
+    v = p.memory["vram"]
+    assert p.weights["streamed"] == list(range(32)) and set(p.activations) == {"recompute"}
+    assert v["total"] == pytest.approx(3413330432, rel=0.03) and v["total"] <= v["budget"]
+    assert v["stream_window"] == 604299264  # memory_report: peak_loaded_bytes
+    assert v["weights"] == 208146432 * 4
+    assert p.predicted["bound"] == "host_adamw"
+    assert p.bounds["host_adamw_s"] == pytest.approx(0.436, rel=0.05)  # 0.430 and 0.442 measured
+    sp = p.optimizer["split"]
+    assert (sp["device"], sp["mapped"], sp["host"]) == pytest.approx((0.0, 0.11, 0.89), abs=0.01)
+
+
+def test_refusal_names_the_components(tflops):
+    """Under 3 GiB F does not fit: the PlanError (a MemoryError) gives the arithmetic per component."""
+    from ramstream.planner import PlanError
+
+    _, shape, _, kw, _ = BY["F"]
+    with pytest.raises(MemoryError) as e:
+        plan_training(shape, h200(3, tflops, HOST_4TH), **kw, _suggest=False)
+    assert isinstance(e.value, PlanError)
+    msg = str(e.value)
+    for part in (
+        "weights 0.78",
+        "stream_window 0.56",
+        "activations 1.34",
+        "logits 0.48",
+        "vs 2.70 GiB usable",
+    ):
+        assert part in msg, msg
+    assert set(e.value.arithmetic["vram"]) >= {"weights", "stream_window", "activations", "budget"}
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import policy
 from .activations import choose_paged_blocks, fraction_to_blocks
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
@@ -35,7 +36,6 @@ from .shape import ModelShape
 from .suggest import suggestions
 from .timing import ACT_OVERLAP, MATMUL_EFFICIENCY, step_of, step_times
 
-GRAD_INFLIGHT_MAX = 1 << 30  # gradients crossing PCIe at once: min(1 GiB, VRAM / 10), as the engine
 STREAM_WINDOW = 3  # streamed blocks on the GPU at once: the one running and weight_window=2 ahead
 FROZEN_BASE_SHARE = 0.1  # blocks with less trained share than this are a frozen base (LoRA)
 QUANT_BYTES = {"none": None, "int8": 1 + 4 / 64, "nf4": 0.5 + 4 / 64}  # bytes per quantized value
@@ -396,7 +396,7 @@ def plan_training(
             )
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
-               min(GRAD_INFLIGHT_MAX, p.vram_total // 10), refine=bool(_refine))  # fmt: skip
+               policy.grad_inflight_bytes(p), refine=bool(_refine))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "

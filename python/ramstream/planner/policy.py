@@ -19,6 +19,7 @@ STREAM_SHARE = {True: 0.7, False: 0.5}  # share of usable VRAM resident weights 
 MARGIN_BYTES = 512 << 20  # engine/vram_share.py MARGIN_BYTES: kept free beyond the headroom
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
 BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
+INFLIGHT_MAX = 1 << 30  # engine/core.py: max_inflight_bytes is at most 1 GiB
 
 
 def lora_like(shape) -> bool:
@@ -66,6 +67,16 @@ def auto_streamed(
     return k, room
 
 
+def grad_inflight_bytes(prof) -> int:
+    """engine/core.py's default max_inflight_bytes (the device bytes gradients on their way to
+    the host may hold): a tenth of what the process may use, a per-process cap included, at most
+    INFLIGHT_MAX. The engine takes gpu_memory()["cap"]; the profile's vram_free is that cap before
+    the model is on the device (profile_hardware's gpu_memory: min(free + reserved, cap) - reserved),
+    the device's total memory less the context without a cap. (vram_total // 10 counted 1 GiB under
+    a 4 GiB cap, where the engine holds 0.4: row F of tests/test_planner_h200.py.)"""
+    return max(1 << 20, min(INFLIGHT_MAX, prof.vram_free // 10))
+
+
 def resident_peak(now: int, persistent: int, grads: int, transient: int) -> int:
     """engine/resident.py resident_peak: between steps + persistent state + the larger of the
     offloaded run's transient and the gradients + a quarter of the smaller."""
@@ -86,19 +97,23 @@ def optimizer_split(
     if mode != "cpu" and room > 0 and movable:
         dev = min(movable, int(room // (2 * mb + master)))
     rest = movable - dev
+    # without room the placement stays wrap()'s (vram_share: "keep optimizer placement"): the
+    # fraction split.mapped_fraction_for chose over every parameter, streamed ones included, of
+    # which core.py maps the first non-streamed buckets (row F: 57 % of 1.82G, all 208M movable)
+    seen = rest if dev else trained
     f, info = 0.0, {}
     if mode == "gpu":
         f = 1.0
     elif mode == "auto" and rest:
         f, info = choose_mapped_fraction(
-            numel=rest,
+            numel=seen,
             host_params_per_s=prof.adamw_gbps * 1e9 / HOST_STATE_BYTES,
             pcie_bytes_per_s=prof.h2d_gbps * 1e9,
             working_bytes=wb,
             moment_bytes=mb,
             master_on_host=wb < 4,
         )
-    mapped = int(math.floor(f * rest))
+    mapped = min(rest, int(math.floor(f * seen)))
     return {
         "device": dev,
         "mapped": mapped,

@@ -38,11 +38,14 @@ the step is the longest of their lanes:
         HOST_UNDER_DMA): the mapped update's DMA shares the host's memory bandwidth). The host
         share is the back of the model: its gradients land first in the backward and the next
         forward reads it last, so the host threads work beside the backward and the mapped
-        update. A streamed block's trained share is updated on the host but sits at the front:
-        its gradients land at the end of the backward and the next forward loads it first, so
-        its AdamW follows the gpu lane (measured: the 6.85B bf16 with 6 front blocks streamed,
-        1.482 s/step, waited 0.301 s in the forward, the 1.21G params of those blocks at the
-        run's 3.84 G params/s: 0.315 s).
+        update. A streamed block's trained share is updated on the host as its gradients land,
+        lowest bucket first, and the next forward's loads wait for it (stream_host.py runs that
+        queue for a few steps: the lane is its cycle). Front blocks' gradients land at the end of
+        the backward and the forward loads them first, so their AdamW follows the backward
+        (measured: the 6.85B bf16 with 6 front blocks streamed, 1.482 s/step, waited 0.301 s in
+        the forward, the 1.21G params of those blocks at the run's 3.84 G params/s: 0.315 s);
+        with every block streamed the host starts at the last block's landing and the forward
+        trails it (row F: 0.53-0.56 s/step, 0.43-0.44 s of host AdamW).
   h2d, d2h: the weight stream, the host share's gradients down and weights up, the mapped
         update's traffic and paged activations, each way at duplex_gbps while both run.
 The lanes overlap each other, so a step bound by the mapped update hides the host AdamW, and
@@ -161,6 +164,7 @@ def step_times(
 
     stream_rate = p.h2d_gbps * 1e9 * STREAM_EFFICIENCY if p.h2d_gbps else None
     compute = stall = fwd = issue = 0.0
+    per_f, per_b = [], []  # each block's pass seconds, for the streamed host queue (stream_host.py)
     for i, b in enumerate(sh.blocks):
         rc = 1 if modes[i] == "recompute" else 0
         act = sh.act_bytes(i)
@@ -168,6 +172,8 @@ def step_times(
         g_f, e_f = gpu(f, act), b.fwd_ops * EAGER_OP_S
         g_b, e_b = gpu(bw + rc * f, act * (2 + rc)), b.fwd_ops * EAGER_OP_S * (2 + rc)
         t_f, t_b = max(g_f, e_f), max(g_b, e_b)
+        per_f.append(t_f)
+        per_b.append(t_b)
         compute += t_f + t_b
         fwd += t_f
         issue += min(g_f, e_f) + min(g_b, e_b)
@@ -177,7 +183,8 @@ def step_times(
             stall += sum(max(0.0, load - t) for t in passes)
     fwd += gpu(sum(q.fwd_flops_per_token * T for q in (sh.embed, sh.head)), 0.0)
     outside = sum((q.fwd_flops_per_token + q.bwd_flops_per_token) * T for q in (sh.embed, sh.head))
-    compute += gpu(outside, LOGIT_PASSES * sh.logits_bytes)
+    outside_s = gpu(outside, LOGIT_PASSES * sh.logits_bytes)
+    compute += outside_s
     compute += split["device"] * state_bytes / (DEVICE_ADAMW_GBPS * 1e9)
     wb = sh.elem_bytes
     streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
@@ -186,7 +193,7 @@ def step_times(
     opt_up = max(0, split["host"] - streamed_tr) * wb + mapped_bytes
     opt_down = split["host"] * wb + mapped_bytes
     opt_h2d, opt_d2h = _pcie(p, opt_up, opt_down)
-    host = host_front = 0.0
+    host = host_front = per_param = 0.0
     if split["host"] and p.adamw_gbps:
         per_param = state_bytes / (p.adamw_gbps * 1e9 * (HOST_UNDER_DMA if p.vram_total else 1.0))
         host = split["host"] * per_param
@@ -204,8 +211,9 @@ def step_times(
     d2h = opt_d2h + act_d2h
     gpu_lane = compute + stall + mapped + issue
     host_lane = fwd + host - host_front if host else 0.0  # the back of the model, beside the backward
-    if host_front:  # streamed blocks' share: after their gradients land at the backward's end
-        host_lane = max(host_lane, gpu_lane) + host_front
+    if host_front:  # streamed blocks' share: updated as their gradients land, the forward waits
+        host_lane = _streamed_host_lane(sh, p, weight_of, ss, split, per_f, per_b, outside_s, per_param,
+                                        mapped_bytes_per_param, stream_rate)  # fmt: skip
     if host and not p.vram_total:  # the CPU engine: the same cores compute and update
         host_lane = gpu_lane + host
     step = max(gpu_lane, host_lane, h2d, d2h) + act_exposed
@@ -227,6 +235,33 @@ def step_times(
         activation_copy_s=act_exposed,
     )
     return bounds
+
+
+def _streamed_host_lane(sh, p, weight_of, ss, split, per_f, per_b, outside_s, per_param, mapped_per_param,
+                        stream_rate) -> float:  # fmt: skip
+    """The step as stream_host.host_cycle runs the engine's queue: per part its host AdamW (per_param
+    seconds a parameter), its gradients down and weights up at duplex_gbps / h2d_gbps, its mapped
+    update at MAPPED_EFFICIENCY; a streamed block's copy at STREAM_EFFICIENCY x h2d_gbps, at
+    duplex_gbps in the backward while gradients go down beside it."""
+    from .stream_host import AHEAD, host_cycle, parts_split
+
+    wb, n = sh.elem_bytes, len(sh.blocks)
+    rows = parts_split(sh, split, ss)
+    down = (p.duplex_gbps or p.d2h_gbps) * 1e9
+    host_s = [r["host"] * per_param for r in rows]
+    d2h_s = [r["host"] * wb / down for r in rows]
+    ready_s = [
+        0.0 if 1 <= i <= n and (i - 1) in ss else r["host"] * wb / (p.h2d_gbps * 1e9)
+        for i, r in enumerate(rows)
+    ]
+    mapped_s = [r["mapped"] * mapped_per_param / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY) for r in rows]
+    load_f = [weight_of(b) / stream_rate if i in ss else 0.0 for i, b in enumerate(sh.blocks)]
+    load_b = [
+        weight_of(b) / min(stream_rate, down) if rows[i + 1]["host"] else load_f[i]
+        for i, b in enumerate(sh.blocks)
+    ]
+    return host_cycle(fwd=per_f, bwd=per_b, load_f=load_f, load_b=load_b, streamed=ss, ahead=AHEAD, outside=outside_s,
+                      host_s=host_s, d2h_s=d2h_s, mapped_s=mapped_s, ready_s=ready_s)  # fmt: skip
 
 
 OVERLAPPED = ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s", "mapped_update_s")

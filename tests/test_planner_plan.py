@@ -97,11 +97,11 @@ def test_1_8b_fp32_on_small_gpus_streams_blocks_from_the_front(vram):
 
 
 def test_ram_forces_bf16_moments():
-    # fp32 state 16 B/param (master 4, moments 8, landing 4) + at least the weights that do not fit
-    # in 4 GiB exceeds 28 GiB; bf16 moments (12 B/param) + every block streamed fits
-    assert 16 * P18 + (4 * P18 - 0.9 * 4 * G) > 28 * G
-    assert 12 * P18 + 4 * P18 < 28 * G
-    p = plan_training(gpt18(), prof(4, 28), optimizer_mode="cpu")
+    # fp32 state 16 B/param (master 4, moments 8, landing 4) exceeds 26 GiB; a streamed fp32
+    # block's pinned home is its master (engine/updater.py), so streaming adds no second copy;
+    # bf16 moments (12 B/param) fit
+    assert 16 * P18 > 26 * G > 12 * P18 + 0.3 * G
+    p = plan_training(gpt18(), prof(4, 26), optimizer_mode="cpu")
     assert p.optimizer["moment_dtype"] == "bfloat16"
     assert plan_training(gpt18(), prof(4, 128), optimizer_mode="cpu").optimizer["moment_dtype"] == "float32"
 

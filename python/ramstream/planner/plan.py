@@ -244,7 +244,9 @@ def _host_memory(ctx: _Ctx, split: dict, moment: str, ss: set, paged: int) -> tu
     wb, mb = ctx.wb, _mb(moment)
     h, m = split["host"], split["mapped"]
     streamed_w = sum(ctx.weight(ctx.shape.blocks[i]) for i in ss)
-    ram = {"optimizer_state": h * (4 + 2 * mb) + m * (_master(wb) + 2 * mb), "gradient_landing": h * wb,
+    # an fp32 streamed block's home is its master (engine/updater.py): not counted twice
+    shared = 4 * sum(ctx.shape.blocks[i].trained_numel for i in ss) if wb == 4 else 0
+    ram = {"optimizer_state": h * (4 + 2 * mb) - shared + m * (_master(wb) + 2 * mb), "gradient_landing": h * wb,
            "streamed_weights": streamed_w, "paged_activations": paged}  # fmt: skip
     pinned = {"gradient_landing": h * wb, "streamed_weights": streamed_w, "paged_activations": paged,
               "mapped_state": m * (_master(wb) + 2 * mb)}  # fmt: skip

@@ -1,0 +1,87 @@
+"""Per-rank scenarios of data parallel with streamed weights (test_wrap_distributed_stream*.py).
+
+Each scenario trains fresh models with param_offload off, on for every block and on for one
+block, the same steps on the same shards, so the test can compare the runs bit for bit. Names are
+"<kind>@<where>": where is "cpu" (CPU engine, gloo), "cuda0" (both ranks on cuda:0, gloo: the
+streamed homes are broadcast as host tensors) or "nccl" (rank r on cuda:r: homes staged through
+the device). They run in the spawned ranks of _dist_edge_helpers.run_ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from _dist_edge_helpers import LR, WD, shard
+from _models import batches, make_model
+
+STEPS = 4
+OFFLOADS = {"off": False, "all": True, "one": [1]}
+
+
+def _device(where: str, rank: int) -> str:
+    return {"cpu": "cpu", "cuda0": "cuda:0", "nccl": f"cuda:{rank}"}[where]
+
+
+def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, **options) -> dict:
+    """One data-parallel run: rank r trains on shard r of every batch; returns what it ends with."""
+    import ramstream
+
+    model = make_model(rank * 5, dtype=dtype, n_blocks=3)  # rank 1 starts elsewhere: wrap broadcasts
+    where = {"device": "cpu"} if device == "cpu" else {"device": device, "offload": True}
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        distributed=True,
+        optimizer_mode="cpu",
+        bucket_bytes=1 << 13,
+        param_offload=offload,
+        **where,
+        **options,
+    )
+    e, w = opt._engine, model._ramstream
+    accum = options.get("accumulation_steps", 1)
+    losses = []
+    for i, (x, y) in enumerate(batches(steps * accum, b=8, device=device)):
+        loss = model(shard(x, rank, world), shard(y, rank, world))
+        loss.backward()
+        losses.append(loss.detach().cpu())
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+    opt.synchronize()
+    state = opt.state_dict()["state"]
+    out = {
+        "params": [p.detach().cpu().clone() for p in model.parameters()],
+        "masters": opt.master_weights(),
+        "state": {k: {n: torch.as_tensor(v).clone() for n, v in st.items()} for k, st in state.items()},
+        "losses": losses,
+        "streamed": sum(b.streamed for b in e.buckets),
+        "owned_streamed": sum(b.streamed and e.dp.owns(b) for b in e.buckets),
+        "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,
+        "at_home": all(s.param.device.type == "cpu" for b in e.buckets if b.streamed for s in b.slots),
+    }
+    opt.close()
+    return out
+
+
+def _kind(kind: str, where: str):
+    def run(rank, world):
+        device = _device(where, rank)
+        if kind == "fp32":
+            return {k: train(rank, world, device, v) for k, v in OFFLOADS.items()}
+        if kind == "bf16":
+            return {k: train(rank, world, device, OFFLOADS[k], dtype=torch.bfloat16) for k in ("off", "all")}
+        if kind == "clip_accum":
+            kw = dict(max_grad_norm=0.05, accumulation_steps=2)
+            return {k: train(rank, world, device, OFFLOADS[k], **kw) for k in ("off", "all")}
+        if kind == "window1":
+            return {k: train(rank, world, device, OFFLOADS[k], weight_window=1) for k in ("off", "all")}
+        if kind == "auto":
+            return {"auto": train(rank, world, device, "auto", steps=1)}
+        raise KeyError(kind)
+
+    return run
+
+
+KINDS = ("fp32", "bf16", "clip_accum", "window1", "auto")
+SCENARIOS = {f"{k}@{w}": _kind(k, w) for k in KINDS for w in ("cpu", "cuda0", "nccl")}

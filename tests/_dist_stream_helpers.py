@@ -22,8 +22,12 @@ def _device(where: str, rank: int) -> str:
     return {"cpu": "cpu", "cuda0": "cuda:0", "nccl": f"cuda:{rank}"}[where]
 
 
-def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, **options) -> dict:
-    """One data-parallel run: rank r trains on shard r of every batch; returns what it ends with."""
+def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, slow_s=0.0, **options) -> dict:
+    """One data-parallel run: rank r trains on shard r of every batch; returns what it ends with.
+    slow_s: each weight broadcast starts that late (a load that did not wait for it would read
+    the weights of the step before)."""
+    import time
+
     import ramstream
 
     model = make_model(rank * 5, dtype=dtype, n_blocks=3)  # rank 1 starts elsewhere: wrap broadcasts
@@ -39,6 +43,9 @@ def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, **o
         **options,
     )
     e, w = opt._engine, model._ramstream
+    if slow_s:
+        broadcast = e.dp._broadcast
+        e.dp._broadcast = lambda b: (time.sleep(slow_s), broadcast(b))
     accum = options.get("accumulation_steps", 1)
     losses = []
     for i, (x, y) in enumerate(batches(steps * accum, b=8, device=device)):
@@ -76,6 +83,8 @@ def _kind(kind: str, where: str):
             return {k: train(rank, world, device, OFFLOADS[k], **kw) for k in ("off", "all")}
         if kind == "window1":
             return {k: train(rank, world, device, OFFLOADS[k], weight_window=1) for k in ("off", "all")}
+        if kind == "slow":
+            return {"off": train(rank, world, device, False), "all": train(rank, world, device, True, slow_s=0.02)}
         if kind == "auto":
             return {"auto": train(rank, world, device, "auto", steps=1)}
         raise KeyError(kind)
@@ -83,5 +92,5 @@ def _kind(kind: str, where: str):
     return run
 
 
-KINDS = ("fp32", "bf16", "clip_accum", "window1", "auto")
+KINDS = ("fp32", "bf16", "clip_accum", "window1", "slow", "auto")
 SCENARIOS = {f"{k}@{w}": _kind(k, w) for k in KINDS for w in ("cpu", "cuda0", "nccl")}

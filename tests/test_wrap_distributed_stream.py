@@ -88,6 +88,10 @@ def test_window_of_one_block(runs):
     check_streamed_equals_resident(runs("window1"))
 
 
+def test_loads_wait_for_late_broadcasts(runs):
+    check_streamed_equals_resident(runs("slow"))
+
+
 def test_auto_on_the_cpu_engine_streams_nothing(runs):
     ranks = runs("auto")
     assert all(r["auto"]["streamed"] == 0 for r in ranks)

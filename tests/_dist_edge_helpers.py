@@ -24,7 +24,9 @@ from _models import batches, make_model
 LR, WD = 3e-3, 0.05
 
 
-def _entry(rank: int, world: int, store: str, out_dir: str, names: list[str], module: str, backend: str) -> None:
+def _entry(
+    rank: int, world: int, store: str, out_dir: str, names: list[str], module: str, backend: str
+) -> None:
     import importlib
 
     import torch.distributed as dist
@@ -44,7 +46,12 @@ def _entry(rank: int, world: int, store: str, out_dir: str, names: list[str], mo
 
 
 def run_ranks(
-    tmp_path, world: int, names: list[str], timeout_s: float = 120, module: str = __name__, backend: str = "gloo"
+    tmp_path,
+    world: int,
+    names: list[str],
+    timeout_s: float = 120,
+    module: str = __name__,
+    backend: str = "gloo",
 ) -> list[dict]:
     """Runs the named scenarios (of `module`'s SCENARIOS), in order, on `world` ranks (gloo, or
     NCCL with one GPU per rank); returns each rank's results. Ranks stuck in mismatched

@@ -84,7 +84,10 @@ def _kind(kind: str, where: str):
         if kind == "window1":
             return {k: train(rank, world, device, OFFLOADS[k], weight_window=1) for k in ("off", "all")}
         if kind == "slow":
-            return {"off": train(rank, world, device, False), "all": train(rank, world, device, True, slow_s=0.02)}
+            return {
+                "off": train(rank, world, device, False),
+                "all": train(rank, world, device, True, slow_s=0.02),
+            }
         if kind == "auto":
             return {"auto": train(rank, world, device, "auto", steps=1)}
         raise KeyError(kind)
@@ -94,3 +97,36 @@ def _kind(kind: str, where: str):
 
 KINDS = ("fp32", "bf16", "clip_accum", "window1", "slow", "auto")
 SCENARIOS = {f"{k}@{w}": _kind(k, w) for k in KINDS for w in ("cpu", "cuda0", "nccl")}
+
+
+# ---- checks (the tests) ---------------------------------------------------------------------
+def get(res: list[dict], name: str) -> list[dict]:
+    out = [r[name] for r in res]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"rank {rank}, {name}:\n{r.get('error')}"
+    return out
+
+
+def identical(a: dict, b: dict, keys=("params", "masters", "losses")) -> None:
+    """Two runs ended with the same weights, masters, optimizer state (and losses), bit for bit."""
+    for key in keys:
+        assert len(a[key]) == len(b[key])
+        for x, y in zip(a[key], b[key]):
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for n in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][k][n], b["state"][k][n]), (k, n)
+
+
+def check_streamed_equals_resident(ranks: list[dict], streamed=("all",)) -> None:
+    for r in ranks:
+        for k in streamed:
+            run = r[k]
+            assert run["streamed"] > 0 and run["loads"] > 0 and run["at_home"]
+            # every rank owns some streamed buckets (it broadcasts them) and receives others
+            assert 0 < run["owned_streamed"] < run["streamed"]
+            identical(run, r["off"])
+        assert r["off"]["streamed"] == 0
+    for k in ("off", *streamed):  # the replicas (their losses are of their own shards)
+        identical(ranks[0][k], ranks[1][k], keys=("params", "masters"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _dist_edge_helpers import LR, WD, run_ranks
-from _dist_stream_helpers import KINDS, STEPS
+from _dist_stream_helpers import KINDS, STEPS, check_streamed_equals_resident, get, identical
 from _models import batches, make_model, train_torch
 
 
@@ -23,38 +23,6 @@ def runs(tmp_path_factory):
         module="_dist_stream_helpers",
     )
     return lambda kind: get(res, f"{kind}@cpu")
-
-
-def get(res: list[dict], name: str) -> list[dict]:
-    out = [r[name] for r in res]
-    for rank, r in enumerate(out):
-        assert "error" not in r, f"rank {rank}, {name}:\n{r.get('error')}"
-    return out
-
-
-def identical(a: dict, b: dict, keys=("params", "masters", "losses")) -> None:
-    """Two runs ended with the same weights, masters, optimizer state (and losses), bit for bit."""
-    for key in keys:
-        assert len(a[key]) == len(b[key])
-        for x, y in zip(a[key], b[key]):
-            assert x.dtype == y.dtype and torch.equal(x, y), key
-    assert a["state"].keys() == b["state"].keys()
-    for k in a["state"]:
-        for n in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a["state"][k][n], b["state"][k][n]), (k, n)
-
-
-def check_streamed_equals_resident(ranks: list[dict], streamed=("all",)) -> None:
-    for r in ranks:
-        for k in streamed:
-            run = r[k]
-            assert run["streamed"] > 0 and run["loads"] > 0 and run["at_home"]
-            # every rank owns some streamed buckets (it broadcasts them) and receives others
-            assert 0 < run["owned_streamed"] < run["streamed"]
-            identical(run, r["off"])
-        assert r["off"]["streamed"] == 0
-    for k in ("off", *streamed):  # the replicas (their losses are of their own shards)
-        identical(ranks[0][k], ranks[1][k], keys=("params", "masters"))
 
 
 def test_fp32_streamed_equals_resident_and_one_process(runs):

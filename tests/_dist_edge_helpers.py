@@ -224,18 +224,19 @@ def _roundtrip(obj):
     return torch.load(buf)
 
 
-def sc_resume(rank, world, moment_dtype="float32"):
-    """state_dict() on every rank, saved, loaded into a fresh wrap: resumes exactly."""
+def sc_resume(rank, world, moment_dtype="float32", **kw):
+    """state_dict() on every rank, saved, loaded into a fresh wrap: resumes exactly (kw: more
+    wrap() options)."""
     data = batches(5, b=8)
-    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype)
+    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype, **kw)
     _train(model, opt, data, rank, world)
     full = params(model)
     opt.close()
-    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype)
+    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype, **kw)
     _train(model, opt, data[:3], rank, world)
     osd, msd = _roundtrip(opt.state_dict()), _roundtrip(model.state_dict())
     opt.close()
-    model, opt = _fresh(9 + rank, moment_dtype=moment_dtype)
+    model, opt = _fresh(9 + rank, moment_dtype=moment_dtype, **kw)
     model.load_state_dict(msd)
     opt.load_state_dict(osd)
     _train(model, opt, data[3:], rank, world)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from _dist_edge_helpers import LR, WD, shard
+from _dist_edge_helpers import LR, WD, sc_resume, shard
 from _models import batches, make_model
 
 STEPS = 4
@@ -56,6 +56,7 @@ def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, slo
             opt.step()
             opt.zero_grad()
     opt.synchronize()
+    report = ramstream.memory_report(model)
     state = opt.state_dict()["state"]
     out = {
         "params": [p.detach().cpu().clone() for p in model.parameters()],
@@ -64,6 +65,7 @@ def train(rank, world, device, offload, *, dtype=torch.float32, steps=STEPS, slo
         "losses": losses,
         "streamed": sum(b.streamed for b in e.buckets),
         "owned_streamed": sum(b.streamed and e.dp.owns(b) for b in e.buckets),
+        "host_state_bytes": report["optimizer"]["host_state_bytes"],
         "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,
         "at_home": all(s.param.device.type == "cpu" for b in e.buckets if b.streamed for s in b.slots),
     }
@@ -88,6 +90,8 @@ def _kind(kind: str, where: str):
                 "off": train(rank, world, device, False),
                 "all": train(rank, world, device, True, slow_s=0.02),
             }
+        if kind == "resume":  # state dicts gathered from the owners, loaded into a fresh wrap
+            return {k: sc_resume(rank, world, param_offload=OFFLOADS[k]) for k in ("off", "all")}
         if kind == "auto":
             return {"auto": train(rank, world, device, "auto", steps=1)}
         raise KeyError(kind)
@@ -95,7 +99,7 @@ def _kind(kind: str, where: str):
     return run
 
 
-KINDS = ("fp32", "bf16", "clip_accum", "window1", "slow", "auto")
+KINDS = ("fp32", "bf16", "clip_accum", "window1", "slow", "resume", "auto")
 SCENARIOS = {f"{k}@{w}": _kind(k, w) for k in KINDS for w in ("cpu", "cuda0", "nccl")}
 
 

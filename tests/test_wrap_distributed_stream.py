@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _dist_edge_helpers import LR, WD, run_ranks
-from _dist_stream_helpers import KINDS, STEPS, check_streamed_equals_resident, get, identical
+from _dist_stream_helpers import KINDS, OFFLOADS, STEPS, check_streamed_equals_resident, get, identical
 from _models import batches, make_model, train_torch
 
 
@@ -36,6 +36,9 @@ def test_fp32_streamed_equals_resident_and_one_process(runs):
     for a, r in zip(ranks[0]["all"]["params"], ref.parameters()):
         assert (a - r.detach()).abs().max() < 1e-5
     assert all(float(st["step"]) == STEPS for st in ranks[0]["all"]["state"].values())
+    # each rank keeps the state of the buckets it owns; an fp32 streamed master is its home
+    state = {k: [r[k]["host_state_bytes"] for r in ranks] for k in OFFLOADS}
+    assert sum(state["all"]) == sum(state["off"]) == sum(state["one"]) and min(state["all"]) > 0
 
 
 def test_bf16_weights_with_fp32_masters(runs):
@@ -58,6 +61,19 @@ def test_window_of_one_block(runs):
 
 def test_loads_wait_for_late_broadcasts(runs):
     check_streamed_equals_resident(runs("slow"))
+
+
+def test_state_dicts_resume_exactly(runs):
+    ranks = runs("resume")
+    for r in ranks:
+        for k in ("resumed", "full"):
+            assert all(torch.equal(a, b) for a, b in zip(r["all"][k], r["off"][k]))
+        assert all(torch.equal(a, b) for a, b in zip(r["all"]["resumed"], r["all"]["full"]))
+        assert r["all"]["osd"]["state"].keys() == r["off"]["osd"]["state"].keys()
+        for i, st in r["all"]["osd"]["state"].items():
+            for n in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[n], r["off"]["osd"]["state"][i][n])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["all"]["full"], ranks[1]["all"]["full"]))
 
 
 def test_auto_on_the_cpu_engine_streams_nothing(runs):

@@ -18,21 +18,26 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _dist_helpers import init_gloo, new_store
+from _dist_helpers import init_group, new_store
 from _models import batches, make_model
 
 LR, WD = 3e-3, 0.05
 
 
-def _entry(rank: int, world: int, store: str, out_dir: str, names: list[str]) -> None:
+def _entry(
+    rank: int, world: int, store: str, out_dir: str, names: list[str], module: str, backend: str
+) -> None:
+    import importlib
+
     import torch.distributed as dist
 
-    init_gloo(rank, world, store)
+    init_group(rank, world, store, backend)
+    scenarios = importlib.import_module(module).SCENARIOS
     out = {}
     try:
         for name in names:
             try:
-                out[name] = SCENARIOS[name](rank, world)
+                out[name] = scenarios[name](rank, world)
             except Exception:  # noqa: BLE001 - reported by the test, the next scenario runs
                 out[name] = {"error": traceback.format_exc()}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -40,13 +45,20 @@ def _entry(rank: int, world: int, store: str, out_dir: str, names: list[str]) ->
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world: int, names: list[str], timeout_s: float = 120) -> list[dict]:
-    """Runs the named scenarios, in order, on `world` gloo ranks; returns each rank's results.
-    Ranks stuck in mismatched collectives are killed after timeout_s (the engine's process
-    groups wait 30 minutes)."""
+def run_ranks(
+    tmp_path,
+    world: int,
+    names: list[str],
+    timeout_s: float = 120,
+    module: str = __name__,
+    backend: str = "gloo",
+) -> list[dict]:
+    """Runs the named scenarios (of `module`'s SCENARIOS), in order, on `world` ranks (gloo, or
+    NCCL with one GPU per rank); returns each rank's results. Ranks stuck in mismatched
+    collectives are killed after timeout_s (the engine's process groups wait 30 minutes)."""
     ctx = mp.start_processes(
         _entry,
-        args=(world, new_store(tmp_path), str(tmp_path), names),
+        args=(world, new_store(tmp_path), str(tmp_path), names, module, backend),
         nprocs=world,
         start_method="spawn",
         join=False,
@@ -212,18 +224,19 @@ def _roundtrip(obj):
     return torch.load(buf)
 
 
-def sc_resume(rank, world, moment_dtype="float32"):
-    """state_dict() on every rank, saved, loaded into a fresh wrap: resumes exactly."""
+def sc_resume(rank, world, moment_dtype="float32", **kw):
+    """state_dict() on every rank, saved, loaded into a fresh wrap: resumes exactly (kw: more
+    wrap() options)."""
     data = batches(5, b=8)
-    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype)
+    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype, **kw)
     _train(model, opt, data, rank, world)
     full = params(model)
     opt.close()
-    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype)
+    model, opt = _fresh(rank * 5, moment_dtype=moment_dtype, **kw)
     _train(model, opt, data[:3], rank, world)
     osd, msd = _roundtrip(opt.state_dict()), _roundtrip(model.state_dict())
     opt.close()
-    model, opt = _fresh(9 + rank, moment_dtype=moment_dtype)
+    model, opt = _fresh(9 + rank, moment_dtype=moment_dtype, **kw)
     model.load_state_dict(msd)
     opt.load_state_dict(osd)
     _train(model, opt, data[3:], rank, world)

@@ -30,6 +30,20 @@ def init_gloo(rank: int, world: int, store: str, timeout_s: float = 60) -> None:
     )
 
 
+def init_group(rank: int, world: int, store: str, backend: str = "gloo") -> None:
+    """gloo, or NCCL with rank r on cuda:r."""
+    if backend == "gloo":
+        return init_gloo(rank, world, store)
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+
+
 def _wrap_options(device: str) -> dict:
     extra = {"device": "cpu"} if device == "cpu" else {"offload": True}
     return dict(bucket_bytes=1 << 14, optimizer_mode="cpu", **extra)  # (data parallel: the host)

@@ -15,7 +15,14 @@ from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
 from .trace import register as _trace_register
-from .weights.setup import build_streamer, choose_streamed, move_resident, streamed_bytes, streamed_ids
+from .weights.setup import (
+    agree_streamed,
+    build_streamer,
+    choose_streamed,
+    move_resident,
+    streamed_bytes,
+    streamed_ids,
+)
 
 
 class _Wrapped:
@@ -92,7 +99,7 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
 
 def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool, log):
     """(blocks, streamed block indices, {id(param): block}) for param_offload."""
-    if opts.param_offload is False or (use_dp and opts.param_offload == "auto"):
+    if opts.param_offload is False:
         return [], [], {}
     from .activations.blocks import find_blocks
 
@@ -102,14 +109,14 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
         if opts.param_offload == "auto":
             return [], [], {}
         raise
-    if use_dp:
-        raise ValueError("wrap(): param_offload (streamed weights) does not support data parallel yet")
     from .activations.recompute import recomputes_every_block
 
     every = recomputes_every_block(model, blocks, device, opts.activation_checkpointing, opts.optimizer_mode)
     idx = choose_streamed(
         model, blocks, opts.param_offload, device, opts.vram_headroom, log, recompute_all=every
     )
+    if use_dp and opts.param_offload == "auto":  # the ranks' buckets must match
+        idx = agree_streamed(idx, device, log)
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
 
 
@@ -359,7 +366,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if use_dp:
         from .engine.distributed import broadcast_model
 
-        broadcast_model(model, src=0)
+        broadcast_model(model, src=0, device=device)
         import torch.distributed as dist
 
         log(

@@ -66,8 +66,6 @@ class Engine:
             raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
         self.slots, self.frozen = self._make_slots(param_groups, order)
         self.streamed = dict(streamed or {})
-        if self.streamed and distributed:
-            raise ValueError("ramstream: param_offload (streamed weights) does not support data parallel yet")
         for s in self.slots:
             s.streamed = id(s.param) in self.streamed
             if not s.streamed:

@@ -7,8 +7,9 @@ broadcast from the owner to every rank. Two process groups keep the two streams 
 collectives ordered independently: reduces are issued by the training thread during backward,
 in descending bucket order whatever order the buckets complete in on this rank (its graph may
 differ from the others'), broadcasts by a comm thread in bucket order once the owner's update
-is done. Every rank issues
-the same collectives in the same order, so replicas stay bit-identical.
+is done. A streamed bucket's weights (weights/) are broadcast from the owner's pinned home to
+every rank's, before the block's next load. Every rank issues the same collectives in the same
+order, so replicas stay bit-identical.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class DataParallel:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         backend = dist.get_backend()
+        self._nccl = backend == "nccl"  # device tensors only: host ones are staged (_broadcast_home)
         self.grad_group = dist.new_group(backend=backend)
         self.weight_group = dist.new_group(backend=backend)
         self.owner = balanced_owners([b.numel for b in buckets], self.world)
@@ -159,6 +161,9 @@ class DataParallel:
     def _broadcast(self, b) -> None:
         if self.owns(b):
             self._wait_job(b.update_seq)
+        if b.streamed:
+            self._broadcast_home(b)
+            return
         if self._stream is None:
             dist.broadcast(b.device_flat, src=self.owner[b.index], group=self.weight_group)
             return
@@ -169,6 +174,29 @@ class DataParallel:
             ev = torch.cuda.Event()
             ev.record(self._stream)
         b.bcast_event = ev
+
+    def _broadcast_home(self, b) -> None:
+        """A streamed bucket's weights live in its slab's home (pinned host memory; on the device
+        only while its block runs): the owner's home, which its host AdamW wrote, goes into every
+        rank's home. gloo takes the host tensor itself; NCCL goes through a device buffer on the
+        comm stream (owner: H2D of its home; receivers: D2H into theirs). Either is complete
+        before bcast_done is set, so the streamer's load of the block, which waits for it
+        (Block.ready -> wait), needs no device-side wait. A receiver's home is last read by the
+        load its backward consumed, which precedes its reduce of b, hence the owner's update and
+        this broadcast."""
+        src, home = self.owner[b.index], b.slab.home
+        b.bcast_event = None
+        if not self._nccl:
+            dist.broadcast(home, src=src, group=self.weight_group)
+            return
+        with torch.cuda.stream(self._stream):
+            buf = torch.empty(home.shape, dtype=home.dtype, device=self.device)
+            if self.owns(b):
+                buf.copy_(home, non_blocking=True)
+            dist.broadcast(buf, src=src, group=self.weight_group)
+            if not self.owns(b):
+                home.copy_(buf, non_blocking=True)
+        self._stream.synchronize()
 
     def wait(self, b) -> bool:
         """The owner's weights of b have landed here (covers the owner's update)."""
@@ -194,8 +222,15 @@ class DataParallel:
         self._thread.join(timeout=30)
 
 
-def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
-    """Rank `src`'s parameters and buffers to every rank (at wrap time)."""
+def broadcast_model(model: torch.nn.Module, src: int = 0, device: torch.device | None = None) -> None:
+    """Rank `src`'s parameters and buffers to every rank (at wrap time). With NCCL, tensors left
+    in host memory (streamed blocks' weights) go through a copy on `device`."""
+    nccl = dist.get_backend() == "nccl"
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=src)
+            if nccl and t.device.type != "cuda":
+                buf = t.data.to(device)
+                dist.broadcast(buf, src=src)
+                t.data.copy_(buf)
+            else:
+                dist.broadcast(t.data, src=src)

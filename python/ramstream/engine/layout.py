@@ -56,14 +56,19 @@ def _allocate_streamed(engine, b: Bucket, owned: bool) -> None:
     """A streamed bucket: its weights at home in a pinned slab (weights/slab.py, its device
     storage released until its block runs), fp32 master and moments on the host; the host
     AdamW writes the new weights into the slab's home. An fp32 bucket's home is its own master
-    (updated in place: no second copy in RAM, no separate write of the new weights)."""
+    (updated in place: no second copy in RAM, no separate write of the new weights). Under data
+    parallel a rank that does not own the bucket keeps only the home (no master, no moments):
+    the owner's broadcast writes the new weights into it (distributed.py)."""
     from ..weights.slab import Slab
 
-    if b.placement != "host" or not owned:
-        raise ValueError("ramstream: a streamed bucket is updated on the host by its owner")
+    if b.placement != "host":
+        raise ValueError("ramstream: a streamed bucket is updated on the host")
     params = [s.param for s in b.slots]
     b.slab = Slab(params, [s.offset for s in b.slots], b.numel, copier=engine.copier)
     b.device_flat = b.slab.flat
+    if not owned:
+        b.master = b.exp_avg = b.exp_avg_sq = b.landing = b.acc = None
+        return
     home = b.slab.home
     b.master = home if home.dtype == torch.float32 else home.to(torch.float32, copy=True)
     b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype)

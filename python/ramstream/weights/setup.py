@@ -98,6 +98,20 @@ def choose_streamed(
     return list(range(k))
 
 
+def agree_streamed(indices: list[int], device: torch.device, log) -> list[int]:
+    """Data parallel with param_offload="auto": every rank streams the front blocks the rank
+    with the least room needs (free memory differs between GPUs; the buckets, which never span a
+    streamed and a resident block, must be the same on every rank)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([len(indices)], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    k = int(t.item())
+    if k != len(indices):
+        log(f"param_offload=auto: streaming blocks 0-{k - 1}, as another data-parallel rank needs")
+    return list(range(k))
+
+
 def streamed_ids(model, blocks, indices: list[int], log) -> dict[int, int]:
     """{id(tensor): block index} for the parameters and packed quantized buffers of the streamed
     blocks; one also used outside its block (tied weights) stays resident."""

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["read_into", "run_bounded", "usable_cores", "with_range"]
+__all__ = ["interleave", "read_into", "run_bounded", "usable_cores", "with_range"]
 
 _MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
 
@@ -133,3 +133,21 @@ def run_bounded(jobs: Iterable[Job], *, workers: int, cap: int, on_admit=None) -
         drain(True)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def interleave(streams: list[tuple[int, Iterable[Job]]]) -> Iterable[Job]:
+    """The jobs of every ``(total, jobs)`` stream, each stream in its own order, merged so that the
+    streams advance together: next comes the stream with the smallest share of its ``total`` (in
+    the unit of the jobs' sizes) already yielded, ties to the earlier stream. The order depends
+    only on the sizes, never on timing. load_model interleaves the tensors it copies with those it
+    packs, so that the copies run beside the packing (which keeps every core busy on its own)
+    instead of alone, one after another. Lazy: a stream's next job is made when it is its turn."""
+    live = [[0, max(1, total), iter(jobs)] for total, jobs in streams]
+    while live:
+        s = min(live, key=lambda s: s[0] / s[1])
+        job = next(s[2], None)
+        if job is None:
+            live.remove(s)
+            continue
+        s[0] += job[0]
+        yield job

@@ -248,3 +248,26 @@ def test_copies_run_beside_the_packing_not_before_it(tmp_path, monkeypatch):
     dense = sum(n for k, n in events if k == "copy")
     assert sum(n for k, n in events[:first_pack] if k == "copy") < dense / 4
     assert model.lm_head.weight.numel() == 96 * 64 and not model.lm_head.weight.is_meta
+
+
+@pytest.mark.parametrize("advice", ["real", "failing"])
+def test_reads_into_fresh_memory_populate_it_first_and_get_the_file_bytes(tmp_path, monkeypatch, advice):
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    calls = []
+    real = tensor_reads._populate
+
+    def populate(dst, n):
+        calls.append(n)
+        if advice == "real":
+            return real(dst, n)
+        return None  # the advice did nothing: the read faults the pages in itself
+
+    monkeypatch.setattr(tensor_reads, "_populate", populate)
+    dst = torch.empty((3 << 20) - 4097, dtype=torch.uint8)
+    read_into(str(path), 4097, dst)
+    assert calls == [dst.numel()] and torch.equal(dst, data[4097:])
+    small = torch.empty(100, dtype=torch.uint8)
+    read_into(str(path), 5, small)  # below _POPULATE_MIN: read as it is
+    assert calls == [dst.numel()] and torch.equal(small, data[5:105])

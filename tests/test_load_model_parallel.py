@@ -212,3 +212,62 @@ def test_reads_of_a_file_that_shrank_are_refused(tmp_path):
         read_into(str(path), 40, out)
     with pytest.raises(ValueError, match="past the end of the file"):
         with_range(str(path), 40, 2 << 20, lambda t: None)
+
+
+def test_interleave_merges_streams_by_their_share_in_a_fixed_order():
+    a = [(4, "a0"), (4, "a1"), (2, "a2")]
+    b = [(1, f"b{i}") for i in range(5)]
+    jobs = [(s, n, None) for s, n in a], [(s, n, None) for s, n in b]
+    order = [j[1] for j in tensor_reads.interleave([(10, jobs[0]), (5, jobs[1])])]
+    # shares: a after a0 0.4, a1 0.8; b after each 0.2 .. 1.0; ties go to the earlier stream
+    assert order == ["a0", "b0", "b1", "a1", "b2", "b3", "a2", "b4"]
+    assert list(tensor_reads.interleave([(0, iter(())), (3, [(3, "x", None)])])) == [(3, "x", None)]
+    assert list(tensor_reads.interleave([])) == []
+
+
+def test_copies_run_beside_the_packing_not_before_it(tmp_path, monkeypatch):
+    """The embeddings and head (first in the file) are not copied before any weight is packed:
+    the two streams advance together (and the result is the same model: the tests above)."""
+    folder = _save(tmp_path, torch.bfloat16)
+    _tiny_pieces(monkeypatch, 4)
+    events = []
+    real_place, real_pack = hf_load._place, hf_load.quantize_module_
+
+    def place(entries, value, requires_grad):
+        events.append(("copy", value.numel()))
+        return real_place(entries, value, requires_grad)
+
+    def pack(module, fmt, block, weight=None, **kw):
+        events.append(("pack", weight.numel()))
+        return real_pack(module, fmt, block, weight=weight, **kw)
+
+    monkeypatch.setattr(hf_load, "_place", place)
+    monkeypatch.setattr(hf_load, "quantize_module_", pack)
+    model = load_model(folder, quantize="nf4")
+    first_pack = next(i for i, (k, _) in enumerate(events) if k == "pack")
+    dense = sum(n for k, n in events if k == "copy")
+    assert sum(n for k, n in events[:first_pack] if k == "copy") < dense / 4
+    assert model.lm_head.weight.numel() == 96 * 64 and not model.lm_head.weight.is_meta
+
+
+@pytest.mark.parametrize("advice", ["real", "failing"])
+def test_reads_into_fresh_memory_populate_it_first_and_get_the_file_bytes(tmp_path, monkeypatch, advice):
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    calls = []
+    real = tensor_reads._populate
+
+    def populate(dst, n):
+        calls.append(n)
+        if advice == "real":
+            return real(dst, n)
+        return None  # the advice did nothing: the read faults the pages in itself
+
+    monkeypatch.setattr(tensor_reads, "_populate", populate)
+    dst = torch.empty((3 << 20) - 4097, dtype=torch.uint8)
+    read_into(str(path), 4097, dst)
+    assert calls == [dst.numel()] and torch.equal(dst, data[4097:])
+    small = torch.empty(100, dtype=torch.uint8)
+    read_into(str(path), 5, small)  # below _POPULATE_MIN: read as it is
+    assert calls == [dst.numel()] and torch.equal(small, data[5:105])

@@ -14,7 +14,7 @@ from ..ops.quant import quantize_into_
 from ..quant.model import parse_block_size, parse_format
 from ..quant.packed import quantizable, quantize_module_
 from .safetensors_files import checkpoint_files, read_header
-from .tensor_reads import read_into, run_bounded, usable_cores, with_range
+from .tensor_reads import interleave, read_into, run_bounded, usable_cores, with_range
 
 __all__ = ["load_model"]
 
@@ -293,16 +293,29 @@ def _fill(model, headers, owners, weight_of, fmt, block, model_bytes):
     chunk = max(_MIN_PIECE, cap // workers)
     bar = _progress(sum(len(r) for r in plan.values()), "load_model")
 
-    def jobs():
+    packs = {pid for pid in weight_of} if fmt in ("int8", "nf4") else set()
+
+    def jobs(packed: bool):  # the tensors packed (or copied), in file order
         for path, rows in plan.items():
             header, start = headers[path]
             for key, pid in rows:
-                module = weight_of.get(pid) if fmt in ("int8", "nf4") else None
-                info, entries = header[key], owners[pid]
-                yield from _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar)
+                if (pid in packs) == packed:
+                    module = weight_of[pid] if packed else None
+                    info, entries = header[key], owners[pid]
+                    yield from _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar)
 
-    try:
-        run_bounded(jobs(), workers=workers, cap=cap)
+    def total(packed: bool) -> int:  # file bytes, the share interleave() balances
+        return sum(
+            headers[p][0][k]["data_offsets"][1] - headers[p][0][k]["data_offsets"][0]
+            for p, rows in plan.items()
+            for k, pid in rows
+            if (pid in packs) == packed
+        )
+
+    try:  # copies beside packing (interleave); results are still installed in one fixed order
+        run_bounded(
+            interleave([(total(True), jobs(True)), (total(False), jobs(False))]), workers=workers, cap=cap
+        )
     finally:
         if bar is not None:
             bar.close()

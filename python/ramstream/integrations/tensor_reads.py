@@ -5,6 +5,7 @@ the ranges in flight count in the process's RSS, never a whole file."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
 import threading
@@ -13,9 +14,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["read_into", "run_bounded", "usable_cores", "with_range"]
+__all__ = ["interleave", "read_into", "run_bounded", "usable_cores", "with_range"]
 
 _MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
+_POPULATE_MIN = 1 << 20  # fresh destinations from this size are populated before the read
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_madvise = None
+
+
+def _populate(dst: torch.Tensor, n: int) -> None:
+    """Faults in the pages of ``dst`` (n bytes) in one call (MADV_POPULATE_WRITE) rather than one
+    fault per page inside the read's copy: 13 % less time for a read into fresh memory (a 229 MB
+    read 113 -> 98 ms). A hint: any failure (an older kernel, no glibc) leaves it to the read."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):  # pragma: no cover - not Linux / glibc
+            _madvise = False
+    page = mmap.PAGESIZE
+    lo = -(-dst.data_ptr() // page) * page
+    hi = (dst.data_ptr() + n) // page * page
+    if _madvise and hi > lo:
+        _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
 
 
 def usable_cores() -> int:
@@ -45,6 +68,8 @@ def read_into(path: str, offset: int, dst: torch.Tensor) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         _check_size(fd, path, offset, n)
+        if n >= _POPULATE_MIN:
+            _populate(dst, n)
         done = 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -133,3 +158,21 @@ def run_bounded(jobs: Iterable[Job], *, workers: int, cap: int, on_admit=None) -
         drain(True)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def interleave(streams: list[tuple[int, Iterable[Job]]]) -> Iterable[Job]:
+    """The jobs of every ``(total, jobs)`` stream, each stream in its own order, merged so that the
+    streams advance together: next comes the stream with the smallest share of its ``total`` (in
+    the unit of the jobs' sizes) already yielded, ties to the earlier stream. The order depends
+    only on the sizes, never on timing. load_model interleaves the tensors it copies with those it
+    packs, so that the copies run beside the packing (which keeps every core busy on its own)
+    instead of alone, one after another. Lazy: a stream's next job is made when it is its turn."""
+    live = [[0, max(1, total), iter(jobs)] for total, jobs in streams]
+    while live:
+        s = min(live, key=lambda s: s[0] / s[1])
+        job = next(s[2], None)
+        if job is None:
+            live.remove(s)
+            continue
+        s[0] += job[0]
+        yield job

@@ -40,6 +40,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from profile_step import profiled_step, train_step  # noqa: E402
 from stream_models import LORA_TARGETS, QWEN, build_qwen, fast_init_  # noqa: E402
 from stream_report import write_results  # noqa: E402
 
@@ -196,39 +197,7 @@ def _train(args, cfg: dict, res: dict) -> None:
     res["weights_h2d_per_step"] = (weight_h2d() - h2d0) / args.steps  # streamed slabs, codes included
     res["events_tail"] = list(rep["events"])[-6:]
     if args.profile:  # one more step under torch.profiler, after the timed ones (their time is kept)
-        res.update(_profiled_step(dev, lambda: _step(model, opt, x, dev)))
-
-
-def _step(model, opt, x, dev) -> None:
-    import torch
-
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-        loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _profiled_step(dev, step) -> dict:
-    """The top ops of one step by self device time and by self CPU time, and the step's wall time
-    against the device's busy time (what says whether the step is bound by the GPU or the host)."""
-    import torch
-
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if dev.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(dev)
-    with torch.profiler.profile(activities=acts) as p:
-        t0 = time.perf_counter()
-        step()
-        _sync(dev)
-        wall = time.perf_counter() - t0
-    ka = p.key_averages()
-    out = {"profile_wall_s": wall, "profile_cpu": ka.table(sort_by="self_cpu_time_total", row_limit=25)}
-    if dev.type == "cuda":
-        out["profile_device"] = ka.table(sort_by="self_device_time_total", row_limit=30)
-        out["profile_device_busy_s"] = sum(e.self_device_time_total for e in ka) / 1e6
-    return out
+        res.update(profiled_step(dev, lambda: train_step(model, opt, x, dev)))
 
 
 def _write(args, cfg: dict, res: dict) -> None:

@@ -3,16 +3,15 @@ CPUOffloadOptimizer and ramstream's other modes, each configuration in a process
 
 Rows (--rows, in the order given; each row's baseline configuration is added when not selected):
   F    1.8B GPT full FT, 4 GiB cap, param_offload=True; PCIe use of the weight stream (vs B_stock)
-  E    LoRA r16 on a Qwen2.5-14B shape, bf16 base, 24 GiB cap: stock, wrap() defaults,
-       param_offload=True
+  E    LoRA r16 on a Qwen2.5-14B shape, bf16 base, 24 GiB cap: stock, defaults, param_offload=True
   D8   LoRA r16 on a Qwen2.5-7B shape, 8 GiB cap: param_offload=True, without and with HF
        gradient checkpointing (vs D24_stock_ckpt)
   A    1.8B GPT full FT, 8x512, 24 GiB cap: stock fused AdamW, torchao CPUOffloadOptimizer
        (baseline), wrap() defaults, chunked loss + optimizer_mode/activation_offload "auto"
   C    6.85B GPT fp32, no cap: stock fused AdamW vs wrap() defaults (target: within 5%)
+  G    6.85B GPT bf16 weights, 8x512, chunked loss, 24 GiB cap: defaults, bf16 moments
   B    1.8B GPT, no cap: stock fused AdamW vs wrap() defaults (target: within 2%)
-  D24  LoRA r16 on the Qwen2.5-7B shape, 24 GiB cap: stock + HF checkpointing (baseline), wrap()
-       defaults, wrap() + HF checkpointing
+  D24  LoRA r16, Qwen2.5-7B shape, 24 GiB cap: stock + HF checkpointing (baseline), defaults, + HF's
 
 Each configuration reports s/step (median of --steps after --warmup), peak GiB
 (torch.cuda.max_memory_allocated over the whole process, and over the training steps only), host
@@ -44,7 +43,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stream_models import TINY, build_gpt, build_qwen, h2d_gbps, load_rate  # noqa: E402
+from stream_models import TINY, build_gpt, build_qwen, h2d_gbps, load_rate, split_utilisation  # noqa: E402
 from stream_report import planner_prediction, summarize, write_results  # noqa: E402
 
 BEST = {"optimizer_mode": "auto", "activation_offload": "auto"}
@@ -69,13 +68,8 @@ def _c(name, row, model, kind, cap, batch, **kw) -> dict:
         options={},
         ckpt=False,
         build="gpu",
-        baseline=None,
-        target=None,
-        expect=None,
-        timeout=150,
-        warmup=None,
-        bandwidth=False,
-    )
+        baseline=None, target=None, expect=None, timeout=150, warmup=None, bandwidth=False,
+    )  # fmt: skip
     c.update(kw)
     return c
 
@@ -392,11 +386,7 @@ def _train(args, cfg: dict, res: dict) -> None:
         if res.get("h2d_gbps") and wl["gbps"]:
             wl["util"] = wl["gbps"] / res["h2d_gbps"]
         if cuda and wl.get("beside_d2h"):  # loads beside gradient copies: against the duplex rate
-            duplex = ramstream.profile_hardware(dev).duplex_gbps
-            wl["duplex_gbps"] = duplex
-            for part, ref in (("alone", res.get("h2d_gbps")), ("beside_d2h", duplex)):
-                if wl[part]["gbps"] and ref:
-                    wl[part]["util"] = wl[part]["gbps"] / ref
+            split_utilisation(wl, res.get("h2d_gbps"), ramstream.profile_hardware(dev).duplex_gbps)
 
 
 # ---- the driver (never touches the device) -----------------------------------------------------

@@ -184,3 +184,12 @@ def load_rate(trace_path: str) -> dict:
     if d2h:
         out["alone"], out["beside_d2h"] = _rate(alone), _rate(beside)
     return out
+
+
+def split_utilisation(wl: dict, one_way: float | None, duplex: float | None) -> None:
+    """Adds "util" to load_rate's "alone" (against the one-way rate) and "beside_d2h" (against the
+    duplex rate, each way while both run) parts, and "duplex_gbps"."""
+    wl["duplex_gbps"] = duplex
+    for part, ref in (("alone", one_way), ("beside_d2h", duplex)):
+        if wl.get(part) and wl[part]["gbps"] and ref:
+            wl[part]["util"] = wl[part]["gbps"] / ref

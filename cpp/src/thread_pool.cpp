@@ -20,7 +20,10 @@ namespace ramstream {
 
 namespace {
 
-constexpr std::int64_t kDefaultSpinNs = 50'000;
+// 150 us: on the 2-core CI VM of 2026-12-02 a sleeping worker took ~50-100 us to wake, and with
+// 50 us of spin a 1M-parameter AdamW step (0.4 ms) paid it on every call: 0.47 ms against 0.39 ms
+// spinning 100-300 us (bench/RESULTS.md, fifth session). Idle workers yield while they spin.
+constexpr std::int64_t kDefaultSpinNs = 150'000;
 constexpr std::int64_t kMaxTasks = 0xFFFF;
 
 std::uint32_t gen_of(std::uint64_t c) { return static_cast<std::uint32_t>(c >> 32); }

@@ -26,7 +26,7 @@ class ThreadPool {
   // boundaries are multiples of `granule`, and runs fn(begin, end) on them in parallel; threads
   // claim ranges one at a time. Ranges below `min_per_task` items are merged, so small n runs
   // inline on the caller. After a call, workers spin for a short while (RAMSTREAM_POOL_SPIN_US,
-  // default 50 microseconds; 0: never) before they sleep, so that back-to-back calls do not pay
+  // default 150 microseconds; 0: never) before they sleep, so that back-to-back calls do not pay
   // for waking them.
   void parallel_for(std::int64_t n, std::int64_t granule, std::int64_t min_per_task,
                     const std::function<void(std::int64_t, std::int64_t)>& fn,

@@ -8,22 +8,11 @@ RAMSTREAM_FORCE_ISA, from the environment). Prints both times and torch / ramstr
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
 
 import ramstream.functional as F
 from ramstream._native import lib
-
-
-def best(fn, rounds: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
+from ramstream.planner.measure import best_seconds
 
 
 def main() -> None:
@@ -36,8 +25,8 @@ def main() -> None:
     pt = torch.nn.Parameter(torch.randn(n))
     pt.grad = torch.randn(n)
     opt = torch.optim.AdamW([pt], lr=1e-3, fused=True)
-    ours = best(lambda: F.adamw_(p, g, m, v, step=5, lr=1e-3), a.rounds)
-    theirs = best(opt.step, a.rounds)
+    ours = best_seconds(lambda: F.adamw_(p, g, m, v, step=5, lr=1e-3), a.rounds)
+    theirs = best_seconds(opt.step, a.rounds)
     print(
         f"{n:,} params, ramstream {lib().num_threads()} threads ({lib().active_isa()}), torch "
         f"{torch.get_num_threads()}: ramstream {ours * 1e3:.3f} ms, torch fused {theirs * 1e3:.3f} ms, "

@@ -56,6 +56,7 @@ def test_blocks_that_fit_keep_their_activations_after_step_1_bit_for_bit(referen
     assert _same(_state(model, opt), reference)  # keeping or recomputing: the same forward
     # measured in the recomputes of step 1 only (forward passes add nothing: 1000 per block)
     assert model._ramstream.recompute.kept_bytes == {0: 1000, 1: 1000, 2: 1000, 3: 1000}
+    assert model._ramstream.recompute._memory is None  # after the decision nothing measures
     # room 10000 * 0.9 - 6000 = 3000; a block 1000 * 1.1: the last two keep theirs
     assert keep.kept == [2, 3] and model._ramstream.recompute.recomputed() == [0, 1]
     # block forwards: 2 per step while recomputing (forward + recompute), 1 once kept

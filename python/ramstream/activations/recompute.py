@@ -166,18 +166,17 @@ def _autocasting() -> bool:
 class Recompute:
     """Checkpoints the forward of `blocks[i]` for i in `indices`; keep() lets chosen ones keep
     their activations again (and recompute_again() undoes that), bit for bit either way: the
-    recompute runs the same forward. With ``measure_device`` (a CUDA device), each recompute
-    records in ``kept_bytes[i]`` what the block's recomputed forward left allocated: its saved
-    activations and output, what the block would hold if it kept its activations. close()
-    restores the blocks."""
+    recompute runs the same forward. With ``memory_fn`` (bytes allocated on the device now;
+    recompute_keep.measured_memory_fn), each recompute records in ``kept_bytes[i]`` what the
+    block's recomputed forward left allocated: its saved activations and output, what the block
+    would hold if it kept its activations; ``stop_measuring()`` ends that. close() restores the
+    blocks."""
 
-    def __init__(self, blocks, indices: list[int], measure_device=None, memory_fn=None) -> None:
+    def __init__(self, blocks, indices: list[int], memory_fn=None) -> None:
         self.indices = list(indices)
         self.active = set(self.indices)
         self.kept_bytes: dict[int, int] = {}
-        self._memory = memory_fn or (
-            (lambda: torch.cuda.memory_allocated(measure_device)) if measure_device is not None else None
-        )
+        self._memory = memory_fn
         self._patched: list = []
         for i in self.indices:
             m = blocks[i]
@@ -207,6 +206,9 @@ class Recompute:
 
             m.forward = run
             self._patched.append((m, had, orig))
+
+    def stop_measuring(self) -> None:
+        self._memory = None
 
     def recomputed(self) -> list[int]:
         return sorted(self.active)

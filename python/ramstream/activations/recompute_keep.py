@@ -43,6 +43,7 @@ class KeepPolicy:
         if self.decided or self.steps < DECIDE_AFTER:
             return
         self.decided = True
+        self.recompute.stop_measuring()  # decided once: the recomputes need not measure any more
         m = self.measure()
         sizes = self.recompute.kept_bytes
         if m is None or not sizes:

@@ -50,7 +50,7 @@ class _Stash:
 
     def put(self, base: nn.Module, cd: torch.dtype) -> torch.Tensor | None:
         """Expands base's weight into a tensor of its own and keeps it; None over the limit."""
-        nbytes = torch.Size(base.quant_shape).numel() * torch.empty((), dtype=cd).element_size()
+        nbytes = torch.Size(base.quant_shape).numel() * cd.itemsize
         with self.lock:
             if base.__dict__.get(self._KEY) is not None or self.held + nbytes > self.limit:
                 return None

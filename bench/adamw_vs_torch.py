@@ -8,6 +8,7 @@ RAMSTREAM_FORCE_ISA, from the environment). Prints both times and torch / ramstr
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 import ramstream.functional as F

@@ -316,3 +316,17 @@ def test_cli_autocast_flag(capsys, monkeypatch, tmp_path):
     assert set(amp["activations"]) == {"recompute"}
     assert amp["memory"]["vram"]["autocast_cache"] == 2 * gpt("1.8b").head.matrix_numel
     assert amp["memory"]["vram"]["logits"] < plain["memory"]["vram"]["logits"]
+
+
+def test_row_a_with_the_fifth_sessions_profile_takes_the_host_only_trial(tflops):
+    """Row A on the profile of the fifth session's machine (host AdamW 141 GB/s of state alone):
+    the refinement keeps a small mapped share; the host could update it too within
+    refine.HOST_TRIAL_SHARE of the step, so the plan takes refine.py's host-only trial, and its
+    step has neither the mapped update nor the issue time a mapped share exposes."""
+    p = plan_training(gpt("1.8b"), h200(24, tflops, 141.35 / 28))
+    last = p.optimizer["refinements"][-1]
+    assert last.get("host_trial") and not last.get("reverted")
+    assert p.optimizer["split"]["mapped"] == 0 and p.optimizer["split"]["host"] > 0.1
+    assert p.bounds["mapped_update_s"] == 0 and p.bounds["issue_exposed_s"] == 0
+    assert p.bounds["host_lane_s"] <= p.predicted["step_s"]
+    assert "host-only trial kept" in p.explain()

@@ -224,6 +224,70 @@ def test_running_out_of_memory_keeps_the_bucket_and_the_rest_where_they_were():
     ramstream.unwrap(model)
 
 
+def test_host_trial_fits_counts_the_host_share_and_the_mapped_one():
+    bs = _buckets(["device", "mapped", "mapped", "host", "host"], streamed={4})
+    fits, info = refine.host_trial_fits(bs, host_params_per_s=100, step_s=4.0 / refine.HOST_TRIAL_SHARE)
+    assert fits and info["mapped_numel"] == 200 and info["host_all_s"] == pytest.approx(4.0)  # 400 of 500
+    fits, _ = refine.host_trial_fits(bs, host_params_per_s=100, step_s=3.9 / refine.HOST_TRIAL_SHARE)
+    assert not fits  # the host would take more than its share of the step
+    no_mapped = _buckets(["device", "host", "host"])
+    assert not refine.host_trial_fits(no_mapped, host_params_per_s=1e12, step_s=1.0)[0]
+    assert not refine.host_trial_fits(bs, host_params_per_s=0.0, step_s=1.0)[0]
+
+
+def _trial(trial_step_s: float, step_s: float = 1.0):
+    """Every bucket mapped, windows whose rates keep that split (the host 2n params/s, PCIe 160n
+    B/s: moving buckets to the host gains < MIN_GAIN), a step of step_s: the host could update all
+    n params in 0.5 s. The trial window measures trial_step_s."""
+    model, opt = _wrapped()
+    e = opt._engine
+    for b in e.buckets:  # labels only: the CPU engine has no mapped placement
+        b.placement = "mapped"
+    n = sum(b.numel for b in e.buckets)
+    calls = []
+    windows = iter(
+        [_window(2 * n, 160 * n, wall_s=2 * step_s), _window(2 * n, 160 * n, wall_s=2 * trial_step_s)]
+    )
+    r = SplitRefiner(opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls))
+    for steps in range(1, 14):
+        r.after_step(steps)
+    return model, opt, r, calls
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_kept_mapped_share_is_tried_on_the_host_and_kept_only_when_not_slower(faster):
+    model, opt, r, calls = _trial(0.9 if faster else 1.1)
+    e = opt._engine
+    changes = [h["change"] for h in opt.plan_history]
+    end = "host-only trial kept" if faster else "host-only trial undone"
+    assert changes == ["keep optimizer split", "optimizer split host-only trial", end] and r.settled
+    trial = opt.plan_history[1]
+    assert trial["step"] == 4 and trial["moved_buckets"] == len(e.buckets)
+    assert trial["host_all_s"] == pytest.approx(0.5) and trial["step_s_before"] == pytest.approx(1.0)
+    done = opt.plan_history[2]
+    assert done["measured_steps"] == [5, 6] and done["step_s"] == pytest.approx(0.9 if faster else 1.1)
+    want = "host" if faster else "mapped"
+    assert {b.placement for b in e.buckets} == {want}
+    assert e.mapped_numel == (0 if faster else sum(b.numel for b in e.buckets))
+    assert len(calls) == len(e.buckets) * (1 if faster else 2)
+    split = ramstream.memory_report(model)["plan"]["optimizer"]["split"]
+    assert [h["change"] for h in split["refinements"]] == changes and split["settled"]
+    events = ramstream.memory_report(model)["events"]
+    assert any("move to the host for the next steps" in line for line in events)
+    assert any(("kept, split settled" if faster else "moved back, split settled") in line for line in events)
+    for b in e.buckets:
+        b.placement = "host"
+    ramstream.unwrap(model)
+
+
+def test_no_trial_when_the_host_would_take_too_much_of_the_step():
+    model, opt, r, calls = _trial(0.1, step_s=0.5 / refine.HOST_TRIAL_SHARE * 0.95)
+    assert [h["change"] for h in opt.plan_history] == ["keep optimizer split"] and r.settled and not calls
+    for b in opt._engine.buckets:
+        b.placement = "host"
+    ramstream.unwrap(model)
+
+
 def test_the_host_rate_is_measured_from_the_engine_in_training():
     """Real training on the CPU engine: the window's host elements and seconds come from stats();
     with no mapped bucket the isolated PCIe rate stands in."""

@@ -9,7 +9,14 @@ is solved again and, when that is worth it, buckets move; a refinement that move
 measured over the next MEASURE_STEPS and refined once more, unless that window's measured step
 took more than MIN_GAIN longer than the window before the move: then the move is undone (the model
 below leaves out what a mapped share costs the GPU lane, planner/timing.py). Then the split settles
-(at most MAX_REFINEMENTS decisions, no measurement after that: no oscillation). Each window starts
+(at most MAX_REFINEMENTS decisions, no measurement after that: no oscillation).
+
+The host-only trial: the model above balances the host AdamW against PCIe and leaves out what the
+mapped share costs the GPU (its kernels hold SMs while they wait on PCIe, and the training thread
+falls behind: planner/timing.py's mapped update and ISSUE_EXPOSED). When a refinement keeps a split
+that still has mapped buckets, and the host could update all of them too within HOST_TRIAL_SHARE of
+the measured step (host_trial_fits), they move to the host for one more window; the trial is kept
+when that window's step was not slower, and undone otherwise. Either way the split then settles. Each window starts
 after a synchronize (two or three pipeline drains in all, the one before the move included).
 
 Measured over the window, per rate:
@@ -45,6 +52,10 @@ from .layout import relocate
 MEASURE_STEPS = 2  # steps measured before a refinement
 MAX_REFINEMENTS = 2  # refinements that may move buckets; the split is settled afterwards
 MIN_GAIN = 0.05  # the predicted optimizer time must fall by more than this share
+# the host-only trial runs when the host AdamW of every movable bucket, at the rate the window
+# measured, takes at most this share of the measured step (the host lane is the forward and the
+# host AdamW beside the backward: the forward is about a quarter of a recomputed step)
+HOST_TRIAL_SHARE = 0.6
 
 
 def _movable(b) -> bool:
@@ -129,6 +140,17 @@ def choose_refined(
     return out, info
 
 
+def host_trial_fits(buckets, *, host_params_per_s: float, step_s: float) -> tuple[bool, dict]:
+    """Whether the host-only trial runs (module docstring): some movable bucket is mapped, and the
+    host AdamW of every bucket it would update (streamed buckets' and the movable ones), at
+    host_params_per_s, takes at most HOST_TRIAL_SHARE of step_s. Pure."""
+    mapped = sum(b.numel for b in buckets if _movable(b) and b.placement == "mapped")
+    numel = sum(b.numel for b in buckets if b.exp_avg is not None and (b.streamed or _movable(b)))
+    host_all = numel / host_params_per_s if host_params_per_s > 0 else float("inf")
+    fits = bool(mapped) and step_s > 0 and host_all <= HOST_TRIAL_SHARE * step_s
+    return fits, {"mapped_numel": mapped, "host_all_s": host_all, "host_trial_share": HOST_TRIAL_SHARE}
+
+
 class SplitRefiner:
     """Measures the windows and refines opt's split (module docstring); after_step() is called
     by OffloadAdamW.step() on the training thread, with the engine's step count.
@@ -146,6 +168,7 @@ class SplitRefiner:
         self._snap: dict = {}
         self._t_end = 0.0  # when the window's last step returned
         self._before: dict | None = None  # placements and step_s before the last refinement
+        self._trial: dict | None = None  # placements and step_s before the host-only trial
 
     # ---- the window -------------------------------------------------------------------------------
     def _open(self, steps: int) -> None:
@@ -199,6 +222,10 @@ class SplitRefiner:
         n_steps = steps - self._open_at
         first, step_s = self._open_at + 1, m["wall_s"] / n_steps
         self.refinements += 1
+        if self._trial is not None:
+            self._end_trial(m, first=first, last=steps, step_s=step_s)
+            self._stop()
+            return
         before = self._before
         if before is not None and step_s > before["step_s"] * (1 + MIN_GAIN):
             self._revert(before, m, first=first, last=steps, step_s=step_s)
@@ -209,8 +236,46 @@ class SplitRefiner:
         self._before = {"placements": placements, "step_s": step_s}
         if moved and self.refinements < MAX_REFINEMENTS:
             self._open(steps)
+        elif not moved and self._start_trial(m, last=steps, step_s=step_s):
+            self._open(steps)
         else:
             self._stop()
+
+    # ---- the host-only trial (module docstring) -----------------------------------------------------
+    def _start_trial(self, m: dict, *, last: int, step_s: float) -> bool:
+        buckets = self.opt._engine.buckets
+        host, _, _ = self._rates(m)
+        fits, info = host_trial_fits(buckets, host_params_per_s=host, step_s=step_s)
+        if not fits:
+            return False
+        placements = [b.placement for b in buckets]
+        moved = self._move(["host" if _movable(b) else b.placement for b in buckets])
+        if not moved:
+            return False
+        self._trial = {"placements": placements, "step_s": step_s}
+        self.opt.plan_history.append({"step": last, "change": "optimizer split host-only trial",
+                                      "moved_buckets": moved, "step_s_before": step_s, **info})  # fmt: skip
+        self.opt._log(
+            f"optimizer_mode=auto after step {last}: the host could update every movable bucket in "
+            f"{info['host_all_s'] * 1e3:.0f} ms of the {step_s * 1e3:.0f} ms step; {moved} mapped buckets "
+            "move to the host for the next steps (kept unless those steps are slower)"
+        )
+        return True
+
+    def _end_trial(self, m: dict, *, first: int, last: int, step_s: float) -> None:
+        before, self._trial = self._trial, None
+        keep = step_s <= before["step_s"]
+        moved = 0 if keep else self._move(before["placements"])
+        self.opt.plan_history.append({
+            "step": last, "change": "host-only trial kept" if keep else "host-only trial undone",
+            "measured_steps": [first, last], "step_s": step_s, "step_s_before": before["step_s"],
+            "measured": dict(m), "moved_buckets": moved,
+        })  # fmt: skip
+        self.opt._log(
+            f"optimizer_mode=auto after step {last}: steps {first}-{last} with the host updating every "
+            f"movable bucket took {step_s:.3f} s/step against {before['step_s']:.3f}: "
+            + ("kept, split settled" if keep else f"{moved} buckets moved back, split settled")
+        )
 
     def _revert(self, before: dict, m: dict, *, first: int, last: int, step_s: float) -> None:
         """The measured step got slower after the last move (what the model leaves out: the
@@ -340,6 +405,9 @@ REFINED = (
     "optimizer split refined",
     "keep optimizer split",
     "optimizer split reverted",
+    "optimizer split host-only trial",
+    "host-only trial kept",
+    "host-only trial undone",
 )  # plan_history's changes here
 
 

@@ -14,6 +14,8 @@ def _shares(split: dict, total: int) -> dict:
 
 def _round(r: dict, total: int) -> dict:
     out = {"split": _shares(r, total), **r.get("refine_rates", {})}
+    if r.get("host_trial"):
+        out["host_trial"] = True
     return {**out, "reverted": True} if r.get("reverted") else out
 
 

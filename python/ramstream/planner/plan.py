@@ -258,21 +258,31 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
     re-solves the host / mapped split after steps 4 and 6 (policy.refinement_rounds); refine.py
     undoes the first move when the steps after it took more than MIN_GAIN longer (here: their
     predicted steps), and then settles."""
-    from ..engine.refine import MIN_GAIN
-    from .policy import refinement_rounds
+    from ..engine.refine import MAX_REFINEMENTS, MIN_GAIN
+    from .policy import host_trial, refinement_rounds
 
     bounds = _times(ctx, streamed, paged, modes, moment, split)
     if not ctx.refine or ctx.opt_mode != "auto" or not (split["mapped"] or split["host"] > streamed_tr):
         return split, bounds, []
-    rounds = refinement_rounds(split, streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment),
-                               state_bytes=ADAMW_STATE_BYTES[moment], prof=ctx.prof)  # fmt: skip
-    if not rounds:
-        return split, bounds, []
-    first = _times(ctx, streamed, paged, modes, moment, rounds[0])
-    if step_of(first)[0] > step_of(bounds)[0] * (1 + MIN_GAIN):
-        return split, bounds, [{**rounds[0], "reverted": True}]
-    last = first if len(rounds) == 1 else _times(ctx, streamed, paged, modes, moment, rounds[-1])
-    return rounds[-1], last, rounds
+    kw = dict(streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment), state_bytes=ADAMW_STATE_BYTES[moment],
+              prof=ctx.prof)  # fmt: skip
+    rounds = refinement_rounds(split, **kw)
+    now, t_now = split, bounds
+    if rounds:
+        first = _times(ctx, streamed, paged, modes, moment, rounds[0])
+        if step_of(first)[0] > step_of(bounds)[0] * (1 + MIN_GAIN):
+            return split, bounds, [{**rounds[0], "reverted": True}]
+        now = rounds[-1]
+        t_now = first if len(rounds) == 1 else _times(ctx, streamed, paged, modes, moment, now)
+    if len(rounds) < MAX_REFINEMENTS:  # the last refinement kept its split: refine.py's host-only trial
+        trial = host_trial(now, step_s=step_of(t_now)[0], **kw)
+        if trial is not None:
+            t_trial = _times(ctx, streamed, paged, modes, moment, trial)
+            kept = step_of(t_trial)[0] <= step_of(t_now)[0]
+            rounds = rounds + [trial if kept else {**trial, "reverted": True}]
+            if kept:
+                now, t_now = trial, t_trial
+    return now, t_now, rounds
 
 
 def _fits(ctx: _Ctx, c: dict) -> tuple[bool, bool]:

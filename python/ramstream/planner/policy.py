@@ -166,3 +166,22 @@ def refinement_rounds(
         now = {**now, **info["numel"], "refine_rates": {"host_params_per_s": host, "pcie_bytes_per_s": pcie}}
         rounds.append(now)
     return rounds
+
+
+def host_trial(split: dict, *, streamed_trained: int, wb: int, mb: int, state_bytes: int, prof,
+               step_s: float) -> dict | None:  # fmt: skip
+    """The all-host split engine/refine.py tries when a refinement keeps `split` with a mapped share
+    (refine.host_trial_fits on stand-ins of the buckets, at the host rate timing.refiner_rates says
+    the run measures and the predicted step_s), None when it does not try; plan.py keeps it when
+    its predicted step is not slower, as refine.py does with the measured one."""
+    from ..engine.refine import host_trial_fits
+    from .timing import refiner_rates
+
+    host, _ = refiner_rates(prof, split, wb=wb, mb=mb, state_bytes=state_bytes)
+    fits, _ = host_trial_fits(
+        _stand_ins(split, streamed_trained, wb, mb), host_params_per_s=host, step_s=step_s
+    )
+    if not fits:
+        return None
+    base = {k: v for k, v in split.items() if k != "refine_rates"}
+    return {**base, "mapped": 0, "host": split["host"] + split["mapped"], "host_trial": True}

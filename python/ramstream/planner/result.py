@@ -26,7 +26,8 @@ class Plan:
     #                  "split": shares {"device", "mapped", "host"} the run settles on (after the
     #                  refinement of engine/refine.py), "numel": the same in params, "initial_split":
     #                  the shares after step 2, "refinements": per move {"split", "host_params_per_s",
-    #                  "pcie_bytes_per_s"(, "reverted")}}
+    #                  "pcie_bytes_per_s"(, "reverted")}, the last one {"split", "host_trial":
+    #                  True(, "reverted")} when refine.py's host-only trial runs}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
@@ -69,12 +70,16 @@ class Plan:
             )
         )
         sp0, rounds = o.get("initial_split"), o.get("refinements") or []
-        if sp0 and rounds:
+        trial = rounds[-1] if rounds and rounds[-1].get("host_trial") else None
+        moves = rounds[:-1] if trial else rounds
+        if sp0 and moves:
             lines[-1] += (
-                f", after {len(rounds)} refinement{'s' if len(rounds) > 1 else ''}"
-                + (" (undone)" if rounds[-1].get("reverted") else "")
+                f", after {len(moves)} refinement{'s' if len(moves) > 1 else ''}"
+                + (" (undone)" if moves[-1].get("reverted") else "")
                 + f" of step 2's (device {sp0['device']:.0%}, mapped {sp0['mapped']:.0%}, host {sp0['host']:.0%})"
             )
+        if trial:
+            lines[-1] += ", host-only trial " + ("undone" if trial.get("reverted") else "kept")
         if self.quantize != "none":
             lines.append(f"  frozen block weights quantized: {self.quantize}")
         for where in ("vram", "ram", "pinned"):

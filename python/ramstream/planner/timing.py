@@ -64,7 +64,9 @@ round's split: the host at HOST_UNDER_DMA of the profile's rate over the AdamW s
 with bf16 moments: the refinement measures the real throughput, split.py's step-2 rate counts 28),
 the mapped kernels at mapped_kernel_s (their bytes at MAPPED_EFFICIENCY, plus the link time of the
 host share's copies beside them); plan.py undoes the first move when it predicts the steps after it
-more than MIN_GAIN slower, as refine.py does. The gpu lane keeps the mapped update at
+more than MIN_GAIN slower, as refine.py does, and runs refine.py's host-only trial
+(policy.host_trial) when the last round kept a split with a mapped share: the all-host split is
+kept when its predicted step is not slower. The gpu lane keeps the mapped update at
 MAPPED_EFFICIENCY alone: the kernels' stalls behind the copies do not all delay the compute
 stream (the second session's row G, 54 % mapped: the step exceeded compute by 1.12 s, its mapped
 bytes at the kernel's rate are 1.18 s, with the copies' link time 1.29 s).
@@ -112,19 +114,28 @@ def _pcie(prof, up: float, down: float) -> tuple[float, float]:
     return t_both + up_s, t_both + down_s
 
 
-def mapped_kernel_s(prof, mapped_bytes: float, host_numel: int, wb: int) -> float:
+def mapped_kernel_s(
+    prof, mapped_bytes: float, host_numel: int, wb: int, host_params_per_s: float = 0.0
+) -> float:
     """Seconds the mapped AdamW kernels take per step on the update stream: their bytes each way
-    at MAPPED_EFFICIENCY x h2d_gbps, plus the time the host share's copies hold the link (its
-    gradients down, its new weights up: host_numel x wb the larger way, at duplex_gbps). The
-    kernels' loads and stores and the copy engines' DMA share PCIe, and the copies run while the
-    kernels do (the host share's gradients as the backward reaches the mapped front of the model,
-    its new weights beside the mapped update). Checked on row G_defaults's first refinement window
-    (42 % mapped, 51 % host, tests/test_planner_h200.py): 32.8 GB/s each way predicted, 32.6
-    measured by refine.py's CUDA events; no constant is fitted here."""
+    at MAPPED_EFFICIENCY x h2d_gbps, plus the time the host share's copies hold the link while the
+    kernels run (host_numel x wb the larger way, at duplex_gbps). The kernels' loads and stores and
+    the copy engines' DMA share PCIe. The host share's new weights go up as its AdamW finishes them,
+    spread over the host AdamW's seconds (host_numel / host_params_per_s), so the share of those
+    copies that meets the kernels is the kernels' seconds over the host AdamW's, at most all of them
+    (all of them without a host rate). Checked on row G_defaults's first refinement window (42 %
+    mapped, 51 % host, tests/test_planner_h200.py: the kernels and the host AdamW take about as
+    long, every copy meets them): 32.8 GB/s each way predicted, 32.6 measured by refine.py's CUDA
+    events; on row A's of the fifth session (10 % mapped, 11 % host, the host AdamW half again as
+    long as the kernels): 28.4 GB/s predicted, 29.0 measured (26.6 when every copy counted), and
+    at the split it moved to (8 % mapped, 13 % host) 28.4 against 32.0. No constant is fitted here."""
     if not (mapped_bytes and prof.h2d_gbps):
         return 0.0
     seconds = mapped_bytes / (prof.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
-    return seconds + host_numel * wb / ((prof.duplex_gbps or prof.h2d_gbps) * 1e9)
+    copies = host_numel * wb / ((prof.duplex_gbps or prof.h2d_gbps) * 1e9)
+    if host_numel and host_params_per_s > 0:
+        copies *= min(1.0, seconds / (host_numel / host_params_per_s))
+    return seconds + copies
 
 
 def refiner_rates(prof, split: dict, *, wb: int, mb: int, state_bytes: int) -> tuple[float, float]:
@@ -143,7 +154,7 @@ def refiner_rates(prof, split: dict, *, wb: int, mb: int, state_bytes: int) -> t
     mapped_bytes = split["mapped"] * (2 * mb + (4 if wb < 4 else 0))
     if not mapped_bytes:
         return host, prof.h2d_gbps * 1e9
-    return host, mapped_bytes / mapped_kernel_s(prof, mapped_bytes, split["host"], wb)
+    return host, mapped_bytes / mapped_kernel_s(prof, mapped_bytes, split["host"], wb, host)
 
 
 def step_times(

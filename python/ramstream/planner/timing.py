@@ -27,13 +27,16 @@ the step is the longest of their lanes:
         bf16): the step exceeds compute by 1.12 s, the mapped update alone takes 1.18 s at the
         kernel's rate, and the host AdamW (1.10 s in that run) hides beside it; the backward
         was throttled 1.11 s, waiting on gradients in flight (the oldest event: a mapped
-        update's, or a copy's to the host). With a mapped share the eager time of each pass
+        update's, or a copy's to the host). With a mapped share (and see below) the eager time of each pass
         adds too, instead of hiding under its GPU time (min(GPU, eager) per pass:
         issue_exposed_s: ISSUE_EXPOSED of it). Measured on the H200 (rows A and A_chunked, 1.8B
         at 24 GiB): the steps exceed compute + mapped update by 0.043 and 0.042 s, half the
         eager time of their 32 blocks' four passes (0.087 s at EAGER_OP_S); where exactly the
-        training thread falls behind the GPU is not traced yet. Without a
-        mapped share (resident, LoRA host updates) it hides as before.
+        training thread falls behind the GPU is not traced yet. The sixth session's rows A and
+        A_chunked, their mapped share moved to the host by refine.py's host-only trial, still
+        exceed compute by 0.057 and 0.066 s: the term counts whenever the backward's hooks
+        launch GPU updates of full fine-tuning beside host ones (a mapped share, or a device
+        share next to a host share). Resident training and LoRA's host updates hide it.
   host: the forward, then host AdamW (host params x 28 B, 20 with bf16 moments, / (adamw_gbps x
         HOST_UNDER_DMA): the mapped update's DMA shares the host's memory bandwidth). The host
         share is the back of the model: its gradients land first in the backward and the next
@@ -212,9 +215,12 @@ def step_times(
     mapped = 0.0
     if mapped_bytes and p.h2d_gbps:  # the gpu lane's share of the kernels' seconds (docstring)
         mapped = mapped_bytes / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
-    issue = (
-        ISSUE_EXPOSED * issue if mapped else 0.0
-    )  # module docstring: the thread's issue with a mapped share
+    # module docstring: the thread's issue when the backward's hooks launch GPU updates beside an
+    # offloaded optimizer (a mapped share, or full fine-tuning's device share next to a host one)
+    from .policy import lora_like
+
+    hooks_update = bool(mapped or (split["device"] and split["host"] and not lora_like(sh)))
+    issue = ISSUE_EXPOSED * issue if hooks_update else 0.0
     act_h2d, act_d2h = _pcie(p, paged_bytes, paged_bytes)
     act_exposed = (1 - ACT_OVERLAP) * (act_h2d + act_d2h)
     stream_s = w_stream / stream_rate if stream_rate else 0.0

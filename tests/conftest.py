@@ -4,13 +4,16 @@ under a test's conditions never reaches the user's cache (and the benchmarks run
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
 if "RAMSTREAM_CACHE_DIR" not in os.environ:
     os.environ["RAMSTREAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="ramstream-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["RAMSTREAM_CACHE_DIR"], ignore_errors=True)  # the session's own
 
 
 def _gpu_ready() -> tuple[bool, str]:

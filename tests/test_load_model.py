@@ -116,6 +116,26 @@ def test_config_overrides_and_random_weights(tmp_path):
     assert torch.isfinite(out).all()
 
 
+def test_random_weights_pack_the_draws_of_the_unpacked_model(tmp_path):
+    """Packed random weights are drawn one module after another into reused memory: the codes equal
+    packing what quantize="none" draws under the same seed (no draw seen by another module)."""
+    folder = _save(tmp_path, "llama")
+    torch.manual_seed(3)
+    plain = load_model(folder, quantize="none", random_weights=True)
+    torch.manual_seed(3)
+    packed = load_model(folder, quantize="nf4", random_weights=True)
+    n = 0
+    for name, m in packed.named_modules():
+        if is_quantized(m):
+            codes, absmax = ramstream.functional.quantize_nf4(plain.get_submodule(name).weight, 64)
+            assert torch.equal(m.weight_codes, codes) and torch.equal(m.weight_absmax, absmax), name
+            n += 1
+    assert n == 3 * 7
+    for k, v in packed.state_dict().items():  # embeddings, norms, head: the same draws
+        if not is_quantized(packed.get_submodule(k.rsplit(".", 1)[0])):
+            assert torch.equal(v, plain.state_dict()[k]), k
+
+
 def test_auto_quantizes_only_when_the_dtype_does_not_fit(tmp_path, monkeypatch):
     folder = _save(tmp_path, "llama")
     full = sum(p.numel() * 2 for p in load_model(folder, quantize="none").parameters())

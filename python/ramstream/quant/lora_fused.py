@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .packed import EXPAND, expand_weight, is_quantized
+from .packed import EXPAND, LAST_READ, expand_weight, is_quantized
 
 __all__ = ["FusedQuantLoraFn", "fuse_lora_", "unfuse_lora_", "is_fused"]
 
@@ -84,6 +84,7 @@ class FusedQuantLoraFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a_weight, b_weight, bias, base, scaling, cd):  # noqa: D102
         ctx.base, ctx.scaling, ctx.x_dtype = base, scaling, x.dtype
+        LAST_READ.drop()
         ctx.a_dtype, ctx.b_dtype = a_weight.dtype, b_weight.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(cd)
         a, b = a_weight.to(cd), b_weight.to(cd)

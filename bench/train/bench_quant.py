@@ -471,7 +471,7 @@ def main() -> int:
     results: list[dict] = []
     try:
         for cfg in plan_configs(rows, layers):
-            timeout = cfg["timeout"] + 4 * cfg.get("layers", 0)  # G70: loading takes ~1-2 s a layer
+            timeout = cfg["timeout"] + 4 * (cfg.get("layers") or 0)  # G70: loading takes ~1-2 s a layer
             if cfg["kind"] in ("load", "hf_load") and not os.path.isdir(args.ckpt):
                 r = dict(name=cfg["name"], row=cfg["row"], kind=cfg["kind"], status="SKIP")
                 r["error"] = "no checkpoint (LOAD_write did not run)"

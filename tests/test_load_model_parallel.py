@@ -59,11 +59,13 @@ def _same(a, b):
 
 
 def _tiny_pieces(monkeypatch, workers):
-    """Pieces of a few hundred bytes, every range mapped (not read): each code path, many jobs."""
+    """Pieces of a few hundred bytes, every range mapped (not read), every tensor kept as stored a
+    mapping of the file (the reference copies them): each code path, many jobs."""
     monkeypatch.setattr(hf_load, "_WORKERS", workers)
     monkeypatch.setattr(hf_load, "_MIN_CAP", 4096)
     monkeypatch.setattr(hf_load, "_MIN_PIECE", 64)
     monkeypatch.setattr(hf_load, "_WORKING_SHARE", 1 << 40)
+    monkeypatch.setattr(hf_load, "_SHARE_MIN", 0)
     monkeypatch.setattr(tensor_reads, "_MAP_MIN", 0)
     monkeypatch.setattr(tensor_reads, "usable_cores", lambda: 8)
     monkeypatch.setattr(hf_load, "usable_cores", lambda: 8)
@@ -243,7 +245,7 @@ def test_copies_run_beside_the_packing_not_before_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf_load, "_place", place)
     monkeypatch.setattr(hf_load, "quantize_module_", pack)
-    model = load_model(folder, quantize="nf4")
+    model = load_model(folder, quantize="nf4", disable_mmap=True)  # copied, not mapped
     first_pack = next(i for i, (k, _) in enumerate(events) if k == "pack")
     dense = sum(n for k, n in events if k == "copy")
     assert sum(n for k, n in events[:first_pack] if k == "copy") < dense / 4

@@ -14,7 +14,7 @@ from ..ops.quant import quantize_into_
 from ..quant.model import parse_block_size, parse_format
 from ..quant.packed import quantizable, quantize_module_
 from .safetensors_files import checkpoint_files, read_header
-from .tensor_reads import interleave, read_into, run_bounded, usable_cores, with_range
+from .tensor_reads import interleave, map_tensor, read_into, run_bounded, usable_cores, with_range
 
 __all__ = ["load_model"]
 
@@ -29,6 +29,10 @@ _WORKERS = 4
 _WORKING_SHARE = 16
 _MIN_CAP = 4 << 20
 _MIN_PIECE = 1 << 16
+# A tensor kept as it is stored (no cast, not packed) from this size on stays a private mapping of
+# the file (tensor_reads.map_tensor), as from_pretrained leaves it, instead of being copied (the
+# embeddings and head: 2.2 GB of a 7B model); smaller ones are copied (a mapping costs whole pages).
+_SHARE_MIN = 1 << 20
 
 
 def _available_ram() -> int:
@@ -37,7 +41,7 @@ def _available_ram() -> int:
     return host_memory()["available"]
 
 
-def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction):
+def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap):
     if quantize is None or quantize is False or quantize == "none":
         fmt = "none"
     elif quantize == "auto":
@@ -54,6 +58,10 @@ def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction):
     if not isinstance(random_weights, bool):
         raise ValueError(
             f"load_model(): random_weights={random_weights!r} is not accepted; accepted: True, False"
+        )
+    if not isinstance(disable_mmap, bool):
+        raise ValueError(
+            f"load_model(): disable_mmap={disable_mmap!r} is not accepted; accepted: True, False"
         )
     if (
         isinstance(ram_fraction, bool)
@@ -215,6 +223,7 @@ def load_model(
     random_weights=False,
     ram_fraction=0.85,
     trust_remote_code=False,
+    disable_mmap=False,
     **config_overrides,
 ):
     """A Hugging Face causal LM (AutoModelForCausalLM) from a local folder or the HF cache holding
@@ -228,6 +237,13 @@ def load_model(
     full-precision base never exists in RAM at once. Packed weights are frozen; the others keep
     requires_grad=True, as from_pretrained leaves them. With ``quantize="none"`` the result equals
     ``AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)`` tensor for tensor.
+    As in from_pretrained, a tensor kept as it is stored (no cast to ``dtype``, not packed: the
+    embeddings and the head of a bf16 checkpoint) of 1 MiB or more is not copied: it stays a
+    private, copy-on-write mapping of its bytes in the file (tensor_reads.map_tensor), whose pages
+    come from the page cache when first used; writes (training it) copy only the pages written and
+    never reach the file. The files must then keep their bytes while the model lives: do not
+    truncate or rewrite them in place (save elsewhere, or to new files renamed over them);
+    ``disable_mmap=True`` copies every tensor instead (the model then keeps nothing of the files).
     ``random_weights=True`` reads no checkpoint: Linear and Embedding weights are drawn from
     N(0, config.initializer_range) on every core at once (Hugging Face's distribution, not its
     numbers; repeatable under torch.manual_seed), biases zero, other modules get the model's own
@@ -240,7 +256,7 @@ def load_model(
     the config (naming the file and tensor); MemoryError when even NF4 does not fit. Nothing is
     returned half-loaded.
     """
-    fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction)
+    fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap)
     folder = _resolve(name_or_path)
     headers = (
         {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}
@@ -262,7 +278,7 @@ def load_model(
     if random_weights:
         _fill_random(model, owners, weight_of, fmt, block)
     else:
-        _fill(model, headers, owners, weight_of, fmt, block, int(sizes[fmt]))
+        _fill(model, headers, owners, weight_of, fmt, block, int(sizes[fmt]), share=not disable_mmap)
     left = [
         n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"
     ]
@@ -274,7 +290,7 @@ def load_model(
     return model
 
 
-def _fill(model, headers, owners, weight_of, fmt, block, model_bytes):
+def _fill(model, headers, owners, weight_of, fmt, block, model_bytes, share):
     plan, missing = _plan(headers, owners, getattr(model, "base_model_prefix", ""))
     for path, rows in plan.items():  # shapes, before anything is read
         for key, pid in rows:
@@ -294,22 +310,30 @@ def _fill(model, headers, owners, weight_of, fmt, block, model_bytes):
     bar = _progress(sum(len(r) for r in plan.values()), "load_model")
 
     packs = {pid for pid in weight_of} if fmt in ("int8", "nf4") else set()
+    mapped = {  # (file, key) of the tensors that stay mappings of the file: nothing to read
+        (p, k)
+        for p, rows in plan.items()
+        for k, pid in rows
+        if share and pid not in packs and _mappable(headers[p][1], headers[p][0][k], owners[pid])
+    }
 
-    def jobs(packed: bool):  # the tensors packed (or copied), in file order
+    def jobs(packed: bool):  # the tensors packed (or copied or mapped), in file order
         for path, rows in plan.items():
             header, start = headers[path]
             for key, pid in rows:
                 if (pid in packs) == packed:
                     module = weight_of[pid] if packed else None
                     info, entries = header[key], owners[pid]
-                    yield from _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar)
+                    yield from _tensor_jobs(
+                        path, start, key, info, entries, module, fmt, block, chunk, bar, (path, key) in mapped
+                    )
 
-    def total(packed: bool) -> int:  # file bytes, the share interleave() balances
+    def total(packed: bool) -> int:  # file bytes read, the share interleave() balances
         return sum(
             headers[p][0][k]["data_offsets"][1] - headers[p][0][k]["data_offsets"][0]
             for p, rows in plan.items()
             for k, pid in rows
-            if (pid in packs) == packed
+            if (pid in packs) == packed and (p, k) not in mapped
         )
 
     try:  # copies beside packing (interleave); results are still installed in one fixed order
@@ -341,19 +365,43 @@ def _named(path, key, fn):
     return run
 
 
-def _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar):
-    """The jobs (size, work, done) that read one tensor in pieces of about ``chunk`` bytes into
-    what the model keeps:
-    packed codes (``module``: the Linear it packs into) or a tensor of the model's dtype (a float
-    cast to the skeleton's float dtype, as from_pretrained does; other dtypes as stored). The
-    outputs are allocated here, on the calling thread; the last piece's done installs them. No
-    tensor keeps a view of the file: a kept tensor is always a copy."""
+def _kept_dtype(info, entries) -> tuple[torch.dtype, torch.dtype]:
+    """(stored dtype, dtype the model keeps): a float is cast to the skeleton's float dtype, as
+    from_pretrained does; other dtypes stay as stored."""
     old = _current(entries)
     src = _torch_dtype(info["dtype"])
-    dst = old.dtype if src.is_floating_point and old.is_floating_point() else src
+    return src, old.dtype if src.is_floating_point and old.is_floating_point() else src
+
+
+def _mappable(start, info, entries) -> bool:
+    """Whether a tensor the model keeps unpacked can stay a mapping of the file: kept as stored,
+    at least _SHARE_MIN bytes, starting at a multiple of its element size."""
+    src, dst = _kept_dtype(info, entries)
+    b0, b1 = info["data_offsets"]
+    return dst == src and b1 - b0 >= _SHARE_MIN and (start + b0) % src.itemsize == 0
+
+
+def _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar, mapped=False):
+    """The jobs (size, work, done) that read one tensor in pieces of about ``chunk`` bytes into
+    what the model keeps:
+    packed codes (``module``: the Linear it packs into) or a tensor of the model's dtype
+    (_kept_dtype). The outputs are allocated here, on the calling thread; the last piece's done
+    installs them. ``mapped`` (a _mappable tensor): one job of size 0 whose done installs a
+    mapping of the file's bytes (map_tensor) instead; nothing is read."""
+    old = _current(entries)
+    src, dst = _kept_dtype(info, entries)
     shape, (b0, b1) = tuple(info["shape"]), info["data_offsets"]
     n, width, base = b1 - b0, src.itemsize, start + b0
     numel = n // width
+    if mapped:
+
+        def install():
+            _place(entries, map_tensor(path, base, shape, src), getattr(old, "requires_grad", False))
+            if bar is not None:
+                bar.update(1)
+
+        yield 0, lambda: None, _named(path, key, install)
+        return
     if module is not None:
         nf4 = fmt == "nf4"
         codes = torch.empty((numel + 1) // 2 if nf4 else shape, dtype=torch.uint8 if nf4 else torch.int8)

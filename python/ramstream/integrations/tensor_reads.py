@@ -1,6 +1,7 @@
 """Byte ranges of checkpoint files for load_model, and a bounded runner that processes them on a
 few threads: each range is mapped on its own (or read with pread), used and unmapped, so that only
-the ranges in flight count in the process's RSS, never a whole file."""
+the ranges in flight count in the process's RSS, never a whole file; a tensor the model keeps as
+it is stored can instead stay a private mapping of its bytes (map_tensor)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["interleave", "read_into", "run_bounded", "usable_cores", "with_range"]
+__all__ = ["interleave", "map_tensor", "read_into", "run_bounded", "usable_cores", "with_range"]
 
 _MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
 _POPULATE_MIN = 1 << 20  # fresh destinations from this size are populated before the read
@@ -104,6 +105,30 @@ def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor],
             mm.close()
         except BufferError:  # fn kept a view (or a traceback holds one): unmapped when collected
             pass
+
+
+def map_tensor(path: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` over the file's bytes from ``offset``, as a private
+    (copy-on-write) mapping of just those pages: nothing is read or copied now; a page comes from
+    the page cache when first touched (and only then counts in RSS, as file memory the kernel can
+    drop and read again), and a write copies only the page written: the file never changes. The
+    mapping lives as long as the tensor's storage (torch.frombuffer keeps it). As for
+    from_pretrained's tensors, the file must keep its bytes meanwhile: truncating it or rewriting
+    it in place shows through (a read past a truncated end is SIGBUS); deleting it or renaming a
+    new file over it is safe. ``offset`` must be a multiple of the element size and the tensor
+    non-empty (ValueError otherwise, or when the file ends first). Thread-safe."""
+    numel = torch.Size(shape).numel()
+    nbytes = numel * dtype.itemsize
+    if numel == 0 or offset % dtype.itemsize:
+        raise ValueError(f"cannot map {numel} elements of {dtype} at byte {offset}")
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, path, offset, nbytes)
+        mm = mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset - base).view(shape)
 
 
 Job = tuple[int, Callable[[], None], Callable[[], None] | None]

@@ -91,13 +91,7 @@ def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor],
         buf = torch.empty(nbytes, dtype=torch.uint8)
         read_into(path, offset, buf)
         return fn(buf)
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _check_size(fd, path, offset, nbytes)
-        mm = mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
-    finally:
-        os.close(fd)
+    mm, base = _map_private(path, offset, nbytes)
     try:
         return fn(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base))
     finally:
@@ -105,6 +99,18 @@ def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor],
             mm.close()
         except BufferError:  # fn kept a view (or a traceback holds one): unmapped when collected
             pass
+
+
+def _map_private(path: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int]:
+    """(a private, copy-on-write mapping of the pages holding the file's bytes [offset, offset +
+    nbytes), the file offset it starts at); the size is checked against the file first."""
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, path, offset, nbytes)
+        return mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base), base
+    finally:
+        os.close(fd)
 
 
 def map_tensor(path: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -121,13 +127,7 @@ def map_tensor(path: str, offset: int, shape: tuple, dtype: torch.dtype) -> torc
     nbytes = numel * dtype.itemsize
     if numel == 0 or offset % dtype.itemsize:
         raise ValueError(f"cannot map {numel} elements of {dtype} at byte {offset}")
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _check_size(fd, path, offset, nbytes)
-        mm = mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
-    finally:
-        os.close(fd)
+    mm, base = _map_private(path, offset, nbytes)
     return torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset - base).view(shape)
 
 

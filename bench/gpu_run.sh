@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, stream, quant, offload, trainer, loss, doctor, probe), each under a time limit, logs under $OUT. Prints a short
+# (tests, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, trainer, loss, doctor, probe), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -121,6 +121,15 @@ for stage in $STAGES; do
       timeout "${PROBE_TIMEOUT:-400}" python3 bench/train/probe_stream.py --out "$OUT/probe.json" \
         ${PROBE_ARGS:-} > "$OUT/probe.log" 2>&1
       summary "probe rc=$?"; cut -c1-600 "$OUT/probe.log" | tee -a "$OUT/summary.txt" ;;
+    loadprobe)  # issue 11: where load_model's time goes (probe_load.py), on a 7B-shaped checkpoint
+      ck=/tmp/ramstream-loadprobe
+      [ -d "$ck" ] || timeout 200 python3 bench/train/load_ckpt.py "$ck" --layers "${LOADPROBE_LAYERS:-28}" \
+        --shard 4GB > "$OUT/loadprobe.log" 2>&1
+      timeout "${LOADPROBE_TIMEOUT:-200}" python3 bench/train/probe_load.py "$ck" ${LOADPROBE_ARGS:-} >> "$OUT/loadprobe.log" 2>&1
+      summary "loadprobe rc=$?"
+      RAMSTREAM_FORCE_ISA=avx2 timeout 100 python3 bench/train/probe_load.py "$ck" --only floor,load \
+        >> "$OUT/loadprobe.log" 2>&1
+      summary "loadprobe avx2 rc=$?"; grep -E "^(RESULT|INFO)" "$OUT/loadprobe.log" | cut -c1-400 ;;
     dp)    # issue 5 (a machine with 2+ GPUs): scaling, 1/N host state, parity, identical replicas
       timeout 580 python3 bench/train/bench_dp.py --nproc "${NPROC:-2}" --model "${MODEL:-1.8b}" \
         --batch 8 --seq 512 --steps 10 --check --out "$OUT/dp.json" > "$OUT/dp.log" 2>&1

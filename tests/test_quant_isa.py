@@ -11,7 +11,7 @@ from ramstream._native import lib
 
 # isa is a fixture: pytest finds it here once imported
 from _isa import isa, supported_isas, using_isa  # noqa: F401
-from _quant_helpers import FLOAT_DTYPES, NF4_CODE, assert_bits_equal, bits
+from _quant_helpers import FLOAT_DTYPES, NF4_CODE, NF4_MID, assert_bits_equal, bits
 
 C = lib()
 
@@ -60,6 +60,33 @@ def test_every_isa_gives_identical_bytes(dtype):
                 got = _all_outputs(x, block, absmax_bits)
             for i, (a, b) in enumerate(zip(ref, got)):
                 assert torch.equal(a, b), (name, block, i)
+
+
+def _around(values: torch.Tensor, ulps: int = 3) -> torch.Tensor:
+    """values and the float32 numbers up to ``ulps`` steps either side of each."""
+    out, lo, hi = [values], values, values
+    for _ in range(ulps):
+        lo, hi = torch.nextafter(lo, torch.tensor(-2.0)), torch.nextafter(hi, torch.tensor(2.0))
+        out += [lo, hi]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("block", [64, 62])
+def test_nf4_codes_at_every_edge(isa, block):
+    # The vector kernels find a code by a bin (trunc(16 s + 16)) and one compare: every bin edge
+    # and every midpoint, with the floats beside them, get the code of the definition (midpoints
+    # strictly below s, counted in float64), on each ISA; block 64 takes the in-register path.
+    edges = torch.arange(33, dtype=torch.float64).div(16).sub(1).float()
+    s = _around(torch.cat([edges, NF4_MID, NF4_CODE, torch.tensor([0.0, -0.0])])).clamp(-1, 1)
+    per = block - 1  # each block starts with 1.0, so absmax is 1 and the scaled values are s
+    s = torch.cat([s, torch.zeros(-s.numel() % per)]).view(-1, per)
+    x = torch.cat([torch.ones(s.shape[0], 1), s], 1).reshape(-1)
+    packed, absmax = rf.quantize_nf4(x, block_size=block)
+    assert torch.equal(absmax, torch.ones_like(absmax))
+    codes = torch.stack([packed >> 4, packed & 15], 1).reshape(-1)[: x.numel()].long()
+    expect = (x.double()[:, None] > NF4_MID.double()[None, :]).sum(1)
+    bad = (codes != expect).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), codes[i].item(), expect[i].item()) for i in bad[:5]]
 
 
 def test_output_rounding_rule_1(isa):

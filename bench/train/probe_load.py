@@ -47,12 +47,15 @@ def _timed(mod, name: str, out: dict):
 def _load(folder: str, **tune) -> dict:
     import torch
 
-    from ramstream.integrations import hf_load
+    from ramstream.integrations import hf_load, tensor_reads
     from ramstream.integrations.huggingface import load_model
 
-    saved = {k: getattr(hf_load, k) for k in tune}
+    def where(k):  # hf_load's constants, or tensor_reads' (_RANGE_MODE)
+        return tensor_reads if k == "_RANGE_MODE" else hf_load
+
+    saved = {k: getattr(where(k), k) for k in tune}
     for k, v in tune.items():
-        setattr(hf_load, k, v)
+        setattr(where(k), k, v)
     phases: dict = {}
     try:
         with (
@@ -66,7 +69,7 @@ def _load(folder: str, **tune) -> dict:
             total = time.perf_counter() - t0
     finally:
         for k, v in saved.items():
-            setattr(hf_load, k, v)
+            setattr(where(k), k, v)
     del model
     gc.collect()
     phases["quantize_into_ (summed over threads)"] = phases.pop("quantize_into_", 0.0)
@@ -116,6 +119,34 @@ def _floor(folder: str) -> dict:
     return dict(total_s=time.perf_counter() - t0, pack_s=t_pack, gb_read=n / 1e9, pack_gbps=n / 1e9 / t_pack)
 
 
+def _kernel(threads: int) -> dict:
+    """The NF4 packing kernel alone on bf16 values already in memory, into outputs already
+    faulted in (the compute rate), on ``threads`` pool threads; then into fresh outputs."""
+    import torch
+
+    from ramstream._native import lib
+    from ramstream.ops.quant import quantize_into_
+
+    n = 256 << 20
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).bfloat16()
+    codes, absmax = torch.zeros(n // 2, dtype=torch.uint8), torch.zeros(n // 64)
+    prev = lib().num_threads()
+    lib().set_num_threads(threads)
+    try:
+        warm = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            quantize_into_("nf4", x, codes, absmax, 64)
+            warm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        quantize_into_("nf4", x, torch.empty(n // 2, dtype=torch.uint8), torch.empty(n // 64), 64)
+        fresh = time.perf_counter() - t0
+    finally:
+        lib().set_num_threads(prev)
+    best = min(warm)
+    return dict(total_s=best, threads=threads, gelem_per_s=n / best / 1e9, fresh_s=fresh)
+
+
 def _pages(folder: str) -> dict:
     """Reading the files' bytes (page cache -> fresh memory) with one pread per 64 MiB: the copy
     floor the embeddings and head would cost if copied."""
@@ -141,7 +172,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("folder")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--only", default="floor,pages,baseline,load,tune")
+    ap.add_argument("--only", default="kernel,floor,baseline,load,modes")
     args = ap.parse_args()
     import torch
 
@@ -150,9 +181,14 @@ def main() -> int:
 
     only = set(args.only.split(","))
     isa = os.environ.get("RAMSTREAM_FORCE_ISA", "default")
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     info = dict(isa=isa, threads=torch.get_num_threads(), cores=os.cpu_count())
+    info["thp"] = open(thp).read().strip() if os.path.exists(thp) else None
     print("INFO " + json.dumps(info), flush=True)
     runs = []
+    if "kernel" in only:
+        for t in sorted({1, os.cpu_count() or 1}):
+            runs += [(f"kernel_t{t}", lambda t=t: _kernel(t))]
     if "floor" in only:
         runs += [("floor", lambda: _floor(args.folder))]
     if "pages" in only:
@@ -161,11 +197,26 @@ def main() -> int:
         runs += [("baseline", lambda: _baseline(args.folder))]
     if "load" in only:
         runs += [("load", lambda: _load(args.folder))]
+    if "modes" in only:  # against the default, each in turn (A B A C ...): drift hits all alike
+        variants = {
+            "w4": dict(_WORKERS=4),
+            "w8": dict(_WORKERS=8),
+            "w8_huge": dict(_WORKERS=8, _HUGE_CODES=True),
+            "w8_popcodes": dict(_WORKERS=8, _POPULATE_CODES=True),
+            "w8_huge_popcodes": dict(_WORKERS=8, _HUGE_CODES=True, _POPULATE_CODES=True),
+            "w8_popsrc": dict(_WORKERS=8, _RANGE_MODE="populate"),
+            "w12_huge": dict(_WORKERS=12, _HUGE_CODES=True),
+        }
+        for name, tune in variants.items():
+            runs += [("baseline", lambda: _baseline(args.folder))]
+            runs += [(f"load_{name}", lambda tune=tune: _load(args.folder, **tune))]
     if "tune" in only:
-        for w in (1, 2, 8, 16):
+        for w in (1, 2, 16):
             runs += [(f"load_workers{w}", lambda w=w: _load(args.folder, _WORKERS=w))]
         for c in (16 << 20, 256 << 20):
-            runs += [(f"load_chunk{c >> 20}M", lambda c=c: _load(args.folder, _CHUNK_BYTES=c, _WORKING_SHARE=4))]
+            runs += [
+                (f"load_chunk{c >> 20}M", lambda c=c: _load(args.folder, _CHUNK_BYTES=c, _WORKING_SHARE=4))
+            ]
     for name, fn in runs:
         for i in range(args.repeat):
             try:

@@ -148,6 +148,31 @@ inline std::int8_t int8_code(float v, float amax) {
 
 // ---- vector layer (kW floats per vector; kW == 0: no vector path) --------------------------------
 
+// ---- the NF4 code by lookup (the vector Nf4Quantizers) ----------------------------------------
+// bin b = trunc(fma(s, 16, 16)), clamped to 31, puts s in [(b - e) / 16 - 1, (b + 1 + e) / 16 - 1]
+// with e = 2^-18 (|fma(s, 16, 16)| <= 32: its rounding error is at most 2^-19). first[b] counts the
+// midpoints below that window's start: all of them lie below s. As no two midpoints are closer than
+// the window is wide (asserted below), at most one more midpoint lies in it, and it is
+// kNf4Midpoint[first[b]]: one strict compare with it completes the count of midpoints below s,
+// which is the code (the same bytes as the scalar path; tests/test_quant_isa.py checks every bin
+// edge and midpoint with the floats beside them).
+constexpr bool nf4_midpoints_apart() {
+  for (int i = 0; i + 1 < 15; ++i)
+    if (static_cast<double>(kNf4Midpoint[i + 1]) - kNf4Midpoint[i] <= (1.0 + 0x1p-17) / 16.0) return false;
+  return true;
+}
+static_assert(nf4_midpoints_apart(), "NF4 midpoints closer than a bin: the vector Nf4Quantizer needs more bins");
+
+template <class T>
+void nf4_first_codes(T* first) {  // first[b], b = 0..31
+  for (int b = 0; b < 32; ++b) {
+    const double start = (b - 0x1p-18) / 16.0 - 1.0;
+    int c = 0;
+    while (c < 15 && static_cast<double>(kNf4Midpoint[c]) < start) ++c;
+    first[b] = static_cast<T>(c);
+  }
+}
+
 #if RAMSTREAM_ISA_LEVEL >= 2
 constexpr int64_t kW = 16;
 using V = __m512;
@@ -204,22 +229,27 @@ inline void vstore<F16>(void* base, int64_t i, V v) {
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// NF4: codes of kW clamped, NaN-free values, packed into kW / 2 bytes at out.
+// NF4: codes of kW clamped, NaN-free values, packed into kW / 2 bytes at out, by lookup (above).
 struct Nf4Quantizer {
-  __m512 thr;  // thr[j] = midpoint[j - 1] for j = 1..15 (a branch-free binary search)
+  __m512i first_lo, first_hi;  // first[b], b = 0..15 and 16..31
+  __m512 next;                 // next[c] = kNf4Midpoint[c], c = 0..14; next[15] = +inf (never below)
   Nf4Quantizer() {
-    alignas(64) float t[16];
-    t[0] = -1.0f;  // never read: candidates are 1..15
-    for (int j = 1; j < 16; ++j) t[j] = kNf4Midpoint[j - 1];
-    thr = _mm512_load_ps(t);
+    alignas(64) int32_t f[32];
+    alignas(64) float nx[16];
+    nf4_first_codes(f);
+    for (int c = 0; c < 15; ++c) nx[c] = kNf4Midpoint[c];
+    nx[15] = __builtin_inff();
+    first_lo = _mm512_load_si512(f);
+    first_hi = _mm512_load_si512(f + 16);
+    next = _mm512_load_ps(nx);
   }
   void pack(V s, uint8_t* out) const {
-    __m512i c = _mm512_setzero_si512();
-    for (int k = 8; k >= 1; k >>= 1) {
-      const __m512i cand = _mm512_add_epi32(c, _mm512_set1_epi32(k));
-      const __mmask16 gt = _mm512_cmp_ps_mask(s, _mm512_permutexvar_ps(cand, thr), _CMP_GT_OQ);
-      c = _mm512_mask_mov_epi32(c, gt, cand);
-    }
+    const __m512i bin = _mm512_min_epi32(
+        _mm512_cvttps_epi32(_mm512_fmadd_ps(s, _mm512_set1_ps(16.0f), _mm512_set1_ps(16.0f))),
+        _mm512_set1_epi32(31));
+    __m512i c = _mm512_permutex2var_epi32(first_lo, bin, first_hi);
+    const __mmask16 gt = _mm512_cmp_ps_mask(s, _mm512_permutexvar_ps(c, next), _CMP_GT_OQ);
+    c = _mm512_mask_add_epi32(c, gt, c, _mm512_set1_epi32(1));
     // 64-bit lane j holds codes (2j, 2j+1) in its (low, high) halves: byte = lo << 4 | hi.
     const __m512i t = _mm512_or_si512(_mm512_slli_epi64(c, 4), _mm512_srli_epi64(c, 32));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(t));
@@ -305,11 +335,36 @@ inline void vstore<F16>(void* base, int64_t i, V v) {
                    _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// The same one-lookup, one-compare code as the AVX-512 Nf4Quantizer (its comment says why it is
+// exact): first[b] by two byte shuffles (the bins' codes fit in a byte; the lookup's other bytes
+// are masked off), the next midpoint by two permutes.
 struct Nf4Quantizer {
+  __m256i first_lo, first_hi;  // bytes first[0..15], first[16..31], in both 128-bit lanes
+  __m256 next_lo, next_hi;     // kNf4Midpoint[0..7], kNf4Midpoint[8..14] and +inf
+  Nf4Quantizer() {
+    alignas(32) uint8_t f[32];
+    alignas(32) float nx[16];
+    nf4_first_codes(f);
+    for (int c = 0; c < 15; ++c) nx[c] = kNf4Midpoint[c];
+    nx[15] = __builtin_inff();
+    const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(f));
+    const __m128i hi = _mm_load_si128(reinterpret_cast<const __m128i*>(f + 16));
+    first_lo = _mm256_set_m128i(lo, lo);
+    first_hi = _mm256_set_m128i(hi, hi);
+    next_lo = _mm256_load_ps(nx);
+    next_hi = _mm256_load_ps(nx + 8);
+  }
   void pack(V s, uint8_t* out) const {
-    __m256i c = _mm256_setzero_si256();
-    for (int k = 0; k < 15; ++k)  // count the midpoints below s (a true compare is all ones = -1)
-      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(s, _mm256_set1_ps(kNf4Midpoint[k]), _CMP_GT_OQ)));
+    const __m256i bin = _mm256_min_epi32(
+        _mm256_cvttps_epi32(_mm256_fmadd_ps(s, _mm256_set1_ps(16.0f), _mm256_set1_ps(16.0f))),
+        _mm256_set1_epi32(31));
+    const __m256i upper = _mm256_cmpgt_epi32(bin, _mm256_set1_epi32(15));  // bin's bit 4
+    __m256i c = _mm256_blendv_epi8(_mm256_shuffle_epi8(first_lo, bin), _mm256_shuffle_epi8(first_hi, bin), upper);
+    c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));
+    // permutevar8x32 reads the index's low 3 bits; bit 3 (moved to the sign) picks the half.
+    const __m256 mid = _mm256_blendv_ps(_mm256_permutevar8x32_ps(next_lo, c), _mm256_permutevar8x32_ps(next_hi, c),
+                                        _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+    c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(s, mid, _CMP_GT_OQ)));
     const __m256i t = _mm256_or_si256(_mm256_slli_epi64(c, 4), _mm256_srli_epi64(c, 32));
     __m128i w = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
     w = _mm_packus_epi16(_mm_packus_epi32(w, w), w);

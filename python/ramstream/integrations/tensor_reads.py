@@ -15,18 +15,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["interleave", "map_tensor", "read_into", "run_bounded", "usable_cores", "with_range"]
+__all__ = [
+    "fresh_pages",
+    "interleave",
+    "map_tensor",
+    "read_into",
+    "run_bounded",
+    "usable_cores",
+    "with_range",
+]
 
 _MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
 _POPULATE_MIN = 1 << 20  # fresh destinations from this size are populated before the read
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_MADV_POPULATE_READ = 22  # Linux 5.14
+_MADV_POPULATE_WRITE = 23
+_MADV_HUGEPAGE = 14
+# How with_range hands a range of 1 MiB or more to its function: "map" (a private mapping whose
+# pages fault in while the function reads them), "populate" (the same mapping, its pages mapped
+# in one madvise(MADV_POPULATE_READ) on the reading thread first, so the function, e.g. the
+# packing kernel on the whole thread pool, meets no faults) or "read" (pread into a buffer the
+# thread reuses). bench/train/probe_load.py times each.
+_RANGE_MODE = "map"
 _madvise = None
+_scratch = threading.local()
 
 
-def _populate(dst: torch.Tensor, n: int) -> None:
-    """Faults in the pages of ``dst`` (n bytes) in one call (MADV_POPULATE_WRITE) rather than one
-    fault per page inside the read's copy: 13 % less time for a read into fresh memory (a 229 MB
-    read 113 -> 98 ms). A hint: any failure (an older kernel, no glibc) leaves it to the read."""
+def _advise(ptr: int, n: int, advice: int) -> None:
+    """madvise over the whole pages within [ptr, ptr + n). A hint: any failure (an older kernel,
+    no glibc) leaves the faults to the code that touches the pages."""
     global _madvise
     if _madvise is None:
         try:
@@ -36,10 +52,38 @@ def _populate(dst: torch.Tensor, n: int) -> None:
         except (OSError, AttributeError):  # pragma: no cover - not Linux / glibc
             _madvise = False
     page = mmap.PAGESIZE
-    lo = -(-dst.data_ptr() // page) * page
-    hi = (dst.data_ptr() + n) // page * page
+    lo = -(-ptr // page) * page
+    hi = (ptr + n) // page * page
     if _madvise and hi > lo:
-        _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+        _madvise(lo, hi - lo, advice)
+
+
+def _populate(dst: torch.Tensor, n: int) -> None:
+    """Faults in the pages of ``dst`` (n bytes) in one call (MADV_POPULATE_WRITE) rather than one
+    fault per page inside the read's copy: 13 % less time for a read into fresh memory (a 229 MB
+    read 113 -> 98 ms)."""
+    _advise(dst.data_ptr(), n, _MADV_POPULATE_WRITE)
+
+
+def fresh_pages(t: torch.Tensor, *, huge: bool = False, populate: bool = False) -> None:
+    """Hints for the whole pages of the contiguous CPU tensor ``t`` before it is first written:
+    ``huge``: transparent huge pages where the system allows them (MADV_HUGEPAGE: 512x fewer
+    faults); ``populate``: fault them all in now, on this thread (MADV_POPULATE_WRITE), not in
+    whatever code writes them first. Hints only: a kernel without them changes nothing."""
+    n = t.numel() * t.element_size()
+    if huge:
+        _advise(t.data_ptr(), n, _MADV_HUGEPAGE)
+    if populate:
+        _advise(t.data_ptr(), n, _MADV_POPULATE_WRITE)
+
+
+def _reused(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of nbytes that this thread reuses (grown when too small): its pages are
+    faulted in once, not at every read."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes]
 
 
 def usable_cores() -> int:
@@ -87,13 +131,17 @@ def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor],
     ``fn`` returns, so they leave RSS right away; ``fn``'s result must not view ``t``. Small or
     misaligned ranges (offset not a multiple of ``align``, the element size ``fn`` views them as)
     are read into a new buffer instead. Thread-safe."""
-    if nbytes < _MAP_MIN or offset % align:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes < _MAP_MIN or offset % align or _RANGE_MODE == "read":
+        buf = _reused(nbytes) if _RANGE_MODE == "read" and nbytes >= _MAP_MIN else None
+        buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
         read_into(path, offset, buf)
         return fn(buf)
     mm, base = _map_private(path, offset, nbytes)
     try:
-        return fn(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base))
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base)
+        if _RANGE_MODE == "populate":
+            _advise(t.data_ptr(), nbytes, _MADV_POPULATE_READ)
+        return fn(t)
     finally:
         try:
             mm.close()

@@ -273,3 +273,26 @@ def test_reads_into_fresh_memory_populate_it_first_and_get_the_file_bytes(tmp_pa
     small = torch.empty(100, dtype=torch.uint8)
     read_into(str(path), 5, small)  # below _POPULATE_MIN: read as it is
     assert calls == [dst.numel()] and torch.equal(small, data[5:105])
+
+
+def test_mapped_ranges_are_populated_before_use_and_give_the_file_bytes(tmp_path, monkeypatch):
+    # with_range maps a range's pages (MADV_POPULATE_READ) before its function runs; with the
+    # advice on or off the function sees the file's bytes, and a load gives the same model.
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    advised = []
+    real = tensor_reads._advise
+    monkeypatch.setattr(tensor_reads, "_advise", lambda p, n, a: (advised.append((n, a)), real(p, n, a)))
+    got = with_range(str(path), 8192 + 3, (2 << 20) + 5, lambda t: t.clone())
+    assert torch.equal(got, data[8195 : 8195 + (2 << 20) + 5])
+    assert advised == [((2 << 20) + 5, tensor_reads._MADV_POPULATE_READ)]
+    folder = _save(tmp_path, torch.bfloat16)
+    on = load_model(folder, quantize="nf4", dtype=torch.bfloat16)
+    monkeypatch.setattr(tensor_reads, "_POPULATE_RANGES", False)
+    advised.clear()
+    got = with_range(str(path), 8192 + 3, (2 << 20) + 5, lambda t: t.clone())
+    assert torch.equal(got, data[8195 : 8195 + (2 << 20) + 5]) and advised == []
+    off = load_model(folder, quantize="nf4", dtype=torch.bfloat16)
+    a, b = on.state_dict(), off.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

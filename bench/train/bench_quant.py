@@ -28,11 +28,13 @@ runs in any case. --deadline bounds the whole run (a configuration that would st
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -264,16 +266,24 @@ def _load(args, cfg: dict, res: dict) -> None:
 
     res["import_s"] = time.perf_counter() - t0
     res["rss_before_gib"] = _rss_gib()
-    t0 = time.perf_counter()
-    if cfg["kind"] == "load":
-        model = load_model(args.ckpt, quantize="nf4", dtype=torch.bfloat16)
-        rep = None
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
-        model.requires_grad_(False)  # a LoRA base: quantize_model packs frozen weights only
-        rep = ramstream.quantize_model(model, "nf4")
-    res["load_s"] = time.perf_counter() - t0
-    res["peak_rss_gib"] = _rss_gib()  # before anything else allocates
+    times = []
+    for i in range(max(1, args.load_repeat)):  # the median of a few loads in this process
+        if i:
+            del model
+            gc.collect()
+        t0 = time.perf_counter()
+        if cfg["kind"] == "load":
+            model = load_model(args.ckpt, quantize="nf4", dtype=torch.bfloat16)
+            rep = None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
+            model.requires_grad_(False)  # a LoRA base: quantize_model packs frozen weights only
+            rep = ramstream.quantize_model(model, "nf4")
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            res["peak_rss_gib"] = _rss_gib()  # the first load's, before anything else allocates
+    res["load_s"] = statistics.median(times)
+    res["load_s_each"] = times
     res["quantized_modules"] = sum(is_quantized(m) for m in model.modules())
     res["bytes_after"] = rep["bytes_after"] if rep else None
     res["digest"] = _digest(model)
@@ -315,6 +325,7 @@ def run_config(args, cfg: dict) -> dict:
 def _spawn(args, cfg: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--config", json.dumps(cfg), "--ckpt", args.ckpt]
     cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--load-repeat", str(args.load_repeat)]
     if args.tiny:
         cmd.append("--tiny")
     if args.profile:
@@ -404,7 +415,8 @@ def summarize(results: list[dict]) -> list[str]:
         if ok and r["kind"] == "write":
             notes.append(f"{r['shards']} shards, {r['checkpoint_gib']:.2f} GiB in {r['write_s']:.1f}s")
         if ok and r["kind"] in ("load", "hf_load"):
-            notes.append(f"{r['load_s']:.1f}s, {r['quantized_modules']} weights packed")
+            each = "/".join(f"{t:.2f}" for t in r.get("load_s_each", []))
+            notes.append(f"median {r['load_s']:.2f}s ({each}), {r['quantized_modules']} weights packed")
             other = by.get("LOAD_hf" if r["kind"] == "load" else "")
             if other and other.get("status") == "OK":
                 faster = r["load_s"] / other["load_s"]
@@ -447,6 +459,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--ckpt", default=None, help="where LOAD writes its checkpoint (removed after)")
     ap.add_argument("--keep-ckpt", action="store_true")
+    ap.add_argument("--load-repeat", type=int, default=3, help="LOAD: loads per process (median)")
     ap.add_argument(
         "--profile",
         action="store_true",

@@ -50,8 +50,8 @@ def _load(folder: str, **tune) -> dict:
     from ramstream.integrations import hf_load, tensor_reads
     from ramstream.integrations.huggingface import load_model
 
-    def where(k):  # hf_load's constants, or tensor_reads' (_RANGE_MODE)
-        return tensor_reads if k == "_RANGE_MODE" else hf_load
+    def where(k):  # hf_load's constants, or tensor_reads' (_POPULATE_RANGES)
+        return tensor_reads if k == "_POPULATE_RANGES" else hf_load
 
     saved = {k: getattr(where(k), k) for k in tune}
     for k, v in tune.items():
@@ -200,12 +200,8 @@ def main() -> int:
     if "modes" in only:  # against the default, each in turn (A B A C ...): drift hits all alike
         variants = {
             "w4": dict(_WORKERS=4),
-            "w8": dict(_WORKERS=8),
-            "w8_huge": dict(_WORKERS=8, _HUGE_CODES=True),
-            "w8_popcodes": dict(_WORKERS=8, _POPULATE_CODES=True),
-            "w8_huge_popcodes": dict(_WORKERS=8, _HUGE_CODES=True, _POPULATE_CODES=True),
-            "w8_popsrc": dict(_WORKERS=8, _RANGE_MODE="populate"),
-            "w12_huge": dict(_WORKERS=12, _HUGE_CODES=True),
+            "w8_nopopulate": dict(_WORKERS=8, _POPULATE_RANGES=False),
+            "w16": dict(_WORKERS=16),
         }
         for name, tune in variants.items():
             runs += [("baseline", lambda: _baseline(args.folder))]

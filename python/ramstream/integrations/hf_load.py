@@ -15,7 +15,6 @@ from ..quant.model import parse_block_size, parse_format
 from ..quant.packed import quantizable, quantize_module_
 from .safetensors_files import checkpoint_files, read_header
 from .tensor_reads import (
-    fresh_pages,
     interleave,
     map_tensor,
     read_into,
@@ -31,9 +30,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (block-aligned where they are packed); the bytes read and not yet turned into what the model
 # keeps stay within 1/_WORKING_SHARE of the loaded model's size (at least _MIN_CAP, at most
 # _WORKERS pieces of _CHUNK_BYTES), and a piece is at most that cap / workers, so that every
-# worker has one: the peak RSS stays close to the model's own size.
+# worker has one: the peak RSS stays close to the model's own size. 8 workers: on the H200 host
+# (16 cores) 4 left the pool waiting on mappings (1.09-1.21 s against 0.86-0.90 s for a
+# 7B-shaped NF4 load; bench/train/probe_load.py).
 _CHUNK_BYTES = 64 << 20
-_WORKERS = 4
+_WORKERS = 8
 _WORKING_SHARE = 16
 _MIN_CAP = 4 << 20
 _MIN_PIECE = 1 << 16
@@ -41,11 +42,6 @@ _MIN_PIECE = 1 << 16
 # the file (tensor_reads.map_tensor), as from_pretrained leaves it, instead of being copied (the
 # embeddings and head: 2.2 GB of a 7B model); smaller ones are copied (a mapping costs whole pages).
 _SHARE_MIN = 1 << 20
-# The packed codes' memory: transparent huge pages (_HUGE_CODES), and each piece's pages faulted in
-# by the reading thread before the packing kernel (on the shared thread pool) writes them
-# (_POPULATE_CODES). bench/train/probe_load.py times both.
-_HUGE_CODES = False
-_POPULATE_CODES = False
 
 
 def _available_ram() -> int:
@@ -425,8 +421,6 @@ def _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar
         codes = torch.empty((numel + 1) // 2 if nf4 else shape, dtype=torch.uint8 if nf4 else torch.int8)
         absmax = torch.empty(-(-numel // block), dtype=torch.float32)
         flat_codes = codes.view(-1)
-        if _HUGE_CODES:
-            fresh_pages(codes, huge=True)
         step = max(block, chunk // width // block * block)  # elements, a multiple of block
 
         def piece(e0, e1):
@@ -435,8 +429,6 @@ def _tensor_jobs(path, start, key, info, entries, module, fmt, block, chunk, bar
                 if dst != src:
                     x = x.to(dst)  # the values quantize_model would see after from_pretrained's cast
                 c = flat_codes[e0 // 2 : (e1 + 1) // 2] if fmt == "nf4" else flat_codes[e0:e1]
-                if _POPULATE_CODES:
-                    fresh_pages(c, populate=True)
                 quantize_into_(fmt, x, c, absmax[e0 // block : -(-e1 // block)], block)
 
             return lambda: with_range(path, base + e0 * width, (e1 - e0) * width, use, width)

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 __all__ = [
-    "fresh_pages",
     "interleave",
     "map_tensor",
     "read_into",
@@ -29,15 +28,12 @@ _MAP_MIN = 1 << 20  # ranges below this are read (pread) rather than mapped
 _POPULATE_MIN = 1 << 20  # fresh destinations from this size are populated before the read
 _MADV_POPULATE_READ = 22  # Linux 5.14
 _MADV_POPULATE_WRITE = 23
-_MADV_HUGEPAGE = 14
-# How with_range hands a range of 1 MiB or more to its function: "map" (a private mapping whose
-# pages fault in while the function reads them), "populate" (the same mapping, its pages mapped
-# in one madvise(MADV_POPULATE_READ) on the reading thread first, so the function, e.g. the
-# packing kernel on the whole thread pool, meets no faults) or "read" (pread into a buffer the
-# thread reuses). bench/train/probe_load.py times each.
-_RANGE_MODE = "map"
+# A mapped range's pages are mapped in one madvise(MADV_POPULATE_READ) on the reading thread
+# before its function runs, so that the function (the packing kernel, on the whole thread pool)
+# meets no page faults: on the H200 host (16 cores) a 7B-shaped NF4 load took 0.69-0.74 s with
+# it against 0.82-0.86 s without (bench/train/probe_load.py, bench/RESULTS.md seventh session).
+_POPULATE_RANGES = True
 _madvise = None
-_scratch = threading.local()
 
 
 def _advise(ptr: int, n: int, advice: int) -> None:
@@ -63,27 +59,6 @@ def _populate(dst: torch.Tensor, n: int) -> None:
     fault per page inside the read's copy: 13 % less time for a read into fresh memory (a 229 MB
     read 113 -> 98 ms)."""
     _advise(dst.data_ptr(), n, _MADV_POPULATE_WRITE)
-
-
-def fresh_pages(t: torch.Tensor, *, huge: bool = False, populate: bool = False) -> None:
-    """Hints for the whole pages of the contiguous CPU tensor ``t`` before it is first written:
-    ``huge``: transparent huge pages where the system allows them (MADV_HUGEPAGE: 512x fewer
-    faults); ``populate``: fault them all in now, on this thread (MADV_POPULATE_WRITE), not in
-    whatever code writes them first. Hints only: a kernel without them changes nothing."""
-    n = t.numel() * t.element_size()
-    if huge:
-        _advise(t.data_ptr(), n, _MADV_HUGEPAGE)
-    if populate:
-        _advise(t.data_ptr(), n, _MADV_POPULATE_WRITE)
-
-
-def _reused(nbytes: int) -> torch.Tensor:
-    """A uint8 buffer of nbytes that this thread reuses (grown when too small): its pages are
-    faulted in once, not at every read."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return buf[:nbytes]
 
 
 def usable_cores() -> int:
@@ -131,15 +106,14 @@ def with_range(path: str, offset: int, nbytes: int, fn: Callable[[torch.Tensor],
     ``fn`` returns, so they leave RSS right away; ``fn``'s result must not view ``t``. Small or
     misaligned ranges (offset not a multiple of ``align``, the element size ``fn`` views them as)
     are read into a new buffer instead. Thread-safe."""
-    if nbytes < _MAP_MIN or offset % align or _RANGE_MODE == "read":
-        buf = _reused(nbytes) if _RANGE_MODE == "read" and nbytes >= _MAP_MIN else None
-        buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
+    if nbytes < _MAP_MIN or offset % align:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         read_into(path, offset, buf)
         return fn(buf)
     mm, base = _map_private(path, offset, nbytes)
     try:
         t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base)
-        if _RANGE_MODE == "populate":
+        if _POPULATE_RANGES:
             _advise(t.data_ptr(), nbytes, _MADV_POPULATE_READ)
         return fn(t)
     finally:

@@ -266,10 +266,10 @@ def _load(args, cfg: dict, res: dict) -> None:
 
     res["import_s"] = time.perf_counter() - t0
     res["rss_before_gib"] = _rss_gib()
-    times = []
+    times, model = [], None
     for i in range(max(1, args.load_repeat)):  # the median of a few loads in this process
         if i:
-            del model
+            model = None  # the last load's memory goes back first
             gc.collect()
         t0 = time.perf_counter()
         if cfg["kind"] == "load":

@@ -12,6 +12,7 @@ namespace {
 
 // Below this many elements per task a range runs on the caller (thread hand-off costs ~µs).
 constexpr std::int64_t kMinElemsPerTask = std::int64_t{1} << 16;
+constexpr int kTasksPerThread = 8;
 
 struct QuantKernels {
   decltype(&cpu::scalar::quantize_nf4_blocks) quantize_nf4;
@@ -59,10 +60,13 @@ template <class Kernel, class A0, class A1, class A2, class A3>
 Status run_blocks(Kernel kernel, ThreadPool& pool, A0 a0, A1 a1, std::int64_t n, int block, A2 a2,
                   A3 a3) {
   const std::int64_t blocks = quant_num_blocks(n, block);
-  pool.parallel_for(blocks, 1, std::max<std::int64_t>(1, kMinElemsPerTask / block),
-                    [&](std::int64_t b0, std::int64_t b1) {
-                      kernel(a0, a1, n, block, b0, b1, a2, a3);
-                    });
+  // kTasksPerThread tasks a thread, claimed as threads come free: a pool thread that the OS
+  // preempts (load_model's reading threads run beside the pool) then delays one small task, not
+  // an equal share of the whole call. The bytes do not depend on the split (blocks are independent).
+  pool.parallel_for(
+      blocks, 1, std::max<std::int64_t>(1, kMinElemsPerTask / block),
+      [&](std::int64_t b0, std::int64_t b1) { kernel(a0, a1, n, block, b0, b1, a2, a3); },
+      kTasksPerThread * pool.size());
   return Status::ok();
 }
 

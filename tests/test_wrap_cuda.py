@@ -64,7 +64,8 @@ def test_low_precision_model_fp32_master(dtype, deterministic):
     model, opt = wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01))
     train_torch(model, opt, data)
     masters = opt.master_weights()
-    worst = max(float((a.detach() - b.detach().cpu()).abs().max()) for a, b in zip(masters, masters_ref))
+    pairs = zip(masters, masters_ref, strict=True)
+    worst = max(float((a.detach() - b.detach().cpu()).abs().max()) for a, b in pairs)
     assert worst < 1e-5
 
 

@@ -1,8 +1,13 @@
-"""wrap() options: names, accepted values, defaults, and validation with errors that list them."""
+"""wrap() options: names, accepted values, defaults, and validation with errors that list them.
+
+A leaf: imports torch and the standard library only (tests/test_import_cycles.py checks it), so
+every module can validate an option here; quant/plan.py, quant/model.py, activations/blocks.py
+re-export the parsers that lived there."""
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -132,11 +137,7 @@ class WrapOptions:
         o.device = parse_device(o.device)
         if not any(o.distributed is v for v in (None, True, False)):  # 1 == True: not accepted
             raise _fail("distributed", o.distributed, "None (auto), True, False")
-        from .weights.setup import parse_param_offload
-
         o.param_offload = parse_param_offload(o.param_offload)
-        from .activations.recompute import parse_checkpointing
-
         o.activation_checkpointing = parse_checkpointing(o.activation_checkpointing)
         for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile", "watchdog"):
             if not isinstance(getattr(o, name), bool):
@@ -183,8 +184,6 @@ class WrapOptions:
             or not 0.0 <= o.vram_headroom < 1.0
         ):
             raise _fail("vram_headroom", o.vram_headroom, "a number in [0, 1)")
-        from .quant.plan import parse_prefer, parse_quant_block_size, parse_quantize_option
-
         o.quantize = parse_quantize_option(o.quantize)
         o.quant_block_size = parse_quant_block_size(o.quant_block_size)
         o.prefer = parse_prefer(o.prefer)
@@ -193,9 +192,80 @@ class WrapOptions:
 
 def parse_activation_offload(value: Any):
     """ "auto", True, False, or a fraction in [0, 1] of the block stack."""
-    from .activations.blocks import parse_block_choice
-
     return parse_block_choice("activation_offload", value, lists=False)
+
+
+def parse_block_choice(name: str, value, *, auto: bool = True, lists: bool = True):
+    """A wrap() option that chooses blocks: "auto" (if `auto`), True, False, a fraction in [0, 1]
+    of the stack (from the front), or (if `lists`) a list of block indices (sorted, unique);
+    ValueError naming `name` and the accepted values otherwise."""
+    if value is True or value is False or (auto and isinstance(value, str) and value == "auto"):
+        return value
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 1
+    ):
+        return float(value)
+    if (
+        lists
+        and isinstance(value, (list, tuple))
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        return sorted(set(value))
+    accepted = (
+        ("'auto', " if auto else "")
+        + "True, False, a fraction in [0, 1]"
+        + (", or a list of block indices" if lists else "")
+    )
+    raise ValueError(f"wrap(): option {name}={value!r} is not accepted; accepted: {accepted}")
+
+
+def parse_param_offload(value):
+    """ "auto", True, False, a fraction in [0, 1] of the block stack, or a list of block indices."""
+    return parse_block_choice("param_offload", value)
+
+
+def parse_checkpointing(value):
+    """ "auto", False, True, a fraction in [0, 1] of the block stack (from the front), or block
+    indices."""
+    return parse_block_choice("activation_checkpointing", value)
+
+
+def parse_quantize_option(value) -> str:
+    """'auto', 'none' (also None, False), 'int8', 'nf4'."""
+    if value is None or value is False:
+        return "none"
+    if isinstance(value, str) and value in ("auto", "none", "int8", "nf4"):
+        return value
+    raise ValueError(
+        f"wrap(): option quantize={value!r} is not accepted; accepted: 'auto', 'none', None, False, 'int8', 'nf4'"
+    )
+
+
+def parse_prefer(value) -> str:
+    if isinstance(value, str) and value in ("exact", "speed"):
+        return value
+    raise ValueError(f"wrap(): option prefer={value!r} is not accepted; accepted: 'exact', 'speed'")
+
+
+def parse_block_size(value, where: str = "quantize_model(): block_size") -> int:
+    v = None
+    if not isinstance(value, (bool, float)):
+        try:
+            v = operator.index(value)
+        except TypeError:
+            pass
+    if v is None or v < 2 or v % 2 or v >= 2**31:
+        raise ValueError(
+            f"{where}={value!r} is not accepted; accepted: an even integer in [2, 2**31) (default 64)"
+        )
+    return v
+
+
+def parse_quant_block_size(value) -> int:
+    return parse_block_size(value, "wrap(): option quant_block_size")
 
 
 def parse_device(value: Any, where: str = "wrap(): option") -> torch.device | None:

@@ -41,10 +41,18 @@ def register(owner, modules_of) -> None:
 
 
 def _first_grad_tensor(x):
-    """weights/streamer.py's (imported late: the streamer records its spans here)."""
-    from .weights.streamer import _first_grad_tensor as first
-
-    return first(x)
+    """The first tensor requiring grad in x (a tensor, or a tuple/list/dict of them). Here rather
+    than in weights/streamer.py, which imports it: the streamer records its spans here."""
+    if torch.is_tensor(x):
+        return x if x.requires_grad else None
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_grad_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(x, dict):
+        return _first_grad_tensor(list(x.values()))
+    return None
 
 
 class Tracer:

@@ -9,7 +9,7 @@ of backward.
 
 from __future__ import annotations
 
-from .blocks import find_blocks
+from ..blocks import find_blocks
 from .hooks import ActivationOffloader
 from .policy import ActivationPolicy
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .._faults import fault_point
-from .blocks import ranges_text as _ranges
+from ..blocks import ranges_text as _ranges
 from .buffers import (
     Call,
     CpuCopies,

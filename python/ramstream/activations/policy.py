@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..planner import choose_paged_blocks, copy_seconds, estimate_overlap, fraction_to_blocks
-from .blocks import find_blocks
+from ..blocks import find_blocks, fraction_to_blocks
+from ..planner import choose_paged_blocks, copy_seconds, estimate_overlap
 from .hooks import ActivationOffloader
 
 

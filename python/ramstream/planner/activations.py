@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from ..blocks import fraction_to_blocks  # moved to the leaf blocks.py; still importable here
+
 __all__ = ["choose_paged_blocks", "fraction_to_blocks", "copy_seconds", "estimate_overlap"]
 
 
@@ -166,19 +168,3 @@ def estimate_overlap(unpaged_step_s: float, paged_step_s: float, copy_s: float) 
     if c == 0.0:
         return 1.0
     return min(1.0, max(0.0, 1.0 - (b - a) / c))
-
-
-def fraction_to_blocks(fraction: float, n_blocks: int) -> list[int]:
-    """The first round(fraction * n_blocks) block indices (halves round up), for
-    ``activation_offload=<fraction>``. fraction in [0, 1]; n_blocks an int >= 0."""
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not math.isfinite(fraction)
-        or not 0.0 <= fraction <= 1.0
-    ):
-        raise ValueError(f"fraction_to_blocks: fraction must be a number in [0, 1], got {fraction!r}")
-    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
-        raise ValueError(f"fraction_to_blocks: n_blocks must be an int >= 0, got {n_blocks!r}")
-    k = min(n_blocks, int(math.floor(fraction * n_blocks + 0.5 + 1e-9)))
-    return list(range(k))

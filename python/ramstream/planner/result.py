@@ -101,6 +101,6 @@ class Plan:
 
 
 def _ranges(idx: list[int]) -> str:
-    from ..activations.blocks import ranges_text
+    from ..blocks import ranges_text
 
     return ranges_text(idx) if idx else "none"

@@ -390,7 +390,7 @@ class ModelShape:
         part before the stack, every other parameter outside the blocks the part after it."""
         import torch.nn as nn
 
-        from ..activations.blocks import find_blocks
+        from ..blocks import find_blocks
 
         where = "ModelShape.from_model"
         if not isinstance(model, nn.Module):
@@ -473,3 +473,13 @@ class ModelShape:
         name = type(model).__name__
         return cls(name=name, blocks=tuple(shaped), embed=embed, head=head, batch=batch, seq=seq, dtype=dt,
                    vocab=vocab, loss=loss, hidden=int(hidden))  # fmt: skip
+
+
+LORA_LIKE = 0.10  # blocks with less trained share than this are LoRA-like (recompute.py, setup.py)
+
+
+def lora_like(shape: ModelShape) -> bool:
+    """Whether the shape's blocks train less than LORA_LIKE of their elements (policy.py's
+    decisions and timing.py's step model both ask)."""
+    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
+    return bool(total) and sum(b.trained_numel for b in shape.blocks) < LORA_LIKE * total

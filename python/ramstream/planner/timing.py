@@ -81,6 +81,8 @@ uncapped).
 
 from __future__ import annotations
 
+from .shape import lora_like
+
 # share of the profile's matmul rate (a 4096^3 bf16 GEMM, ~790 TFLOP/s on the H200) a training
 # step's matmuls reach: calibrated on the 1.8B GPT uncapped (0.112 s/step: 632 TFLOP/s effective)
 MATMUL_EFFICIENCY = 0.8
@@ -217,8 +219,6 @@ def step_times(
         mapped = mapped_bytes / (p.h2d_gbps * 1e9 * MAPPED_EFFICIENCY)
     # module docstring: the thread's issue when the backward's hooks launch GPU updates beside an
     # offloaded optimizer (a mapped share, or full fine-tuning's device share next to a host one)
-    from .policy import lora_like
-
     hooks_update = bool(mapped or (split["device"] and split["host"] and not lora_like(sh)))
     issue = ISSUE_EXPOSED * issue if hooks_update else 0.0
     act_h2d, act_d2h = _pcie(p, paged_bytes, paged_bytes)

@@ -3,11 +3,10 @@ as int8 or NF4, in place, and expand them back into permanent weights."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn as nn
 
+from ..options import parse_block_size  # defined there (a leaf); hf_load imports it from here
 from .packed import EXPAND, FORMATS, dequantize_module_, is_quantized, quantizable, quantize_module_
 
 __all__ = ["quantize_model", "dequantize_model", "parse_format", "parse_block_size", "targets"]
@@ -19,20 +18,6 @@ def parse_format(value, where: str = "quantize_model(): quantize") -> str:
     raise ValueError(f"{where}={value!r} is not accepted; accepted: 'int8', 'nf4'")
 
 
-def parse_block_size(value, where: str = "quantize_model(): block_size") -> int:
-    v = None
-    if not isinstance(value, (bool, float)):
-        try:
-            v = operator.index(value)
-        except TypeError:
-            pass
-    if v is None or v < 2 or v % 2 or v >= 2**31:
-        raise ValueError(
-            f"{where}={value!r} is not accepted; accepted: an even integer in [2, 2**31) (default 64)"
-        )
-    return v
-
-
 def _is_adapter(parent: nn.Module | None) -> bool:
     """peft keeps its adapters (lora_A, lora_B, ...) in nn.ModuleDicts keyed by adapter name."""
     return isinstance(parent, nn.ModuleDict)
@@ -42,7 +27,7 @@ def targets(model: nn.Module, blocks=None) -> tuple[list[tuple[str, nn.Module]],
     """([(name, module)] to pack, [names of trained weights left as they are]) in the block stack
     (``blocks``, default find_blocks(model)). With explicit blocks, a trained weight among them
     that is not an adapter raises ValueError naming it (freeze it first)."""
-    from ..activations.blocks import find_blocks  # noqa: PLC0415
+    from ..blocks import find_blocks  # noqa: PLC0415
 
     explicit = blocks is not None
     if explicit:

@@ -5,32 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .model import parse_block_size, quantize_model, targets
+from ..options import parse_prefer, parse_quant_block_size, parse_quantize_option  # defined there (a leaf)
+from .model import quantize_model, targets
 
-__all__ = ["parse_quantize_option", "parse_prefer", "decide", "apply_quantize"]
+__all__ = ["parse_quantize_option", "parse_prefer", "parse_quant_block_size", "decide", "apply_quantize"]
 
 GIB = 2**30
-
-
-def parse_quantize_option(value) -> str:
-    """'auto', 'none' (also None, False), 'int8', 'nf4'."""
-    if value is None or value is False:
-        return "none"
-    if isinstance(value, str) and value in ("auto", "none", "int8", "nf4"):
-        return value
-    raise ValueError(
-        f"wrap(): option quantize={value!r} is not accepted; accepted: 'auto', 'none', None, False, 'int8', 'nf4'"
-    )
-
-
-def parse_prefer(value) -> str:
-    if isinstance(value, str) and value in ("exact", "speed"):
-        return value
-    raise ValueError(f"wrap(): option prefer={value!r} is not accepted; accepted: 'exact', 'speed'")
-
-
-def parse_quant_block_size(value) -> int:
-    return parse_block_size(value, "wrap(): option quant_block_size")
 
 
 def _sizes(total: int, packable_bytes: int, packable_numel: int, block_size: int) -> dict:
@@ -156,7 +136,7 @@ def apply_quantize(model, opts, device: torch.device, log) -> tuple[dict | None,
             on_dev = sum(
                 t.nbytes for t in list(model.parameters()) + list(model.buffers()) if t.device == device
             )
-            from ..activations.blocks import find_blocks  # noqa: PLC0415
+            from ..blocks import find_blocks  # noqa: PLC0415
             from ..weights.setup import weight_share  # noqa: PLC0415
 
             # the share param_offload="auto" keeps for weights: what is planned resident here stays so

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from ..trace import _first_grad_tensor
 from ..trace import current as _trace_current
 from .slab import Slab
 
@@ -48,20 +49,6 @@ class Block:
     @property
     def loaded(self) -> bool:
         return any(s.loaded for s in self.slabs)
-
-
-def _first_grad_tensor(x):
-    """The first tensor requiring grad in x (a tensor, or a tuple/list/dict of them)."""
-    if torch.is_tensor(x):
-        return x if x.requires_grad else None
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            t = _first_grad_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(x, dict):
-        return _first_grad_tensor(list(x.values()))
-    return None
 
 
 def frozen_slabs(module: torch.nn.Module, skip: set, copier, extra=()) -> list[Slab]:

@@ -98,6 +98,10 @@ VALID = {
     "quant_block_size": st.sampled_from([2, 64, 128]),
     "prefer": st.sampled_from(["exact", "speed"]),
     "watchdog": st.booleans(),
+    "plan": st.just(None),
+    "batch": st.one_of(st.none(), st.integers(1, 64)),
+    "seq": st.one_of(st.none(), st.integers(1, 8192)),
+    "loss": st.sampled_from([None, "dense", "chunked"]),
 }
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from .planner.rules import HOST_RAM_SHARE as SHARE  # of the available RAM ramstream's host memory may take
+
 GIB = 2**30
-SHARE = 0.9  # of the available RAM that ramstream's host memory may take
 
 
 def host_components(

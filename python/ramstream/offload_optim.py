@@ -189,7 +189,7 @@ def wrap_offload_model(model, optimizer, options: dict) -> OffloadModelAdamW:
     if isinstance(optimizer, OffloadModelAdamW):
         raise ValueError("wrap(): the optimizer is already an OffloadModel's host optimizer")
     from .options import WrapOptions
-    from .wrap import _convert_optimizer, _hand_over
+    from .runtime.convert import _convert_optimizer, _hand_over
 
     opts = WrapOptions.parse(**{k: v for k, v in options.items() if k == "lr"})
     groups, state, _ = _convert_optimizer(optimizer, model, opts)

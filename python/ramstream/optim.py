@@ -20,6 +20,7 @@ from .options import (
     parse_moment_dtype,
     parse_threads,
 )
+from .planner.rules import SWITCH_AFTER_STEPS  # noqa: F401  (optim.SWITCH_AFTER_STEPS: tests read it)
 
 _GROUP_EXTRAS = dict(
     amsgrad=False,
@@ -30,7 +31,6 @@ _GROUP_EXTRAS = dict(
     fused=None,
     decoupled_weight_decay=True,
 )
-SWITCH_AFTER_STEPS = 2
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
@@ -382,7 +382,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         ramstream.unwrap(model) undoes it. Returns the model."""
         from .options import WrapOptions
         from .report import EventLog
-        from .wrap import attach_model
+        from .runtime.attach import attach_model
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(

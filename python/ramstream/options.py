@@ -115,6 +115,10 @@ class WrapOptions:
     quant_block_size: int = 64
     prefer: str = "exact"
     watchdog: bool = True
+    plan: Any = None
+    batch: int | None = None
+    seq: int | None = None
+    loss: str | None = None
     _extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -187,6 +191,16 @@ class WrapOptions:
         o.quantize = parse_quantize_option(o.quantize)
         o.quant_block_size = parse_quant_block_size(o.quant_block_size)
         o.prefer = parse_prefer(o.prefer)
+        for name in ("batch", "seq"):
+            v = getattr(o, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise _fail(name, v, "None (planned for the default step) or an integer >= 1")
+        if o.loss not in (None, "dense", "chunked"):
+            raise _fail("loss", o.loss, "None (dense), 'dense', 'chunked'")
+        if o.plan is not None and type(o.plan).__name__ != "Plan":
+            raise TypeError(
+                f"wrap(): option plan must be a ramstream Plan (ramstream.plan_for), got {type(o.plan).__name__}"
+            )
         return o
 
 

@@ -3,9 +3,6 @@ report.py's)."""
 
 from __future__ import annotations
 
-import types
-import weakref
-
 import torch
 
 from .host_fit import pick_moment_dtype
@@ -14,7 +11,8 @@ from .offload_optim import wrap_offload_model
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
-from .trace import register as _trace_register
+from .runtime.attach import _Wrapped, attach_model  # noqa: F401  (attach_model: wrap's name too)
+from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
     agree_streamed,
     build_streamer,
@@ -25,83 +23,26 @@ from .weights.setup import (
 )
 
 
-class _Wrapped:
-    """What wrap() leaves on the model (model._ramstream)."""
-
-    def __init__(self, model, optimizer, options: WrapOptions, log: EventLog) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.options = options
-        self.log = log
-        self.handles: list = []
-        self.orig_apply = None
-        self.plan: dict = {}
-        self.activations = None
-        self.streamer = None
-        self.recompute = None
-        self.keep = None  # activations/recompute_keep.KeepPolicy
-        self.watchdog = None
-
-
-def _trace_modules(model: torch.nn.Module):
-    """ramstream.trace's compute spans of a wrapped model: one per block (find_blocks), or the
-    whole model when it has no block stack."""
-    from .activations.blocks import find_blocks
-
-    w = getattr(model, "_ramstream", None)
-    if w is None:
-        return [], None
-    try:
-        blocks = list(w.options.blocks) if w.options.blocks is not None else find_blocks(model)
-    except ValueError:
-        blocks = [model]
-    return blocks, w.optimizer._engine.device
-
-
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(model.parameters())
 
 
-def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
-    """(param_groups, state_dict or None) from a torch AdamW/Adam/OffloadAdamW or None."""
-    if optimizer is None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("wrap(): the model has no trainable parameters")
-        return [{"params": params, "lr": opts.lr}], None, {}
-    if isinstance(optimizer, OffloadAdamW):
-        sd = optimizer.state_dict()
-        optimizer.close()
-        return list(optimizer.param_groups), sd, {}
-    if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
-        name = type(optimizer).__name__
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError(f"wrap(): {name} with amsgrad or maximize is not supported")
-            if (
-                name == "Adam"
-                and g.get("weight_decay", 0) != 0
-                and not g.get("decoupled_weight_decay", False)
-            ):
-                raise ValueError(
-                    "wrap(): torch.optim.Adam with weight_decay != 0 adds L2 decay to "
-                    "the gradient, which ramstream's AdamW does not do; use "
-                    "torch.optim.AdamW, or Adam with weight_decay=0"
-                )
-        sd = optimizer.state_dict() if optimizer.state else None
-        # the same group dicts: what an LR scheduler of the given optimizer writes, we read
-        return list(optimizer.param_groups), sd, {}
-    raise ValueError(
-        f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
-        "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None"
-    )
+def _find_blocks(model, opts: WrapOptions) -> list | None:
+    """The block stack (the blocks= option, else find_blocks), None when the model has none."""
+    from .blocks import find_blocks
+
+    try:
+        return list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    except ValueError:
+        return None
 
 
-def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool, log):
-    """(blocks, streamed block indices, {id(param): block}) for param_offload."""
-    if opts.param_offload is False:
+def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool, log, plan=None):
+    """(blocks, streamed block indices, {id(param): block}) for param_offload: the plan's streamed
+    blocks when there is a plan, else the option as given ("auto" streams nothing without a plan)."""
+    if opts.param_offload is False and plan is None:
         return [], [], {}
-    from .activations.blocks import find_blocks
+    from .blocks import find_blocks
 
     try:
         blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
@@ -109,15 +50,73 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
         if opts.param_offload == "auto":
             return [], [], {}
         raise
-    from .activations.recompute import recomputes_every_block
-
-    every = recomputes_every_block(model, blocks, device, opts.activation_checkpointing, opts.optimizer_mode)
-    idx = choose_streamed(
-        model, blocks, opts.param_offload, device, opts.vram_headroom, log, recompute_all=every
-    )
+    if plan is not None:
+        idx = list(plan.weights["streamed"])
+        if idx:
+            log(f"plan: {len(idx)} of {len(blocks)} blocks stream their weights ({_ranges(idx)})")
+    elif opts.param_offload == "auto":
+        idx = []
+    else:
+        idx = choose_streamed(model, blocks, opts.param_offload, device, opts.vram_headroom, log)
     if use_dp and opts.param_offload == "auto":  # the ranks' buckets must match
         idx = agree_streamed(idx, device, log)
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
+
+
+def _ranges(idx) -> str:
+    from .planner.result import _ranges as ranges
+
+    return ranges(list(idx))
+
+
+def _make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
+    """(Plan, its ModelShape, the profile) wrap() applies on a GPU: opts.plan when pinned, else
+    runtime.inspect.plan_model on this machine (rates: the cached or measured profile); (None,
+    None, None) on the CPU engine or for a model without a block stack. PlanError (a MemoryError
+    with the arithmetic) when nothing fits."""
+    from .runtime.inspect import PLAN_OPTIONS, _trained_only, live_profile, plan_model
+
+    blocks = _find_blocks(model, opts)
+    if opts.plan is not None:
+        n = len(opts.plan.activations)
+        if blocks is None or len(blocks) != n:
+            raise ValueError(
+                f"wrap(): option plan was made for {n} blocks, but this model has "
+                f"{0 if blocks is None else len(blocks)}; make it with ramstream.plan_for(model, ...)"
+            )
+        return opts.plan, None, None
+    if device.type != "cuda" or not blocks:
+        return None, None, None
+    rates = None
+    if opts.profile:
+        from .planner import profile_hardware
+
+        try:
+            rates = profile_hardware(device)
+        except Exception as exc:  # noqa: BLE001 - the default rates take over
+            log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
+    prof = live_profile(model, device, rates)
+    kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
+    with _trained_only(model, optimizer):
+        plan, shape = plan_model(model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss, **kw)
+    log("plan:\n" + plan.explain())
+    return plan, shape, prof
+
+
+def _plan_record(plan) -> dict:
+    """What memory_report(model)["plan"]["planner"] shows of the applied plan."""
+    return {
+        "mode": plan.mode,
+        "batch": plan.shape.get("batch"),
+        "seq": plan.shape.get("seq"),
+        "streamed": list(plan.weights["streamed"]),
+        "recompute": [i for i, m in enumerate(plan.activations) if m == "recompute"],
+        "moment_dtype": plan.optimizer["moment_dtype"],
+        "predicted_step_s": plan.predicted.get("step_s"),
+        "predicted_vram_bytes": plan.memory["vram"].get("total"),
+        "vram_budget_bytes": plan.memory["vram"].get("budget"),
+        "reasons": list(plan.reasons),
+    }
 
 
 def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
@@ -141,6 +140,38 @@ def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
     except Exception as exc:  # noqa: BLE001 - the in-process measurement takes over
         log(f"profile: the hardware profile failed ({exc!r}); optimizer_mode=auto measures in-process")
         return None
+
+
+def _ram_with_model(model, device: torch.device, streamed: dict) -> dict | None:
+    """Available host RAM for the moment dtype, counting as free what the model holds in host memory
+    and moves to `device` (freed when it moves; the state is pinned after); None: as measured."""
+    if device.type == "cpu":
+        return None
+    from .planner.profile import available_ram
+
+    ram = dict(available_ram())
+    ram["available"] += _bytes_to_move(model, device, streamed)
+    return ram
+
+
+def _check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
+    """A step larger than the plan's is checked at its first forward (runtime/tokens.py)."""
+    from .runtime.tokens import StepCheck
+
+    n = len(plan.activations)
+    fixed = {
+        "param_offload": list(plan.weights["streamed"]),
+        "activation_checkpointing": list(w.recompute.indices) if w.recompute is not None else False,
+        "activation_offload": opts.activation_offload,
+        "optimizer_mode": opts.optimizer_mode,
+        "moment_dtype": plan.optimizer["moment_dtype"],
+        "vram_headroom": opts.vram_headroom,
+        "max_activation_slowdown": opts.max_activation_slowdown,
+    }
+    if n == 0:
+        return
+    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history)
+    w.handles.append(model.register_forward_pre_hook(check, with_kwargs=True))
 
 
 def _bytes_to_move(model: torch.nn.Module, device: torch.device, skip=()) -> int:
@@ -178,24 +209,6 @@ def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
     )
 
 
-def _hand_over(old: torch.optim.Optimizer, new: OffloadAdamW) -> None:
-    """The given optimizer shares its param group dicts with the new one (set up by
-    _convert_optimizer), so LR schedulers created on it before wrap() keep working; its state,
-    now in host RAM, is dropped (device memory it held is freed); torch's schedulers check
-    `_opt_called` to warn about a scheduler stepped before its optimizer: the new optimizer's
-    steps count."""
-    if not isinstance(old, OffloadAdamW):
-        old.state.clear()
-    ref = weakref.ref(old)
-
-    def mark_called() -> None:
-        o = ref()
-        if o is not None:
-            o._opt_called = True
-
-    new._step_callbacks.append(mark_called)
-
-
 def _use_data_parallel(option) -> bool:
     """distributed=None: data parallel when a process group with more than one rank exists."""
     import torch.distributed as dist
@@ -209,89 +222,6 @@ def _use_data_parallel(option) -> bool:
     if option is None:
         return ready and dist.get_world_size() > 1
     return bool(option)
-
-
-def _param_kinds(model: torch.nn.Module) -> set:
-    return {(p.device, p.dtype) for p in model.parameters()}
-
-
-def _log_rebuilt(before: set, after: set, log: EventLog) -> None:
-    if before != after:
-        kinds = lambda ks: ", ".join(sorted(f"{d} {str(t).replace('torch.', '')}" for d, t in ks))  # noqa: E731
-        log(f"engine rebuilt: parameters moved or cast ({kinds(before)} -> {kinds(after)})")
-
-
-def attach_model(model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, log: EventLog) -> _Wrapped:
-    """What wrap() does to a model once its optimizer exists (also OffloadAdamW.attach):
-    forward waits and parameter names, activation paging, state-dict hooks, .to()/.half()."""
-    w = _Wrapped(model, opt, opts, log)
-    engine, device = opt._engine, opt._engine.device
-    _trace_register(model, _trace_modules)
-    engine.attach_forward_waits(model)
-    ckpt = opts.activation_checkpointing
-    if ckpt is not False:
-        from .activations.blocks import find_blocks
-        from .activations.recompute import Recompute, auto_checkpointing, checkpoint_indices
-
-        try:
-            blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-        except ValueError:
-            if ckpt != "auto":
-                raise
-            blocks = []
-        auto = ckpt == "auto"
-        if auto:
-            ckpt = auto_checkpointing(model, blocks, device, log, opts.optimizer_mode)
-    if ckpt is not False:
-        from .activations.recompute import is_lora_like
-        from .activations.recompute_keep import KeepPolicy, measured_memory_fn
-
-        # "auto" in LoRA: after step 1 the blocks that fit keep their activations
-        memory_fn = measured_memory_fn(device) if auto and is_lora_like(blocks) else None
-        w.recompute = Recompute(blocks, checkpoint_indices(ckpt, len(blocks)), memory_fn=memory_fn)
-        w.plan["recompute"] = list(w.recompute.indices)
-        log(
-            f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward"
-        )
-        if memory_fn is not None:
-            w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log, opt.plan_history)
-            opt._step_callbacks.append(w.keep.after_step)
-    if opts.activation_offload is not False:
-        from .activations import ActivationPolicy
-
-        w.activations = ActivationPolicy(model, device, opts, log)
-        opt._step_callbacks.append(w.activations.on_step)
-        opt._zero_grad_callbacks.append(w.activations.off.after_failed_step)
-        opt._step_callbacks.append(w.activations.off._pool.commit)
-        engine.on_abandon.append(w.activations.off.release_abandoned)
-    if opts.watchdog:  # after the activation policy's callback: it sees this step's phase
-        from .engine.watchdog import Watchdog
-        from .optim import SWITCH_AFTER_STEPS
-
-        w.watchdog = Watchdog(opt, w.activations, start_after=SWITCH_AFTER_STEPS, keep=w.keep)
-        opt._step_callbacks.append(w.watchdog.after_step)
-    w.handles.append(model.register_state_dict_pre_hook(lambda *a, **k: opt.synchronize()))
-    w.handles.append(
-        model.register_load_state_dict_pre_hook(
-            lambda module, sd, prefix, *args: engine.note_loading(sd, prefix)
-        )
-    )
-    w.handles.append(model.register_load_state_dict_post_hook(lambda module, keys: opt._model_loaded(module)))
-    w.orig_apply = model.__dict__.get("_apply")
-
-    def _apply(self, fn, *args, **kwargs):
-        before = _param_kinds(self)
-        opt._before_apply()
-        if w.streamer is not None:
-            return w.streamer.apply(self, fn, lambda: type(self)._apply(self, fn, *args, **kwargs))
-        out = type(self)._apply(self, fn, *args, **kwargs)
-        opt._after_apply(self)
-        _log_rebuilt(before, _param_kinds(self), log)
-        return out
-
-    model._apply = types.MethodType(_apply, model)
-    model._ramstream = w
-    return w
 
 
 def wrap(model: torch.nn.Module, optimizer=None, **options):
@@ -327,7 +257,6 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     quant_report, quant_removed = apply_quantize(model, opts, device, log)
     # --- end quantize ---
-    blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log)
     # the host memory check comes before anything moves: a refusal leaves the model as it was
     if optimizer is not None and not isinstance(
         optimizer, (torch.optim.AdamW, torch.optim.Adam, OffloadAdamW)
@@ -347,14 +276,21 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "wrap(): none of the optimizer's parameters requires grad; set "
             "requires_grad on the parameters to train before wrap()"
         )
+    plan, plan_shape, plan_prof = _make_plan(model, optimizer, opts, device, log)
+    blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
+    moment_option = opts.moment_dtype
+    if plan is not None and moment_option == "auto":
+        moment_option = plan.optimizer["moment_dtype"]
+        log(f"moment_dtype=auto -> {moment_option} (the plan)")
     moment_dtype = pick_moment_dtype(
-        opts.moment_dtype,
+        moment_option,
         numel=sum(p.numel() for p in dict.fromkeys(trained)),
         working_bytes=trained[0].element_size(),
         accumulate=opts.accumulation_steps > 1,
         streamed=streamed_bytes(model, streamed),  # packed quantized codes included
         check=opts.check_memory,
         log=log,
+        ram=_ram_with_model(model, device, streamed),
     )
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):
         if device.type == "cuda" and opts.check_memory:
@@ -409,11 +345,21 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         _log=log,
         _streamed=streamed,
     )
+    # bf16 moments chosen only for host RAM (moment_dtype="auto"): a resident switch makes them fp32
+    opt._moments_for_ram = opts.moment_dtype == "auto" and moment_dtype == torch.bfloat16
     if old_state is not None:
         opt.load_state_dict(old_state)
         log("optimizer state migrated from the given optimizer")
-    w = attach_model(model, opt, opts, log)
+    recompute = None
+    if plan is not None:
+        recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+    w = attach_model(model, opt, opts, log, recompute=recompute)
     w.plan["quantize"] = quant_report
+    if plan is not None:
+        w.plan["planner"] = _plan_record(plan)
+        w.applied_plan = plan
+        if plan_shape is not None:
+            _check_steps(model, w, plan, plan_shape, plan_prof, opts, log)
     engine = opt._engine
     if profile is not None:
         w.plan["profile"] = profile

@@ -13,13 +13,9 @@ import inspect
 import torch
 import torch.utils.checkpoint as _tc
 
-from .blocks import chosen_blocks, parse_block_choice
-
-
-def parse_checkpointing(value):
-    """ "auto", False, True, a fraction in [0, 1] of the block stack (from the front), or block
-    indices."""
-    return parse_block_choice("activation_checkpointing", value)
+from ..blocks import chosen_blocks
+from ..options import parse_checkpointing  # noqa: F401  (recompute.parse_checkpointing: its old name)
+from ..planner.rules import LORA_LIKE, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS
 
 
 def checkpoint_indices(option, n: int) -> list[int]:
@@ -92,11 +88,11 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
     from ..hardware import gpu_memory
 
     usable = gpu_memory(device)["cap"]
-    if trained >= 0.10 * total:
+    if trained >= LORA_LIKE * total:
         return _full_ft_checkpointing(model, usable, optimizer_mode, log)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     nbytes += sum(t.nbytes for b in blocks for _, _, t in packed_buffers(b))
-    if nbytes <= usable / 4:
+    if nbytes <= usable * RECOMPUTE_LORA_WEIGHTS:
         return False
     log(
         f"activation_checkpointing=auto: {trained / total:.1%} of the blocks' parameters train "
@@ -117,7 +113,7 @@ def trained_share(blocks) -> tuple[int, int]:
 
 def is_lora_like(blocks) -> bool:
     trained, total = trained_share(blocks)
-    return total > 0 and trained < 0.10 * total
+    return total > 0 and trained < LORA_LIKE * total
 
 
 def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool:
@@ -132,7 +128,7 @@ def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool
     weights = sum(p.numel() * p.element_size() for p in params)
     trained = [p for p in params if p.requires_grad]
     state = sum(p.numel() * (8 + p.element_size()) for p in trained)  # moments + gradient
-    if weights + state <= 0.9 * usable:
+    if weights + state <= RECOMPUTE_FULL_FT * usable:
         return False
     log(
         f"activation_checkpointing=auto: full fine-tuning; weights {weights / 2**30:.2f} GiB + "

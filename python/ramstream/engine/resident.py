@@ -1,10 +1,12 @@
 """offload="auto": when the optimizer state fits in device memory with room to spare, run the
 update on the device with torch's fused AdamW instead of offloading.
 
-The switch keeps the precision the offloaded run had: fp32 masters (a low-precision model keeps
+The switch keeps the precision the optimizer asked for: fp32 masters (a low-precision model keeps
 an fp32 master copy on the device) and the moments' dtype (bf16 moments are updated by
 ramstream's CUDA kernel, which keeps their stochastic rounding; fp32 ones by torch's fused
-kernel). Hyper-parameters are read from the OffloadAdamW's param_groups at every step, so LR
+kernel). Moments that are bf16 only because host RAM was short (moment_dtype="auto" chose them)
+become fp32 again on the device, where host RAM no longer limits them: the upcast is exact, and
+the log and plan history say so. Hyper-parameters are read from the OffloadAdamW's param_groups at every step, so LR
 schedulers keep working.
 
 Gradients are taken from the parameters as autograd accumulates them, as the offloaded engine
@@ -41,13 +43,13 @@ def device_memory(device: torch.device) -> dict | None:
     }
 
 
-def resident_split(engine) -> tuple[int, int]:
+def resident_split(engine, upcast: bool = False) -> tuple[int, int]:
     """(persistent, gradients): device bytes the resident update adds for good (moments, fp32
     masters of low-precision buckets) and the gradients it keeps on the device during backward
-    (with their fp32 copies for low-precision buckets)."""
+    (with their fp32 copies for low-precision buckets). upcast: the moments become fp32."""
     persistent = grads = 0
     for b in engine.buckets:
-        persistent += 2 * b.numel * b.exp_avg.element_size()
+        persistent += 2 * b.numel * (4 if upcast else b.exp_avg.element_size())
         grads += b.numel * b.dtype.itemsize
         if b.dtype != torch.float32:
             persistent += b.numel * 4
@@ -55,14 +57,14 @@ def resident_split(engine) -> tuple[int, int]:
     return persistent, grads
 
 
-def resident_peak(engine, mem: dict) -> tuple[int, str]:
+def resident_peak(engine, mem: dict, upcast: bool = False) -> tuple[int, str]:
     """The device peak a resident run is expected to reach, and the arithmetic as text.
 
     The offloaded run's transient memory (peak - allocated between steps: activations, gradients in
     flight) is what backward frees as the resident gradients appear: the resident peak is the
     memory between steps + the persistent state + the larger of that transient and the gradients,
     + a quarter of the smaller (activations and gradients overlap part-way through backward)."""
-    persistent, grads = resident_split(engine)
+    persistent, grads = resident_split(engine, upcast)
     transient = max(0, mem["peak"] - mem["now"])
     peak = mem["now"] + persistent + max(transient, grads) + min(transient, grads) // 4
     g = 2**30
@@ -76,8 +78,9 @@ def resident_peak(engine, mem: dict) -> tuple[int, str]:
 class Resident:
     """The device-side optimizer that replaces the engine after the switch."""
 
-    def __init__(self, engine, param_groups: list[dict]) -> None:
+    def __init__(self, engine, param_groups: list[dict], upcast_moments: bool = False) -> None:
         engine.synchronize()
+        moment = {"dtype": torch.float32} if upcast_moments else {}
         self.engine = engine  # closed after the switch; its names and frozen list stay
         self.param_groups = param_groups
         self.device = engine.device
@@ -97,8 +100,8 @@ class Resident:
             self.masters[s.index] = master
             self.state[s.index] = {
                 "step": torch.tensor(float(s.step), dtype=torch.float32, device=self.device),
-                "exp_avg": b.exp_avg[sl].to(self.device, copy=True).view(s.param.shape),
-                "exp_avg_sq": b.exp_avg_sq[sl].to(self.device, copy=True).view(s.param.shape),
+                "exp_avg": b.exp_avg[sl].to(self.device, copy=True, **moment).view(s.param.shape),
+                "exp_avg_sq": b.exp_avg_sq[sl].to(self.device, copy=True, **moment).view(s.param.shape),
                 "offset": b.state_offset + s.offset,
             }
             fault_point("resident.switch")
@@ -356,7 +359,10 @@ def maybe_switch(opt, after_steps: int):
     if engine.streamed:
         opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
         return None
-    peak, text = resident_peak(engine, mem)
+    upcast = bool(getattr(opt, "_moments_for_ram", False)) and any(
+        b.exp_avg.dtype != torch.float32 for b in engine.buckets
+    )
+    peak, text = resident_peak(engine, mem, upcast)
     room = mem["usable"] * (1 - opt.vram_headroom)
     verdict = peak <= room
     opt.plan_history.append(
@@ -366,6 +372,11 @@ def maybe_switch(opt, after_steps: int):
             "measured_peak_bytes": mem["peak"],
             "predicted_resident_peak_bytes": peak,
             "room_bytes": int(room),
+            **(
+                {"moments": "bfloat16 -> float32 (chosen for host RAM; resident on the device)"}
+                if upcast
+                else {}
+            ),
         }
     )
     opt._log(
@@ -377,7 +388,14 @@ def maybe_switch(opt, after_steps: int):
     if not verdict:
         return None
     try:
-        return Resident(engine, opt.param_groups)
+        resident = Resident(engine, opt.param_groups, upcast_moments=upcast)
+        if upcast:
+            opt._moment_dtype = torch.float32
+            opt._log(
+                "offload=auto: the moments were bfloat16 only because host RAM was short "
+                "(moment_dtype='auto'); on the device they are float32 again (an exact upcast)"
+            )
+        return resident
     except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
         msg = (
             f"offload=auto: the device ran out of memory building the resident state "

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..planner.rules import (
+    MARGIN_BYTES,  # kept free beyond vram_headroom: allocator slack, a larger last batch
+)
 from .layout import relocate
-
-MARGIN_BYTES = 512 << 20  # kept free beyond vram_headroom: allocator slack, a larger last batch
 
 
 def device_bytes(b) -> int:

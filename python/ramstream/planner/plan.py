@@ -314,7 +314,8 @@ def _resident(ctx: _Ctx, off: dict) -> dict:
 def _parse_param_offload(v, n: int) -> list[int] | None:
     """None for "auto", else the streamed block indices, as wrap() reads the option (a fraction
     streams the front of the stack)."""
-    from ..activations.blocks import chosen_blocks, parse_block_choice
+    from ..blocks import chosen_blocks
+    from ..options import parse_block_choice
 
     choice = parse_block_choice("param_offload", v)
     return None if choice == "auto" else chosen_blocks("param_offload", choice, n)
@@ -368,8 +369,8 @@ def plan_training(
     Returns a Plan. Raises PlanError (a MemoryError) with the arithmetic per component and the
     options that would fit, ValueError / TypeError for a bad argument.
     """
-    from ..activations.blocks import chosen_blocks, parse_block_choice
-    from ..options import parse_activation_offload, parse_mode, parse_moment_dtype
+    from ..blocks import chosen_blocks
+    from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
 
     if not isinstance(shape, ModelShape):
         raise TypeError(f"plan_training: shape must be a ModelShape, got {type(shape).__name__}")
@@ -476,7 +477,7 @@ def plan_training(
         "  " + _line("RAM (least-RAM plan)", lo_r["ram"], ctx.ram, "available per rank"),
     ]  # fmt: skip
     options = suggestions(shape, profile, param_offload, activation_offload, optimizer_mode, moment, quantize,
-                           vram_headroom, max_activation_slowdown) if _suggest else []  # fmt: skip
+                           vram_headroom, max_activation_slowdown, plan_fn=plan_training) if _suggest else []  # fmt: skip
     lines.append(
         "  would fit: "
         + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq")

@@ -13,18 +13,12 @@ import math
 from types import SimpleNamespace
 
 from ..engine.split import choose_mapped_fraction
+from .rules import LORA_LIKE, MARGIN_BYTES, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS, STREAM_SHARE  # noqa: F401
+from .shape import lora_like
 
-LORA_LIKE = 0.10  # blocks with less trained share than this are LoRA-like (recompute.py, setup.py)
-STREAM_SHARE = {True: 0.7, False: 0.5}  # share of usable VRAM resident weights may take (setup.py)
-MARGIN_BYTES = 512 << 20  # engine/vram_share.py MARGIN_BYTES: kept free beyond the headroom
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
 BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
 INFLIGHT_MAX = 1 << 30  # engine/core.py: max_inflight_bytes is at most 1 GiB
-
-
-def lora_like(shape) -> bool:
-    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
-    return bool(total) and sum(b.trained_numel for b in shape.blocks) < LORA_LIKE * total
 
 
 def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
@@ -36,19 +30,20 @@ def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, 
         return False, "no blocks"
     if lora_like(shape):
         nbytes = sum(weight_of(b) for b in shape.blocks)
-        on = nbytes > usable / 4
+        on = nbytes > usable * RECOMPUTE_LORA_WEIGHTS
         return (
             on,
-            f"LoRA-like, block weights {nbytes / g:.2f} GiB {'>' if on else '<='} 1/4 of {usable / g:.2f} GiB",
+            f"LoRA-like, block weights {nbytes / g:.2f} GiB {'>' if on else '<='} "
+            f"{RECOMPUTE_LORA_WEIGHTS:.0%} of {usable / g:.2f} GiB",
         )
     if opt_mode == "cpu":
         return False, "full fine-tuning with optimizer_mode='cpu'"
     weights = sum(weight_of(p) for p in shape.parts)
     state = shape.trained_numel * (8 + shape.elem_bytes)
-    on = weights + state > 0.9 * usable
+    on = weights + state > RECOMPUTE_FULL_FT * usable
     return on, (
         f"full fine-tuning, weights {weights / g:.2f} + moments and gradients {state / g:.2f} GiB "
-        f"{'>' if on else '<='} 90% of {usable / g:.2f} GiB"
+        f"{'>' if on else '<='} {RECOMPUTE_FULL_FT:.0%} of {usable / g:.2f} GiB"
     )
 
 

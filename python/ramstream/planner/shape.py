@@ -475,7 +475,7 @@ class ModelShape:
                    vocab=vocab, loss=loss, hidden=int(hidden))  # fmt: skip
 
 
-LORA_LIKE = 0.10  # blocks with less trained share than this are LoRA-like (recompute.py, setup.py)
+from .rules import LORA_LIKE  # noqa: E402
 
 
 def lora_like(shape: ModelShape) -> bool:

@@ -6,11 +6,9 @@ from .result import Plan, PlanError
 from .shape import ModelShape
 
 
-def suggestions(shape, profile, po, ao, om, moment, quant, headroom, slow, *, plan_fn=None) -> list[str]:
+def suggestions(shape, profile, po, ao, om, moment, quant, headroom, slow, *, plan_fn) -> list[str]:
     """The single changes that make the plan fit, each with its predicted step. plan_fn: plan.py's
     plan_training, passed in so that this module does not import plan.py (which imports it)."""
-    if plan_fn is None:  # TODO(import cycle): remove once plan.py passes plan_fn=plan_training
-        from .plan import plan_training as plan_fn
 
     def tryit(sh, **kw) -> Plan | None:
         args = dict(param_offload=po, activation_offload=ao, optimizer_mode=om, moment_dtype=moment, quantize=quant,

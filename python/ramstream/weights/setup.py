@@ -7,17 +7,14 @@ from collections import Counter
 
 import torch
 
-from ..activations.blocks import chosen_blocks, parse_block_choice
+from ..blocks import chosen_blocks
+from ..options import parse_param_offload  # noqa: F401  (setup.parse_param_offload: its old name)
+from ..planner.rules import LORA_LIKE, STREAM_SHARE
 from ..quant.packed import packed_buffers, quantized_numel
 from .slab import make_copier
 from .streamer import Block, WeightStreamer, frozen_slabs
 
 GIB = 2**30
-
-
-def parse_param_offload(value):
-    """ "auto", True, False, a fraction in [0, 1] of the block stack, or a list of block indices."""
-    return parse_block_choice("param_offload", value)
 
 
 def _nbytes(params) -> int:
@@ -46,7 +43,7 @@ def weight_share(blocks) -> float:
     trained = sum(p.numel() for ps in block_params(blocks) for p in ps if p.requires_grad)
     total_numel = sum(p.numel() for ps in block_params(blocks) for p in ps)
     total_numel += sum(quantized_numel(b) for b in blocks)
-    return 0.7 if total_numel and trained < 0.10 * total_numel else 0.5
+    return STREAM_SHARE[bool(total_numel) and trained < LORA_LIKE * total_numel]
 
 
 def choose_streamed(
@@ -74,7 +71,7 @@ def choose_streamed(
     weights = weight_tensors(model)  # packed codes of quantized layers count as their weights
     on_device = _nbytes(t for t in weights if t.device == device)
     per_block = [_nbytes(weight_tensors(b)) for b in blocks]
-    share = 0.7 if recompute_all else weight_share(blocks)
+    share = STREAM_SHARE[True] if recompute_all else weight_share(blocks)
     room = (mem["free"] + on_device) * (1 - headroom) * share
     total = _nbytes(weights)
     k, resident = 0, total

@@ -1,0 +1,36 @@
+"""Every threshold the planner's decisions use, once (a leaf: imports nothing). The planner's
+policy.py and plan.py read them; the older runtime rules that still exist beside the planner
+(weights/setup.py weight_share, activations/recompute.py auto_checkpointing, engine/vram_share.py,
+host_fit.py) read the same constants, so that no copy can disagree."""
+
+from __future__ import annotations
+
+# A model whose blocks train less than this share of their elements is LoRA-like (a frozen base).
+LORA_LIKE = 0.10
+# The share of usable VRAM resident weights may take under the older streaming rule: 70 % when every
+# block recomputes or the model is LoRA-like, 50 % otherwise.
+STREAM_SHARE = {True: 0.7, False: 0.5}
+# activation_checkpointing="auto": a LoRA-like model recomputes when its block weights fill more
+# than this share of usable VRAM; a full fine-tune when weights + moments + gradients exceed this
+# share.
+RECOMPUTE_LORA_WEIGHTS = 0.25
+RECOMPUTE_FULL_FT = 0.9
+# Kept free beyond the headroom when the optimizer state takes a share of VRAM (vram_share.py).
+MARGIN_BYTES = 512 << 20
+# The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype).
+HOST_RAM_SHARE = 0.9
+
+# The step wrap() plans for when it is not told (batch=, seq=): PLAN_BATCH x PLAN_SEQ tokens; when
+# that cannot fit, the batch halves (then the sequence) down to PLAN_MIN_TOKENS, and the plan
+# records the tokens it was made for. A larger step is checked against the plan at its first
+# forward (runtime/tokens.py) and refused with the arithmetic when it cannot fit.
+PLAN_BATCH = 8
+PLAN_SEQ = 512
+PLAN_MIN_TOKENS = 256
+# The loss the plan counts unless told: a dense cross-entropy keeps its logits, their fp32 copy
+# and their gradient (planner/shape.py logits_bytes).
+PLAN_LOSS = "dense"
+
+# offload="auto" decides after this many steps whether the state goes resident or a share of it
+# moves to VRAM (optim.py, engine/refine.py schedules its refinements after it).
+SWITCH_AFTER_STEPS = 2

@@ -1,0 +1,212 @@
+"""The one look at a live model and machine that the planner needs: the model's ModelShape (its
+quantized layers' packed codes counted as frozen weights) and the HardwareProfile of the device it
+will train on, then plan_for(): the Plan wrap() applies, without training."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..planner import rules
+from ..planner.plan import plan_training
+from ..planner.profile import HardwareProfile
+from ..planner.result import Plan, PlanError
+from ..planner.shape import ModelShape
+
+# What plan_for() passes on to plan_training (the wrap() options that change the plan).
+PLAN_OPTIONS = (
+    "param_offload",
+    "activation_offload",
+    "activation_checkpointing",
+    "optimizer_mode",
+    "moment_dtype",
+    "vram_headroom",
+    "max_activation_slowdown",
+)
+_GIB = 2**30
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def model_shape(model, blocks, *, batch: int, seq: int, loss: str) -> ModelShape:
+    """ModelShape.from_model, with each block's packed quantized codes (buffers, not parameters)
+    counted as frozen weight bytes and their full-precision elements as frozen elements."""
+    from ..quant.packed import packed_buffers, quantized_numel
+
+    shape = ModelShape.from_model(model, blocks, batch=batch, seq=seq, loss=loss)
+    out = []
+    for b, bs in zip(blocks, shape.blocks):
+        packed = sum(t.nbytes for _, _, t in packed_buffers(b))
+        if packed:
+            bs = dataclasses.replace(
+                bs, frozen_bytes=bs.frozen_bytes + packed, frozen_numel=bs.frozen_numel + quantized_numel(b)
+            )
+        out.append(bs)
+    return dataclasses.replace(shape, blocks=tuple(out))
+
+
+def live_profile(
+    model: torch.nn.Module, device: torch.device, rates: HardwareProfile | None = None
+) -> HardwareProfile:
+    """The machine as the plan sees it before wrap() moves anything: VRAM the process may still take
+    on `device` (under any per-process cap) plus what the model already holds there; host RAM
+    available plus what the model holds in host memory (it leaves for the device, or becomes the
+    streamed blocks' pinned home, which the plan counts itself). Rates from `rates` (a cached or
+    measured profile), else the H200 machine's defaults (planner/cli_plan.py DEFAULT_RATES)."""
+    from ..hardware import gpu_memory
+    from ..ops.memory import pin_budget
+    from ..planner.cli_plan import DEFAULT_RATES
+    from ..planner.profile import available_ram, local_world_size
+
+    tensors = _model_tensors(model)
+    ram = available_ram()
+    on_host = _nbytes(t for t in tensors if t.device.type == "cpu")
+    if device.type == "cuda":
+        mem = gpu_memory(device)
+        on_dev = _nbytes(t for t in tensors if t.device == device)
+        vram_total, vram_free = int(mem["total"]), int(mem["free"] + on_dev)
+        name = torch.cuda.get_device_name(device)
+    else:
+        vram_total = vram_free = 0
+        name = None
+    got = {k: getattr(rates, k) for k in DEFAULT_RATES} if rates is not None and rates.vram_total else None
+    return HardwareProfile(
+        device=str(device), gpu_name=name, vram_total=vram_total, vram_free=vram_free,
+        ram_total=int(ram["total"]), ram_available=int(ram["available"]) + on_host,
+        pin_budget=int(pin_budget()), local_world_size=local_world_size(),
+        source=rates.source if got else "given", **(got or DEFAULT_RATES),
+    )  # fmt: skip
+
+
+def _token_steps(batch, seq):
+    """The (batch, seq) pairs plan_for tries: the given ones, else PLAN_BATCH x PLAN_SEQ halving the
+    batch, then the sequence, down to PLAN_MIN_TOKENS tokens."""
+    if batch is not None or seq is not None:
+        return [(batch or 1, seq or rules.PLAN_SEQ)]
+    b, s, out = rules.PLAN_BATCH, rules.PLAN_SEQ, []
+    while b * s >= rules.PLAN_MIN_TOKENS:
+        out.append((b, s))
+        b, s = (b // 2, s) if b > 1 else (b, s // 2)
+    return out
+
+
+def plan_model(
+    model, blocks, profile: HardwareProfile, *, batch=None, seq=None, loss=None, **options
+) -> tuple[Plan, ModelShape]:
+    """(Plan, the ModelShape it was made for) for `model` on `profile`; options: PLAN_OPTIONS.
+    Without batch / seq, the largest step from PLAN_BATCH x PLAN_SEQ down that fits (the plan's
+    shape says which); PlanError (a MemoryError with the arithmetic) when none does."""
+    loss = loss or rules.PLAN_LOSS
+    first_error = None
+    for b, s in _token_steps(batch, seq):
+        shape = model_shape(model, blocks, batch=b, seq=s, loss=loss)
+        try:
+            plan = plan_training(shape, profile, quantize="none", **options)
+        except PlanError as e:
+            first_error = first_error or e
+            continue
+        if first_error is not None:
+            plan.reasons.append(
+                f"planned for batch {b} x seq {s}: the default {rules.PLAN_BATCH} x {rules.PLAN_SEQ} does not fit "
+                f"(a larger step is checked at its first forward; pass batch= and seq= to plan for it)"
+            )
+        return plan, shape
+    raise first_error
+
+
+def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None, seq: int | None = None,
+             loss: str | None = None, device=None, profile: HardwareProfile | None = None, blocks=None,
+             **options) -> Plan:  # fmt: skip
+    """The Plan wrap(model, optimizer, **options) would apply, without training and without moving
+    anything: which blocks stream their weights, which recompute, where the optimizer state lives,
+    the moment dtype, the predicted step and memory. Pass it to wrap(..., plan=plan) to pin it.
+
+    Args:
+        optimizer: the optimizer wrap() would get (its parameters that require grad are trained;
+            None: every parameter that requires grad).
+        batch, seq: the step's size, when known (else the default step, halved until it fits:
+            planner/rules.py PLAN_BATCH x PLAN_SEQ).
+        loss: "dense" (a full cross-entropy: its logits and their gradient count) or "chunked"
+            (ramstream.chunked_cross_entropy).
+        device: the training device (default: the current CUDA device, else the model's).
+        profile: a HardwareProfile to plan on instead of this machine (tests, what-if).
+        blocks: the block stack (default: ramstream's find_blocks).
+        options: wrap()'s param_offload, activation_offload, activation_checkpointing,
+            optimizer_mode, moment_dtype, vram_headroom, max_activation_slowdown.
+
+    Raises PlanError (a MemoryError) with the arithmetic when nothing fits; ValueError / TypeError
+    for bad arguments.
+    """
+    from ..blocks import find_blocks
+    from ..options import WrapOptions
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan_for(): model must be a torch.nn.Module, got {type(model).__name__}")
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"plan_for(): unknown option(s) {', '.join(unknown)}; accepted: batch, seq, loss, device, "
+            f"profile, blocks, {', '.join(PLAN_OPTIONS)}"
+        )
+    for name, v in (("batch", batch), ("seq", seq)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"plan_for(): {name}={v!r} is not accepted; accepted: None or an int >= 1")
+    if loss not in (None, "dense", "chunked"):
+        raise ValueError(f"plan_for(): loss={loss!r} is not accepted; accepted: None, 'dense', 'chunked'")
+    if profile is not None and not isinstance(profile, HardwareProfile):
+        raise TypeError(f"plan_for(): profile must be a HardwareProfile, got {type(profile).__name__}")
+    opts = WrapOptions.parse(**options)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else next(model.parameters()).device
+    device = torch.device(device)
+    blocks = list(blocks) if blocks is not None else find_blocks(model)
+    if profile is None:
+        profile = live_profile(model, device, _cached_rates(device))
+    kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
+    with _trained_only(model, optimizer):
+        plan, _ = plan_model(model, blocks, profile, batch=batch, seq=seq, loss=loss, **kw)
+    return plan
+
+
+def _cached_rates(device: torch.device) -> HardwareProfile | None:
+    """This machine's cached rates (planner.profile cache), measuring nothing; None without one."""
+    if device.type != "cuda":
+        return None
+    from ..planner.profile import cached_profile
+
+    try:
+        return cached_profile(device)
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
+class _trained_only:
+    """Within the block, only the optimizer's parameters require grad (the shape counts trained
+    elements by requires_grad); restored after."""
+
+    def __init__(self, model, optimizer) -> None:
+        self.model, self.optimizer, self.saved = model, optimizer, []
+
+    def __enter__(self):
+        if self.optimizer is None:
+            return self
+        mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        for p in self.model.parameters():
+            if p.requires_grad and id(p) not in mine:
+                self.saved.append(p)
+                p.requires_grad_(False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.saved:
+            p.requires_grad_(True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, trainer, loss, doctor, probe), each under a time limit, logs under $OUT. Prints a short
+# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, trainer, loss, doctor, probe, defaults), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
+#   STAGES="defaults" DEFAULTS_ROWS="R1,R3" DEFAULTS_CAPS="8,12" DEFAULTS_DEADLINE=500 bash bench/gpu_run.sh
 #   STAGES="tests train act" TRAIN_ARGS="--variants ramstream_auto,ramstream_auto_chunked,ramstream_auto_act2" bash bench/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RAMSTREAM_CUDA=ON RAMSTREAM_CUDA_ARCHS="${RAMSTREAM_CUDA_ARCHS:-90-real}"
@@ -119,6 +120,12 @@ for stage in $STAGES; do
       timeout 120 python3 bench/train/bench_loss.py --profile --out "$OUT/loss.json" ${LOSS_ARGS:-} \
         > "$OUT/loss.log" 2>&1
       summary "loss rc=$?"; sed -n '1,8p' "$OUT/loss.log" | tee -a "$OUT/summary.txt" ;;
+    defaults)  # issue 24: wrap()'s defaults vs hand-picked options (and stock) at 8-24 GiB caps, rows
+               # R1-R6 of bench_defaults.py, one process per run, the whole stage bounded by DEFAULTS_DEADLINE
+      timeout $(( ${DEFAULTS_DEADLINE:-500} + 20 )) python3 bench/train/bench_defaults.py \
+        --rows "${DEFAULTS_ROWS:-R1,R3,R5,R4,R6}" --caps "${DEFAULTS_CAPS:-8,12,16,24}" \
+        --deadline "${DEFAULTS_DEADLINE:-500}" --out "$OUT/defaults.jsonl" ${DEFAULTS_ARGS:-} > "$OUT/defaults.log" 2>&1
+      summary "defaults rc=$?"; sed -n '/^| row /,$p' "$OUT/defaults.log" | tee -a "$OUT/summary.txt" ;;
     doctor)  # issue 9: what this machine offers, one screen
       timeout 120 ramstream doctor > "$OUT/doctor.log" 2>&1
       summary "doctor rc=$?"; cat "$OUT/doctor.log" ;;

@@ -24,6 +24,8 @@ from .ops.memory import (  # noqa: E402
 from .optim import OffloadAdamW  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .quant import dequantize_model, quantize_model  # noqa: E402
+from .runtime.inspect import plan_for  # noqa: E402
+from .runtime.tokens import PlanOutOfMemoryError  # noqa: E402
 from .trace import trace  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
 
@@ -50,8 +52,10 @@ __all__ = [
     "HardwareProfile",
     "ModelShape",
     "plan_training",
+    "plan_for",
     "Plan",
     "PlanError",
+    "PlanOutOfMemoryError",
     "functional",
     # pinned host memory
     "pinned_empty",

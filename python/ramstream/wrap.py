@@ -279,7 +279,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     plan, plan_shape, plan_prof = _make_plan(model, optimizer, opts, device, log)
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     moment_option = opts.moment_dtype
-    if plan is not None and moment_option == "auto":
+    # the plan's moment dtype is the host state's; a resident plan's is the settled run's (the host
+    # state of the first steps follows host RAM, and the switch gives fp32 back: resident.py)
+    if plan is not None and moment_option == "auto" and plan.mode != "resident":
         moment_option = plan.optimizer["moment_dtype"]
         log(f"moment_dtype=auto -> {moment_option} (the plan)")
     moment_dtype = pick_moment_dtype(

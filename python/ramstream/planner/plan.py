@@ -366,9 +366,48 @@ def plan_training(
     _refine=False times the split after step 2 instead of the refined one (engine/refine.py; the
     engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
 
+    activation_checkpointing="auto" also makes every block recompute when the plan without it
+    cannot fit (whatever the rule in policy.auto_recompute said).
+
     Returns a Plan. Raises PlanError (a MemoryError) with the arithmetic per component and the
     options that would fit, ValueError / TypeError for a bad argument.
     """
+    if not isinstance(profile, HardwareProfile):
+        raise TypeError(f"plan_training: profile must be a HardwareProfile, got {type(profile).__name__}")
+    kw = dict(param_offload=param_offload, activation_offload=activation_offload,
+              activation_checkpointing=activation_checkpointing, optimizer_mode=optimizer_mode,
+              moment_dtype=moment_dtype, quantize=quantize, vram_headroom=vram_headroom,
+              max_activation_slowdown=max_activation_slowdown, _refine=_refine)  # fmt: skip
+    auto = isinstance(activation_checkpointing, str) and activation_checkpointing == "auto"
+    if not auto or not profile.vram_total:
+        return _plan_training(shape, profile, _suggest=_suggest, **kw)
+    try:
+        return _plan_training(shape, profile, _suggest=False, **kw)
+    except PlanError:
+        pass
+    plan = _plan_training(shape, profile, _suggest=_suggest, **{**kw, "activation_checkpointing": True})
+    plan.reasons.append(
+        "activation_checkpointing=auto: every block recomputes, as the plan without it does not fit"
+    )
+    return plan
+
+
+def _plan_training(
+    shape: ModelShape,
+    profile: HardwareProfile,
+    *,
+    param_offload="auto",
+    activation_offload="auto",
+    activation_checkpointing="auto",
+    optimizer_mode: str = "auto",
+    moment_dtype="auto",
+    quantize: str = "none",
+    vram_headroom: float = 0.10,
+    max_activation_slowdown: float = 0.15,
+    _suggest: bool = True,
+    _refine: bool = True,
+) -> Plan:
+    """plan_training without the recompute fallback."""
     from ..blocks import chosen_blocks
     from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
 
@@ -436,10 +475,17 @@ def plan_training(
         fit = [m for m in moments if shape.trained_numel * (4 + 2 * _mb(m) + ctx.wb) <= ctx.ram]
         for m in fit[:1]:
             off = _offload(ctx, [], m)
-            c = _resident(ctx, off)
+            # bf16 chosen only for host RAM: on the device the moments are fp32 again (resident.py)
+            final = "float32" if moment == "auto" else m
+            c = _resident(ctx, {**off, "moment": final})
             if sum(c["vram"].values()) <= budget and _fits(ctx, off)[0]:
                 why = _line("resident: the resident peak", c["vram"], budget, "usable")
-                return _make_plan(ctx, c, "resident", head + [why, off["act_why"]])
+                up = (
+                    [f"moments: {m} on the host for the first steps (RAM), float32 once resident"]
+                    if m != final
+                    else []
+                )
+                return _make_plan(ctx, c, "resident", head + [why, off["act_why"]] + up)
     # (b) offload: wrap()'s streamed blocks (or the given ones); when they cannot fit, the best of all
     first = [forced] if forced is not None else [list(range(k_auto))]
     rest = [] if forced is not None else [list(range(k)) for k in range(n + 1) if k != k_auto]

@@ -171,22 +171,24 @@ def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None
     device = torch.device(device)
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     if profile is None:
-        profile = live_profile(model, device, _cached_rates(device))
+        profile = live_profile(model, device, _rates(device))
     kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
     with _trained_only(model, optimizer):
         plan, _ = plan_model(model, blocks, profile, batch=batch, seq=seq, loss=loss, **kw)
     return plan
 
 
-def _cached_rates(device: torch.device) -> HardwareProfile | None:
-    """This machine's cached rates (planner.profile cache), measuring nothing; None without one."""
+def _rates(device: torch.device) -> HardwareProfile | None:
+    """This machine's profile as wrap() reads it (profile_hardware: the cache, else measured once and
+    cached), so that plan_for() and wrap() plan on the same rates; None on the CPU or on failure
+    (the default rates then)."""
     if device.type != "cuda":
         return None
-    from ..planner.profile import cached_profile
+    from ..planner.profile import profile_hardware
 
     try:
-        return cached_profile(device)
-    except (RuntimeError, ValueError, OSError):
+        return profile_hardware(device)
+    except Exception:  # noqa: BLE001 - the default rates take over, as in wrap()
         return None
 
 

@@ -1,0 +1,101 @@
+"""The plan on a GPU (issue 24): under a VRAM cap, wrap()'s defaults apply what plan_for() says, a
+model whose dense loss needs most of the cap trains without running out of memory, a step larger
+than the plan is refused before it runs (weights untouched) and the planned one then trains, and
+bf16 moments that host RAM alone forced become fp32 at the resident switch."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import ramstream
+from ramstream.runtime.tokens import PlanOutOfMemoryError
+
+from _models import TinyGPT, batches, make_model, train_torch
+
+pytestmark = pytest.mark.cuda
+GIB = 2**30
+DEV = torch.device("cuda:0")
+
+
+@contextlib.contextmanager
+def _cap(gib: float):
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), DEV)
+    torch.cuda.reset_peak_memory_stats(DEV)
+    try:
+        yield gib * GIB
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        torch.cuda.empty_cache()
+
+
+def _model():
+    """0.49 GiB of fp32 weights; 4 x 512 tokens of its dense loss need 0.79 GiB of logits."""
+    torch.manual_seed(0)
+    return TinyGPT(vocab=32000, d=1024, n_blocks=8, tied=False)
+
+
+def _step(model, opt, b: int, t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 32000, (b, t), generator=g).to(DEV)
+    y = torch.randint(0, 32000, (b, t), generator=g).to(DEV)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def test_defaults_apply_plan_for_and_train_the_dense_loss_under_the_cap():
+    with _cap(1.5) as cap:
+        model = _model()
+        plan = ramstream.plan_for(model, torch.optim.AdamW(model.parameters()))
+        model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), device=DEV)
+        got = ramstream.memory_report(model)["plan"]["planner"]
+        assert got["streamed"] == plan.weights["streamed"]
+        assert got["recompute"] == [i for i, m in enumerate(plan.activations) if m == "recompute"]
+        b, s = plan.shape["batch"], plan.shape["seq"]
+        losses = [_step(model, opt, b, s, seed=i) for i in range(4)]
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert torch.cuda.max_memory_allocated(DEV) <= cap
+        ramstream.unwrap(model)
+
+
+def test_a_step_larger_than_the_plan_is_refused_before_it_runs():
+    with _cap(1.5):
+        model = _model()
+        model, opt = ramstream.wrap(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4), device=DEV, batch=2, seq=256
+        )
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with pytest.raises(PlanOutOfMemoryError, match="batch 64 x seq 512 does not fit") as e:
+            _step(model, opt, 64, 512)
+        assert isinstance(e.value, torch.OutOfMemoryError)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        opt.zero_grad(set_to_none=True)
+        assert torch.isfinite(torch.tensor(_step(model, opt, 2, 256)))
+        hist = ramstream.memory_report(model)["plan"]
+        assert hist["planner"]["batch"] == 2 and hist["planner"]["seq"] == 256
+        ramstream.unwrap(model)
+
+
+def test_ram_forced_bf16_moments_are_fp32_once_resident(monkeypatch):
+    import ramstream.planner.profile as profile_mod
+
+    model = make_model(0, n_blocks=2)
+    host = sum(p.numel() * p.element_size() for p in model.parameters())
+    # fp32 host state does not fit in this RAM, bf16 state does (the model's own bytes leave for the GPU)
+    monkeypatch.setattr(profile_mod, "available_ram", lambda *a: {"total": 1 << 30, "available": 200_000})
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=DEV)
+    assert host < 200_000
+    assert opt._moment_dtype == torch.bfloat16
+    train_torch(model, opt, batches(4, device=DEV))
+    assert opt.resident and opt._moment_dtype == torch.float32
+    assert all(st["exp_avg"].dtype == torch.float32 for st in opt._resident.state.values())
+    assert ramstream.memory_report(model)["plan"]["planner"]["moment_dtype"] == "float32"
+    ramstream.unwrap(model)

@@ -245,8 +245,9 @@ def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
     used = torch.cuda.memory_reserved(dev)
     torch.cuda.set_per_process_memory_fraction((used + (64 << 20)) / total, dev)
     try:
-        with pytest.raises(MemoryError, match="GiB on cuda"):
+        with pytest.raises(MemoryError, match="GiB on cuda") as e:
             ramstream.wrap(model, device=DEV, param_offload=False)
+        assert "weights 0.13" in str(e.value)  # the arithmetic: the two 64 MiB Linear weights
         assert all(p.device.type == "cpu" for p in model.parameters())
         assert getattr(model, "_ramstream", None) is None
         # the default (param_offload="auto") streams the two Linear "blocks" instead, and trains

@@ -67,7 +67,12 @@ def order(rows: list[str], caps: list[float]) -> list[tuple[str, float]]:
 
 
 def variants_of(row: str, cap: float, wanted: list[str]) -> list[str]:
-    ok = {"defaults": True, "hand": HAND.get(row) is not None, "stock": cap in STOCK_CAPS.get(row, ())}
+    ok = {
+        "defaults": True,
+        "sized": True,
+        "hand": HAND.get(row) is not None,
+        "stock": cap in STOCK_CAPS.get(row, ()),
+    }
     return [v for v in wanted if ok.get(v)]
 
 
@@ -225,6 +230,11 @@ def _train(args, spec, row, variant, dev, batch, seq, out) -> None:
 
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         options = HAND[row] if variant == "hand" else {}
+        if variant == "sized":  # the defaults, told the step's size and loss (wrap's batch=, seq=, loss=)
+            b, s = (
+                (min(spec["batch"], 2), min(spec["seq"], 64)) if args.tiny else (spec["batch"], spec["seq"])
+            )
+            options = {"batch": b, "seq": s, "loss": "chunked" if spec["loss"] == "chunked" else "dense"}
         # device: the model is built in host RAM; without it wrap() would train on the CPU
         model, opt = rs.wrap(model, opt, device=str(dev), **options)
     sync()
@@ -360,7 +370,7 @@ def table(results: list[dict]) -> list[str]:
              "moments | defaults/ref |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         ratio = ""
-        if r["variant"] == "defaults" and r.get("s_per_step"):
+        if r["variant"] in ("defaults", "sized") and r.get("s_per_step"):
             for ref in ("hand", "stock"):
                 o = by.get((r["row"], r["cap_gib"], ref))
                 if o and o.get("s_per_step"):
@@ -404,7 +414,9 @@ def main() -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     caps = [float(c) for c in args.caps.split(",") if c.strip()]
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [r for r in rows if r not in ROWS] + [v for v in wanted if v not in ("defaults", "hand", "stock")]
+    bad = [r for r in rows if r not in ROWS] + [
+        v for v in wanted if v not in ("defaults", "sized", "hand", "stock")
+    ]
     if bad:
         ap.error(f"unknown rows/variants {bad}; rows: {', '.join(ROWS)}; variants: defaults, hand, stock")
     signal.signal(signal.SIGTERM, _on_term)

@@ -97,8 +97,26 @@ def _make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
             log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
     prof = live_profile(model, device, rates)
     kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
-    with _trained_only(model, optimizer):
-        plan, shape = plan_model(model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss, **kw)
+    from .planner.result import PlanError
+
+    try:
+        with _trained_only(model, optimizer):
+            plan, shape = plan_model(
+                model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss, **kw
+            )
+    except PlanError as e:
+        if not opts.check_memory:
+            log(
+                f"check_memory=False: no plan fits ({str(e).splitlines()[0]}); going on with the options as given"
+            )
+            return None, None, None
+        usable = prof.vram_free * (1 - opts.vram_headroom) / 2**30
+        raise PlanError(
+            f"wrap(): the model does not fit in the {usable:.2f} GiB on {device} (usable under any "
+            f"per-process cap, less vram_headroom), whatever the step's size; nothing was moved:\n{e}",
+            arithmetic=e.arithmetic,
+            options=e.options,
+        ) from None
     log("plan:\n" + plan.explain())
     return plan, shape, prof
 
@@ -171,7 +189,8 @@ def _check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     if n == 0:
         return
     check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history)
-    w.handles.append(model.register_forward_pre_hook(check, with_kwargs=True))
+    blocks = _find_blocks(model, opts)  # the first block sees every step, whatever runs the model
+    w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True))
 
 
 def _bytes_to_move(model: torch.nn.Module, device: torch.device, skip=()) -> int:

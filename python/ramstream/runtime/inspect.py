@@ -74,7 +74,9 @@ def live_profile(
     if device.type == "cuda":
         mem = gpu_memory(device)
         on_dev = _nbytes(t for t in tensors if t.device == device)
-        vram_total, vram_free = int(mem["total"]), int(mem["free"] + on_dev)
+        # what the caching allocator holds but has not handed out is free to this process too
+        free = min(mem["free"] + mem["reserved"], mem["cap"]) - mem["allocated"]
+        vram_total, vram_free = int(mem["total"]), int(max(0, free) + on_dev)
         name = torch.cuda.get_device_name(device)
     else:
         vram_total = vram_free = 0
@@ -90,14 +92,15 @@ def live_profile(
 
 def _token_steps(batch, seq):
     """The (batch, seq) pairs plan_for tries: the given ones, else PLAN_BATCH x PLAN_SEQ halving the
-    batch, then the sequence, down to PLAN_MIN_TOKENS tokens."""
+    batch, then the sequence, down to PLAN_MIN_TOKENS tokens, then one token (the weights' plan: a
+    step's activations are then checked at its first forward, runtime/tokens.py)."""
     if batch is not None or seq is not None:
         return [(batch or 1, seq or rules.PLAN_SEQ)]
     b, s, out = rules.PLAN_BATCH, rules.PLAN_SEQ, []
     while b * s >= rules.PLAN_MIN_TOKENS:
         out.append((b, s))
         b, s = (b // 2, s) if b > 1 else (b, s // 2)
-    return out
+    return out + [(1, 1)]
 
 
 def plan_model(
@@ -105,23 +108,23 @@ def plan_model(
 ) -> tuple[Plan, ModelShape]:
     """(Plan, the ModelShape it was made for) for `model` on `profile`; options: PLAN_OPTIONS.
     Without batch / seq, the largest step from PLAN_BATCH x PLAN_SEQ down that fits (the plan's
-    shape says which); PlanError (a MemoryError with the arithmetic) when none does."""
+    shape says which); PlanError (a MemoryError with the smallest step's arithmetic) when none does."""
     loss = loss or rules.PLAN_LOSS
-    first_error = None
+    error = None
     for b, s in _token_steps(batch, seq):
         shape = model_shape(model, blocks, batch=b, seq=s, loss=loss)
         try:
             plan = plan_training(shape, profile, quantize="none", **options)
         except PlanError as e:
-            first_error = first_error or e
+            error = e  # the last: the smallest step's arithmetic
             continue
-        if first_error is not None:
+        if error is not None:
             plan.reasons.append(
                 f"planned for batch {b} x seq {s}: the default {rules.PLAN_BATCH} x {rules.PLAN_SEQ} does not fit "
                 f"(a larger step is checked at its first forward; pass batch= and seq= to plan for it)"
             )
         return plan, shape
-    raise first_error
+    raise error
 
 
 def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None, seq: int | None = None,
@@ -169,6 +172,8 @@ def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else next(model.parameters()).device
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     if profile is None:
         profile = live_profile(model, device, _rates(device))

@@ -22,7 +22,8 @@ class PlanOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
 def step_tokens(args, kwargs) -> tuple[int, int] | None:
     """(batch, seq) of a forward's input: input_ids / inputs_embeds / idx / x, else the first tensor
     argument (integer ids: [batch, seq]; embeddings: [batch, seq, hidden]); None when unknown."""
-    cand = [kwargs.get(k) for k in ("input_ids", "inputs_embeds", "idx", "x")] + list(args)
+    names = ("input_ids", "inputs_embeds", "hidden_states", "idx", "x")
+    cand = [kwargs.get(k) for k in names] + list(args)
     for t in cand:
         if not isinstance(t, torch.Tensor):
             continue

@@ -38,7 +38,8 @@ ROWS = {
     "R3": dict(model="qwen7b", dtype="bf16", autocast=True, batch=4, seq=512, loss="hf"),
     "R4": dict(model="qwen14b", dtype="bf16", autocast=True, batch=4, seq=512, loss="hf"),
     "R5": dict(model="gpt6.85b", dtype="bf16", autocast=True, batch=16, seq=2048, loss="chunked"),
-    "R6": dict(model="gpt6.85b", dtype="fp32", autocast=False, batch=8, seq=512, loss="dense"),
+    # fp32 weights under bf16 autocast, as the stock 0.381 s/step (pure fp32 matmuls: ~3.3 s)
+    "R6": dict(model="gpt6.85b", dtype="fp32", autocast=True, batch=8, seq=512, loss="dense"),
 }
 FULL_FT = {"R1", "R2", "R5", "R6"}
 _BEST = {"param_offload": True, "activation_checkpointing": True, "activation_offload": True}

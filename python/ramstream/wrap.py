@@ -97,6 +97,8 @@ def _make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
             log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
     prof = live_profile(model, device, rates)
     kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
+    if opts.activation_checkpointing == "auto" and _hf_checkpointing(blocks):
+        kw["activation_checkpointing"] = True  # the layers recompute already: the plan counts it
     from .planner.result import PlanError
 
     try:
@@ -119,6 +121,11 @@ def _make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
         ) from None
     log("plan:\n" + plan.explain())
     return plan, shape, prof
+
+
+def _hf_checkpointing(blocks) -> bool:
+    """Whether Hugging Face's gradient checkpointing is on in the blocks (they recompute already)."""
+    return any(getattr(b, "gradient_checkpointing", False) for b in blocks)
 
 
 def _plan_record(plan) -> dict:
@@ -374,6 +381,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     recompute = None
     if plan is not None:
         recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+        if _hf_checkpointing(blocks or []):
+            recompute = []  # Hugging Face's gradient checkpointing recomputes these blocks already
     w = attach_model(model, opt, opts, log, recompute=recompute)
     w.plan["quantize"] = quant_report
     if plan is not None:

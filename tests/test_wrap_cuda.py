@@ -251,8 +251,14 @@ def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
         assert "weights 0.13" in str(e.value)  # the arithmetic: the two 64 MiB Linear weights
         assert all(p.device.type == "cpu" for p in model.parameters())
         assert getattr(model, "_ramstream", None) is None
-        # the default (param_offload="auto") streams the two Linear "blocks" instead, and trains
-        wrapped, opt = ramstream.wrap(model, device=DEV)
+        # the default (param_offload="auto") would stream the two Linear "blocks", but both are on
+        # the device at once (the one running and the next): the plan refuses with that arithmetic
+        with pytest.raises(MemoryError, match="stream_window 0.13"):
+            ramstream.wrap(model, device=DEV)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        # with room for the two blocks' window the default streams them and trains
+        torch.cuda.set_per_process_memory_fraction((used + (200 << 20)) / total, dev)
+        wrapped, opt = ramstream.wrap(model, device=DEV, param_offload=[0, 1])
         assert ramstream.memory_report(wrapped)["params"]["streamed_blocks"] == [0, 1]
         wrapped(torch.randn(8, 4096, device=DEV)).square().mean().backward()
         opt.step()

@@ -6,7 +6,7 @@ Rows x VRAM caps (GiB), each (row, cap, variant) in a process of its own (the ca
   R3  LoRA r16 on a Qwen2.5-7B shape (bf16 base, peft), 4x512, the HF model's own loss
   R4  LoRA r16 on a Qwen2.5-14B shape, 4x512, the HF model's own loss
   R5  6.85B GPT bf16 full FT, 16x2048, ramstream.chunked_cross_entropy
-  R6  6.85B GPT fp32, no autocast, 8x512, dense, no cap: defaults vs stock AdamW(fused=True)
+  R6  6.85B GPT fp32 weights, bf16 autocast, 8x512, dense, no cap: defaults vs stock AdamW(fused=True)
 Variants: defaults = wrap(model, AdamW(lr=1e-5), device=...) and no other option; hand = HAND[row];
 stock = plain torch, only where it fits (STOCK_CAPS). Cells run most informative first (FIRST);
 --deadline stops launching cells (and cuts the running one) so one device call returns partial

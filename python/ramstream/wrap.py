@@ -168,14 +168,15 @@ def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
 
 
 def _ram_with_model(model, device: torch.device, streamed: dict) -> dict | None:
-    """Available host RAM for the moment dtype, counting as free what the model holds in host memory
-    and moves to `device` (freed when it moves; the state is pinned after); None: as measured."""
+    """Available host RAM for the moment dtype, counting as free what the model holds in host memory:
+    it moves to `device`, or (streamed blocks) its pinned home, which the arithmetic counts as
+    "streamed weights", replaces it; None: as measured (the CPU engine)."""
     if device.type == "cpu":
         return None
     from .planner.profile import available_ram
 
     ram = dict(available_ram())
-    ram["available"] += _bytes_to_move(model, device, streamed)
+    ram["available"] += _bytes_to_move(model, device)
     return ram
 
 

@@ -402,7 +402,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         log = EventLog(False)
         self._log = log
-        attach_model(model, self, opts, log)
+        recompute = None
+        if self._engine.device.type == "cuda":  # the plan's recompute (the weights are placed already)
+            from .runtime.apply import make_plan
+
+            plan, _, _ = make_plan(
+                model, self, WrapOptions.parse(param_offload=False), self._engine.device, log
+            )
+            if plan is not None:
+                recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+        attach_model(model, self, opts, log, recompute=recompute)
         log(f"attached: {len(self._engine.slots)} parameters in {len(self._engine.buckets)} buckets")
         return model
 

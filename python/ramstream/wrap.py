@@ -11,6 +11,7 @@ from .offload_optim import wrap_offload_model
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
+from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record
 from .runtime.attach import _Wrapped, attach_model  # noqa: F401  (attach_model: wrap's name too)
 from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
@@ -25,16 +26,6 @@ from .weights.setup import (
 
 def _forward_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(model.parameters())
-
-
-def _find_blocks(model, opts: WrapOptions) -> list | None:
-    """The block stack (the blocks= option, else find_blocks), None when the model has none."""
-    from .blocks import find_blocks
-
-    try:
-        return list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-    except ValueError:
-        return None
 
 
 def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool, log, plan=None):
@@ -61,87 +52,6 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
     if use_dp and opts.param_offload == "auto":  # the ranks' buckets must match
         idx = agree_streamed(idx, device, log)
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
-
-
-def _ranges(idx) -> str:
-    from .planner.result import _ranges as ranges
-
-    return ranges(list(idx))
-
-
-def _make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
-    """(Plan, its ModelShape, the profile) wrap() applies on a GPU: opts.plan when pinned, else
-    runtime.inspect.plan_model on this machine (rates: the cached or measured profile); (None,
-    None, None) on the CPU engine or for a model without a block stack. PlanError (a MemoryError
-    with the arithmetic) when nothing fits."""
-    from .runtime.inspect import PLAN_OPTIONS, _trained_only, live_profile, plan_model
-
-    blocks = _find_blocks(model, opts)
-    if opts.plan is not None:
-        n = len(opts.plan.activations)
-        if blocks is None or len(blocks) != n:
-            raise ValueError(
-                f"wrap(): option plan was made for {n} blocks, but this model has "
-                f"{0 if blocks is None else len(blocks)}; make it with ramstream.plan_for(model, ...)"
-            )
-        return opts.plan, None, None
-    if device.type != "cuda" or not blocks:
-        return None, None, None
-    rates = None
-    if opts.profile:
-        from .planner import profile_hardware
-
-        try:
-            rates = profile_hardware(device)
-        except Exception as exc:  # noqa: BLE001 - the default rates take over
-            log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
-    prof = live_profile(model, device, rates)
-    kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
-    if opts.activation_checkpointing == "auto" and _hf_checkpointing(blocks):
-        kw["activation_checkpointing"] = True  # the layers recompute already: the plan counts it
-    from .planner.result import PlanError
-
-    try:
-        with _trained_only(model, optimizer):
-            plan, shape = plan_model(
-                model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss, **kw
-            )
-    except PlanError as e:
-        if not opts.check_memory:
-            log(
-                f"check_memory=False: no plan fits ({str(e).splitlines()[0]}); going on with the options as given"
-            )
-            return None, None, None
-        usable = prof.vram_free * (1 - opts.vram_headroom) / 2**30
-        raise PlanError(
-            f"wrap(): the model does not fit in the {usable:.2f} GiB on {device} (usable under any "
-            f"per-process cap, less vram_headroom), whatever the step's size; nothing was moved:\n{e}",
-            arithmetic=e.arithmetic,
-            options=e.options,
-        ) from None
-    log("plan:\n" + plan.explain())
-    return plan, shape, prof
-
-
-def _hf_checkpointing(blocks) -> bool:
-    """Whether Hugging Face's gradient checkpointing is on in the blocks (they recompute already)."""
-    return any(getattr(b, "gradient_checkpointing", False) for b in blocks)
-
-
-def _plan_record(plan) -> dict:
-    """What memory_report(model)["plan"]["planner"] shows of the applied plan."""
-    return {
-        "mode": plan.mode,
-        "batch": plan.shape.get("batch"),
-        "seq": plan.shape.get("seq"),
-        "streamed": list(plan.weights["streamed"]),
-        "recompute": [i for i, m in enumerate(plan.activations) if m == "recompute"],
-        "moment_dtype": plan.optimizer["moment_dtype"],
-        "predicted_step_s": plan.predicted.get("step_s"),
-        "predicted_vram_bytes": plan.memory["vram"].get("total"),
-        "vram_budget_bytes": plan.memory["vram"].get("budget"),
-        "reasons": list(plan.reasons),
-    }
 
 
 def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
@@ -178,27 +88,6 @@ def _ram_with_model(model, device: torch.device, streamed: dict) -> dict | None:
     ram = dict(available_ram())
     ram["available"] += _bytes_to_move(model, device)
     return ram
-
-
-def _check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
-    """A step larger than the plan's is checked at its first forward (runtime/tokens.py)."""
-    from .runtime.tokens import StepCheck
-
-    n = len(plan.activations)
-    fixed = {
-        "param_offload": list(plan.weights["streamed"]),
-        "activation_checkpointing": list(w.recompute.indices) if w.recompute is not None else False,
-        "activation_offload": opts.activation_offload,
-        "optimizer_mode": opts.optimizer_mode,
-        "moment_dtype": plan.optimizer["moment_dtype"],
-        "vram_headroom": opts.vram_headroom,
-        "max_activation_slowdown": opts.max_activation_slowdown,
-    }
-    if n == 0:
-        return
-    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history)
-    blocks = _find_blocks(model, opts)  # the first block sees every step, whatever runs the model
-    w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True))
 
 
 def _bytes_to_move(model: torch.nn.Module, device: torch.device, skip=()) -> int:
@@ -303,7 +192,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "wrap(): none of the optimizer's parameters requires grad; set "
             "requires_grad on the parameters to train before wrap()"
         )
-    plan, plan_shape, plan_prof = _make_plan(model, optimizer, opts, device, log)
+    plan, plan_shape, plan_prof = make_plan(model, optimizer, opts, device, log)
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     moment_option = opts.moment_dtype
     # the plan's moment dtype is the host state's; a resident plan's is the settled run's (the host
@@ -382,15 +271,15 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     recompute = None
     if plan is not None:
         recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
-        if _hf_checkpointing(blocks or []):
+        if hf_checkpointing(blocks or []):
             recompute = []  # Hugging Face's gradient checkpointing recomputes these blocks already
     w = attach_model(model, opt, opts, log, recompute=recompute)
     w.plan["quantize"] = quant_report
     if plan is not None:
-        w.plan["planner"] = _plan_record(plan)
+        w.plan["planner"] = plan_record(plan)
         w.applied_plan = plan
         if plan_shape is not None:
-            _check_steps(model, w, plan, plan_shape, plan_prof, opts, log)
+            check_steps(model, w, plan, plan_shape, plan_prof, opts, log)
     engine = opt._engine
     if profile is not None:
         w.plan["profile"] = profile

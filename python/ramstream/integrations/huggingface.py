@@ -302,6 +302,9 @@ class OffloadTrainer(transformers.Trainer):
             opts["max_grad_norm"] = float(a.max_grad_norm)
         else:  # the Trainer still measures the norm (clip_grad_norm_ with inf): updates wait for step()
             opts.setdefault("eager_updates", False)
+        # the plan counts the step the Trainer runs: its batch, and the loss compute_loss uses
+        opts.setdefault("batch", int(a.per_device_train_batch_size))
+        opts.setdefault("loss", "chunked" if self.chunked_loss else "dense")
         if opts.get("device") is None:  # the Trainer's device: a model still on the CPU is placed there
             opts["device"] = "cpu" if a.use_cpu else str(a.device)
         target = opt_model if getattr(opt_model, "_ramstream", None) is None else None

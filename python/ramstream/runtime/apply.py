@@ -1,0 +1,121 @@
+"""Applying the planner's Plan to a live model, for every front end: the plan wrap() (and
+OffloadAdamW.attach) applies on a GPU (made here on this machine, or pinned by the user), its record
+in memory_report(model)["plan"]["planner"], and the check of each larger step against it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..options import WrapOptions
+
+
+def find_blocks_of(model, opts: WrapOptions) -> list | None:
+    """The block stack (the blocks= option, else find_blocks), None when the model has none."""
+    from ..blocks import find_blocks
+
+    try:
+        return list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    except ValueError:
+        return None
+
+
+def _ranges(idx) -> str:
+    from ..planner.result import _ranges as ranges
+
+    return ranges(list(idx))
+
+
+def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
+    """(Plan, its ModelShape, the profile) wrap() applies on a GPU: opts.plan when pinned, else
+    runtime.inspect.plan_model on this machine (rates: the cached or measured profile); (None,
+    None, None) on the CPU engine or for a model without a block stack. PlanError (a MemoryError
+    with the arithmetic) when nothing fits."""
+    from .inspect import PLAN_OPTIONS, _trained_only, live_profile, plan_model
+
+    blocks = find_blocks_of(model, opts)
+    if opts.plan is not None:
+        n = len(opts.plan.activations)
+        if blocks is None or len(blocks) != n:
+            raise ValueError(
+                f"wrap(): option plan was made for {n} blocks, but this model has "
+                f"{0 if blocks is None else len(blocks)}; make it with ramstream.plan_for(model, ...)"
+            )
+        return opts.plan, None, None
+    if device.type != "cuda" or not blocks:
+        return None, None, None
+    rates = None
+    if opts.profile:
+        from ..planner import profile_hardware
+
+        try:
+            rates = profile_hardware(device)
+        except Exception as exc:  # noqa: BLE001 - the default rates take over
+            log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
+    prof = live_profile(model, device, rates)
+    kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
+    if opts.activation_checkpointing == "auto" and hf_checkpointing(blocks):
+        kw["activation_checkpointing"] = True  # the layers recompute already: the plan counts it
+    from ..planner.result import PlanError
+
+    try:
+        with _trained_only(model, optimizer):
+            plan, shape = plan_model(
+                model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss, **kw
+            )
+    except PlanError as e:
+        if not opts.check_memory:
+            log(
+                f"check_memory=False: no plan fits ({str(e).splitlines()[0]}); going on with the options as given"
+            )
+            return None, None, None
+        usable = prof.vram_free * (1 - opts.vram_headroom) / 2**30
+        raise PlanError(
+            f"wrap(): the model does not fit in the {usable:.2f} GiB on {device} (usable under any "
+            f"per-process cap, less vram_headroom), whatever the step's size; nothing was moved:\n{e}",
+            arithmetic=e.arithmetic,
+            options=e.options,
+        ) from None
+    log("plan:\n" + plan.explain())
+    return plan, shape, prof
+
+
+def hf_checkpointing(blocks) -> bool:
+    """Whether Hugging Face's gradient checkpointing is on in the blocks (they recompute already)."""
+    return any(getattr(b, "gradient_checkpointing", False) for b in blocks)
+
+
+def plan_record(plan) -> dict:
+    """What memory_report(model)["plan"]["planner"] shows of the applied plan."""
+    return {
+        "mode": plan.mode,
+        "batch": plan.shape.get("batch"),
+        "seq": plan.shape.get("seq"),
+        "streamed": list(plan.weights["streamed"]),
+        "recompute": [i for i, m in enumerate(plan.activations) if m == "recompute"],
+        "moment_dtype": plan.optimizer["moment_dtype"],
+        "predicted_step_s": plan.predicted.get("step_s"),
+        "predicted_vram_bytes": plan.memory["vram"].get("total"),
+        "vram_budget_bytes": plan.memory["vram"].get("budget"),
+        "reasons": list(plan.reasons),
+    }
+
+
+def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
+    """A step larger than the plan's is checked at its first forward (runtime/tokens.py)."""
+    from .tokens import StepCheck
+
+    n = len(plan.activations)
+    fixed = {
+        "param_offload": list(plan.weights["streamed"]),
+        "activation_checkpointing": list(w.recompute.indices) if w.recompute is not None else False,
+        "activation_offload": opts.activation_offload,
+        "optimizer_mode": opts.optimizer_mode,
+        "moment_dtype": plan.optimizer["moment_dtype"],
+        "vram_headroom": opts.vram_headroom,
+        "max_activation_slowdown": opts.max_activation_slowdown,
+    }
+    if n == 0:
+        return
+    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history)
+    blocks = find_blocks_of(model, opts)  # the first block sees every step, whatever runs the model
+    w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True))

@@ -215,3 +215,19 @@ def test_an_asked_for_bf16_moment_stays_bf16_after_the_switch(roomy_short_ram):
     train_torch(model, opt, batches(3))
     assert opt.resident
     assert all(st["exp_avg"].dtype == torch.bfloat16 for st in opt._resident.state.values())
+
+
+def test_with_activation_paging_a_larger_step_is_warned_about_not_refused():
+    """The plan's model of paged recomputed blocks is coarse: with activation_offload asked for, a step
+    that the plan says does not fit runs (with a warning and a history entry) instead of being refused."""
+    shape = ModelShape.gpt("6.85b", batch=8, seq=512, loss="chunked")
+    prof = _h200(24)
+    fixed = {"param_offload": True, "activation_checkpointing": True, "activation_offload": True}
+    logs, history = [], []
+    check = StepCheck(shape, prof, fixed, logs.append, history, strict=False)
+    with pytest.warns(RuntimeWarning, match="batch 64 x seq 4096 does not fit"):
+        assert check(None, (torch.zeros(64, 4096, dtype=torch.long),), {}) is None
+    assert history[-1]["change"] == "warned: may not fit the plan"
+    strict = StepCheck(shape, prof, fixed, logs.append, [])
+    with pytest.raises(PlanOutOfMemoryError):
+        strict(None, (torch.zeros(64, 4096, dtype=torch.long),), {})

@@ -248,7 +248,7 @@ def test_weights_over_the_memory_cap_raise_memory_error_and_stay_on_the_cpu():
     try:
         with pytest.raises(MemoryError, match="GiB on cuda") as e:
             ramstream.wrap(model, device=DEV, param_offload=False)
-        assert "weights 0.13" in str(e.value)  # the arithmetic: the two 64 MiB Linear weights
+        assert "0.13" in str(e.value)  # the arithmetic: the two 64 MiB Linear weights (0.125 GiB)
         assert all(p.device.type == "cpu" for p in model.parameters())
         assert getattr(model, "_ramstream", None) is None
         # the default (param_offload="auto") would stream the two Linear "blocks", but both are on

@@ -44,6 +44,13 @@ def gpu_memory(device: torch.device) -> dict:
     }
 
 
+def allocatable(mem: dict) -> int:
+    """Bytes the process may still allocate (gpu_memory's dict): its "free" plus what the caching
+    allocator has reserved but not handed out, under the cap. The plan (runtime/inspect.py) and
+    wrap()'s weight check count the same."""
+    return max(0, int(mem["free"] + mem["reserved"] - mem.get("allocated", mem["reserved"])))
+
+
 def _version(v: int) -> str:
     """CUDA's integer versions (12080) as text ("12.8")."""
     return f"{v // 1000}.{v % 1000 // 10}"

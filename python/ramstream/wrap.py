@@ -112,12 +112,15 @@ def _check_cuda_device(device: torch.device, mode: str) -> None:
 def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
     """MemoryError with the arithmetic when the weights wrap() would move to the device exceed
     what the process may still allocate there (mem: hardware.gpu_memory)."""
-    if nbytes <= mem["free"]:
+    from .hardware import allocatable
+
+    free = allocatable(mem)
+    if nbytes <= free:
         return
     gib = 2**30
     raise MemoryError(
         f"wrap(): the model's weights and buffers need {nbytes / gib:.2f} GiB on {device}, but the "
-        f"process may allocate {mem['free'] / gib:.2f} GiB more there (cap {mem['cap'] / gib:.2f} "
+        f"process may allocate {free / gib:.2f} GiB more there (cap {mem['cap'] / gib:.2f} "
         f"of {mem['total'] / gib:.2f} GiB, {mem['reserved'] / gib:.2f} GiB already reserved). "
         "Optimizer state and gradients live in host RAM, but the weights must fit on the device "
         "unless they stream: pass param_offload=True (blocks' weights stream from pinned host memory), train in bf16 (model.bfloat16(); the fp32 masters "

@@ -116,6 +116,7 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     }
     if n == 0:
         return
-    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history)
+    paging = opts.activation_offload is True or isinstance(opts.activation_offload, float)
+    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging)
     blocks = find_blocks_of(model, opts)  # the first block sees every step, whatever runs the model
     w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True))

@@ -63,7 +63,7 @@ def live_profile(
     available plus what the model holds in host memory (it leaves for the device, or becomes the
     streamed blocks' pinned home, which the plan counts itself). Rates from `rates` (a cached or
     measured profile), else the H200 machine's defaults (planner/cli_plan.py DEFAULT_RATES)."""
-    from ..hardware import gpu_memory
+    from ..hardware import allocatable, gpu_memory
     from ..ops.memory import pin_budget
     from ..planner.cli_plan import DEFAULT_RATES
     from ..planner.profile import available_ram, local_world_size
@@ -75,8 +75,7 @@ def live_profile(
         mem = gpu_memory(device)
         on_dev = _nbytes(t for t in tensors if t.device == device)
         # what the caching allocator holds but has not handed out is free to this process too
-        free = min(mem["free"] + mem["reserved"], mem["cap"]) - mem["allocated"]
-        vram_total, vram_free = int(mem["total"]), int(max(0, free) + on_dev)
+        vram_total, vram_free = int(mem["total"]), allocatable(mem) + on_dev
         name = torch.cuda.get_device_name(device)
     else:
         vram_total = vram_free = 0

@@ -7,6 +7,8 @@ lost: re-wrap with batch= and seq= (wrap() then streams what that step needs).""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..planner.plan import plan_training
@@ -38,8 +40,11 @@ class StepCheck:
     """The pre-hook: `shape` and `profile` are what the plan was made on, `fixed` the plan options
     that pin the applied placement (param_offload, activation_checkpointing as block lists)."""
 
-    def __init__(self, shape, profile, fixed: dict, log, history: list) -> None:
+    def __init__(self, shape, profile, fixed: dict, log, history: list, strict: bool = True) -> None:
         self.shape, self.profile, self.fixed, self.log, self.history = shape, profile, fixed, log, history
+        # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
+        # coarse) warns and lets the step run instead of refusing it
+        self.strict = strict
         self.fits_up_to = shape.tokens  # the largest step known to fit
         self.refused: dict = {}
 
@@ -59,6 +64,12 @@ class StepCheck:
                 f"{e}\nre-wrap with wrap(..., batch={bs[0]}, seq={bs[1]}) so that the plan streams and "
                 "recomputes what this step needs, or use a smaller step"
             )
+            if not self.strict:
+                self.fits_up_to = bs[0] * bs[1]
+                self.log("plan (not enforced with activation paging): " + msg.replace("ramstream: ", "", 1))
+                self.history.append({"step_tokens": bs[0] * bs[1], "change": "warned: may not fit the plan"})
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                return None
             self.refused[bs] = msg
             self.history.append({"step_tokens": bs[0] * bs[1], "change": "refused: does not fit the plan"})
             raise PlanOutOfMemoryError(msg) from None

@@ -117,6 +117,23 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
     return prof, sources
 
 
+def _config_shape(args, dtype: str, loss: str) -> ModelShape:
+    """The shape wrap() would see: the model of the config built on the meta device and inspected as
+    wrap() inspects a live model (runtime/inspect.py), so that the plan printed is the one wrap()
+    applies on the same machine; without transformers (or peft for --lora), the config's arithmetic
+    (ModelShape.from_hf_config)."""
+    try:
+        from ..blocks import find_blocks
+        from ..runtime.inspect import config_model, model_shape
+
+        model = config_model(args.config, dtype=dtype, lora=args.lora)
+    except ImportError:
+        return ModelShape.from_hf_config(
+            args.config, batch=args.batch, seq=args.seq, dtype=dtype, lora=args.lora, loss=loss
+        )
+    return model_shape(model, find_blocks(model), batch=args.batch, seq=args.seq, loss=loss)
+
+
 def run(args) -> int:
     """The `ramstream plan` command: prints the plan (or the reason it cannot fit, exit code 2)."""
     for name in ("batch", "seq", "lora"):
@@ -128,9 +145,7 @@ def run(args) -> int:
     loss = "chunked" if args.chunked_loss else "dense"
     try:
         if args.config:
-            shape = ModelShape.from_hf_config(
-                args.config, batch=args.batch, seq=args.seq, dtype=dtype, lora=args.lora, loss=loss
-            )
+            shape = _config_shape(args, dtype, loss)
         else:
             if args.lora:
                 print("ramstream plan: --lora applies to --config models only", file=sys.stderr)

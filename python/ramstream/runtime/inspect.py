@@ -216,3 +216,33 @@ class _trained_only:
     def __exit__(self, *exc) -> None:
         for p in self.saved:
             p.requires_grad_(True)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def config_model(config, *, dtype: str = "bfloat16", lora: int | None = None) -> torch.nn.Module:
+    """The Hugging Face causal LM of `config` (a config.json path, its folder or a dict) built on the
+    meta device (no memory, no initialisation), with peft LoRA rank `lora` on the seven projections
+    and its base frozen: the module wrap() would inspect, for `ramstream plan --config`. ImportError
+    without transformers (and peft for lora)."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(config, dict):
+        cfg = AutoConfig.for_model(**config)
+    else:
+        path = os.fspath(config)
+        folder = os.path.dirname(path) if os.path.isfile(path) else path
+        cfg = AutoConfig.from_pretrained(folder)
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=list(LORA_TARGETS))
+            )
+    return model

@@ -392,22 +392,16 @@ def plan_training(
     return plan
 
 
+_OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "optimizer_mode", "moment_dtype",
+            "quantize", "vram_headroom", "max_activation_slowdown")  # fmt: skip
+
+
 def _plan_training(
-    shape: ModelShape,
-    profile: HardwareProfile,
-    *,
-    param_offload="auto",
-    activation_offload="auto",
-    activation_checkpointing="auto",
-    optimizer_mode: str = "auto",
-    moment_dtype="auto",
-    quantize: str = "none",
-    vram_headroom: float = 0.10,
-    max_activation_slowdown: float = 0.15,
-    _suggest: bool = True,
-    _refine: bool = True,
+    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, **opts
 ) -> Plan:
-    """plan_training without the recompute fallback."""
+    """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
+    (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
+     vram_headroom, max_activation_slowdown) = (opts[k] for k in _OPTIONS)  # fmt: skip
     from ..blocks import chosen_blocks
     from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
 

@@ -305,7 +305,7 @@ def test_bf16_autocast_bit_identical_and_no_kept_weight_casts(device, keep):
 
 
 def test_gradient_buffers_are_reused_unless_someone_holds_them():
-    from ramstream.offload_grads import GradWriteback
+    from ramstream.frontends.offload_model.grads import GradWriteback
 
     wb = GradWriteback(torch.device("cpu"))  # the pool's logic (used on CUDA), run here
     p, g = nn.Parameter(torch.zeros(3, 4)), torch.ones(3, 4)

@@ -1,4 +1,4 @@
-"""OffloadModel's host optimizer (model.optimizer(), ramstream/offload_optim.py) against
+"""OffloadModel's host optimizer (model.optimizer(), ramstream/frontends/offload_model/optim.py) against
 torch.optim.AdamW(fused=True) run on the same chunks resident (fp32 masters on the host, where
 the host optimizer keeps them): bit-identical weights over 5 steps with several param groups,
 weight decay, a frozen parameter, pinned chunks and every keep_activations mode, eager or at

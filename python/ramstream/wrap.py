@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from .frontends.offload_model.model import OffloadModel
+from .frontends.offload_model.optim import wrap_offload_model
 from .host_fit import pick_moment_dtype
-from .offload_model import OffloadModel
-from .offload_optim import wrap_offload_model
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)

@@ -9,23 +9,10 @@ import sys
 
 from .plan import PlanError, plan_training
 from .profile import HardwareProfile
+from .rules import DEFAULT_RATES, DEFAULT_VRAM  # noqa: F401  (cli_plan.DEFAULT_RATES: its old name)
 from .shape import GPT_SIZES, ModelShape
 from .timing import HOST_UNDER_DMA, MAPPED_EFFICIENCY, MATMUL_EFFICIENCY
 
-# The H200 machine's profile, used when no cached profile exists: the rates `ramstream doctor`
-# and the engine measured there (tests/test_planner_h200.py, whose rows the step model is checked
-# on): pinned copies each way and both at once; host AdamW 4.56 G params/s x 28 B, the rate the
-# fourth session's profile gave the engine's optimizer split (HOST_UNDER_DMA is relative to it;
-# bench_adamw: 4.51, 110-126 GB/s, DESIGN.md; the second session's in-process figure was 2.86);
-# the bf16 GEMM rate (DESIGN.md).
-DEFAULT_RATES = {
-    "h2d_gbps": 54.9,
-    "d2h_gbps": 55.0,
-    "duplex_gbps": 49.5,
-    "adamw_gbps": 4.56 * 28,
-    "matmul_tflops": 790.0,
-}
-DEFAULT_VRAM = 140 * 2**30  # an H200's 143771 MiB
 _GB = 2**30
 
 

@@ -65,8 +65,8 @@ def live_profile(
     measured profile), else the H200 machine's defaults (planner/cli_plan.py DEFAULT_RATES)."""
     from ..hardware import allocatable, gpu_memory
     from ..ops.memory import pin_budget
-    from ..planner.cli_plan import DEFAULT_RATES
     from ..planner.profile import available_ram, local_world_size
+    from ..planner.rules import DEFAULT_RATES
 
     tensors = _model_tensors(model)
     ram = available_ram()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..offload_checks import spaced
+from ..frontends.offload_model.checks import spaced
 
 KEEP = (False, True, "checkpoint")
 

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .optim import OffloadAdamW
+from ...optim import OffloadAdamW
 
 _OPTIONS = ("moment_dtype", "accumulation_steps", "max_grad_norm", "eager_updates", "threads", "bucket_bytes")
 
@@ -188,8 +188,8 @@ def wrap_offload_model(model, optimizer, options: dict) -> OffloadModelAdamW:
         )
     if isinstance(optimizer, OffloadModelAdamW):
         raise ValueError("wrap(): the optimizer is already an OffloadModel's host optimizer")
-    from .options import WrapOptions
-    from .runtime.convert import _convert_optimizer, _hand_over
+    from ...options import WrapOptions
+    from ...runtime.convert import _convert_optimizer, _hand_over
 
     opts = WrapOptions.parse(**{k: v for k, v in options.items() if k == "lr"})
     groups, state, _ = _convert_optimizer(optimizer, model, opts)

@@ -21,18 +21,18 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .activations.hooks import ActivationOffloader
-from .activations.recompute import Recompute, checkpointed
-from .offload_casts import CastSaver
-from .offload_checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
-from .offload_grads import GradWriteback
-from .offload_optim import step_failed as _host_step_failed
-from .offload_optim import streamed_blocks
-from .trace import Tracer
-from .trace import current as _trace_current
-from .trace import register as _trace_register
-from .weights.slab import make_copier
-from .weights.streamer import Block, WeightStreamer, frozen_slabs
+from ...activations.hooks import ActivationOffloader
+from ...activations.recompute import Recompute, checkpointed
+from ...trace import Tracer
+from ...trace import current as _trace_current
+from ...trace import register as _trace_register
+from ...weights.slab import make_copier
+from ...weights.streamer import Block, WeightStreamer, frozen_slabs
+from .casts import CastSaver
+from .checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
+from .grads import GradWriteback
+from .optim import step_failed as _host_step_failed
+from .optim import streamed_blocks
 
 __all__ = ["OffloadModel", "StepResult", "offload_checkpoint"]
 
@@ -71,7 +71,7 @@ class _Hooks:
             h.remove()
         self.opt_handles = []
         if opt is not None:
-            from .optim import OffloadAdamW
+            from ...optim import OffloadAdamW
 
             OffloadAdamW.close(opt)
 
@@ -318,7 +318,7 @@ class OffloadModel(torch.nn.Module):
             raise ValueError(
                 "OffloadModel.optimizer: this model already has a host optimizer; close it first (opt.close())"
             )
-        from .offload_optim import build
+        from .optim import build
 
         return build(self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options)
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from .trace import current as _trace_current
+from ...trace import current as _trace_current
 
 
 class GradWriteback:
@@ -37,7 +37,7 @@ class GradWriteback:
         `.grad` taken before zero_grad(set_to_none=True))."""
         buf = self._pool.get(id(p))
         if buf is None or buf.dtype != g.dtype or sys.getrefcount(buf) > self._refs_alone:
-            from .functional import pinned_empty
+            from ...functional import pinned_empty
 
             buf = pinned_empty(g.numel(), g.dtype).view(g.shape)
             self._pool[id(p)] = buf
@@ -61,7 +61,7 @@ class GradWriteback:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         if again:
-            from .functional import pinned_empty
+            from ...functional import pinned_empty
 
             dst = pinned_empty(g.numel(), g.dtype).view(g.shape)
         else:

@@ -1,0 +1,6 @@
+"""OffloadModel (RamTorch's API): the model (model.py), its host optimizer (optim.py), gradient
+write-back (grads.py), argument checks and StepResult (checks.py), saved-tensor casts (casts.py)."""
+
+from .model import OffloadModel, StepResult, offload_checkpoint
+
+__all__ = ["OffloadModel", "StepResult", "offload_checkpoint"]

@@ -4,11 +4,11 @@ the one weight streamer (weights/: Slab, frozen_slabs, WeightStreamer, make_copi
 Every chunk not pinned is one streamed block: all its parameters (trained and frozen) are slabs
 at home in pinned host memory (ordinary memory on device="cpu") and visit the device only while
 the chunk runs; pinned chunks stay resident on the device. Gradients of streamed parameters go
-home as the autograd engine produces them (offload_grads.py: on a D2H stream into pinned buffers
+home as the autograd engine produces them (grads.py: on a D2H stream into pinned buffers
 on a GPU), and after every step() each trained parameter's `.grad` is at home: `.grad` lives
 where the parameter's data lives at rest, so `torch.optim.AdamW(model.parameters(), fused=True)`
 steps on the home copies directly (the next load copies the updated weights to the device).
-With ramstream's host optimizer (optimizer(), offload_optim.py) the offload engine takes the
+With ramstream's host optimizer (optimizer(), optim.py) the offload engine takes the
 gradients of its parameters instead and updates each chunk during the backward.
 """
 
@@ -60,7 +60,7 @@ class _Hooks:
         self.streamer = None
         self.grad_hooks: list = []
         self.recompute = None
-        self.host_opt = None  # the host optimizer (offload_optim.py), while attached
+        self.host_opt = None  # the host optimizer (optim.py), while attached
         self.opt_handles: list = []
         self.activations = None  # the ActivationOffloader of activation_offload=True
 

@@ -128,6 +128,33 @@ def check_weights_fit(nbytes: int, mem: dict, device: torch.device) -> None:
     )
 
 
+def _check_model(model: torch.nn.Module, optimizer) -> None:
+    """ValueError for a model wrap() cannot train: no parameters, parameters on the meta device (no
+    data), or an optimizer none of whose trainable parameters is the model's (some extra ones, never
+    used by the model, are allowed: they get no gradient and no update, as with torch)."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"wrap(): the model ({type(model).__name__}) has no parameters: nothing to train")
+    meta = sum(1 for p in params if p.is_meta)
+    if meta:
+        raise ValueError(
+            f"wrap(): {meta} of the model's {len(params)} parameters are on the meta device (they hold no "
+            "data): load or materialise the weights first (from_pretrained, ramstream's load_model, or "
+            "model.to_empty(device=...) and load_state_dict)"
+        )
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return
+    mine = {id(p) for p in params}
+    given = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "requires_grad", False)]
+    foreign = sum(1 for p in given if id(p) not in mine)
+    if given and foreign == len(given):
+        raise ValueError(
+            f"wrap(): {foreign} of the optimizer's {len(given)} trainable parameters are not parameters of "
+            "this model (an optimizer built over another model, or over a copy of it?): build the optimizer "
+            "over model.parameters() and pass that model"
+        )
+
+
 def _use_data_parallel(option) -> bool:
     """distributed=None: data parallel when a process group with more than one rank exists."""
     import torch.distributed as dist
@@ -160,6 +187,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
     opts = WrapOptions.parse(**options)
     log = EventLog(opts.verbose)
+    _check_model(model, optimizer)
     devices = {p.device for p in model.parameters()}
     device = opts.device
     if device is None:

@@ -5,6 +5,7 @@ cannot fit."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from .plan import PlanError, plan_training
@@ -25,7 +26,7 @@ def add_arguments(p) -> None:
         "--gpt", metavar="SIZE", choices=sorted(GPT_SIZES), help=f"a built-in GPT: {', '.join(GPT_SIZES)}"
     )
     p.add_argument(
-        "--vram-gb", type=float, help="usable GPU memory in GiB (default: this GPU's free memory, else 140)"
+        "--vram-gb", type=float, help="usable GPU memory in GiB (default: the cached profile's free memory; required when no GPU profile exists)"
     )
     p.add_argument(
         "--ram-gb", type=float, help="available host RAM in GiB (default: this machine's, per rank)"
@@ -89,8 +90,8 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
         vram, sources["vram"] = int(args.vram_gb * _GB), "given"
     elif gpu:
         vram, sources["vram"] = cached.vram_free, f"free on {cached.gpu_name}"
-    else:
-        vram, sources["vram"] = DEFAULT_VRAM, "H200 default (140 GiB)"
+    else:  # no GPU to read: the caller says what to plan for (run() asks for --vram-gb)
+        return None, sources
     if args.ram_gb is not None:
         ram = int(args.ram_gb * _GB)
         ram_total, pin, world = ram, ram // 2, 1
@@ -128,6 +129,12 @@ def run(args) -> int:
         if v is not None and v < 1:
             print(f"ramstream plan: --{name} must be >= 1, got {v}", file=sys.stderr)
             return 2
+    for name in ("vram_gb", "ram_gb", "h2d_gbps", "d2h_gbps", "duplex_gbps", "adamw_gbps", "tflops"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            flag = "--" + name.replace("_", "-")
+            print(f"ramstream plan: {flag} must be a finite number > 0, got {v:g}", file=sys.stderr)
+            return 2
     dtype = "bfloat16" if args.dtype == "bf16" else "float32"
     loss = "chunked" if args.chunked_loss else "dense"
     try:
@@ -145,6 +152,13 @@ def run(args) -> int:
         print(f"ramstream plan: {e}", file=sys.stderr)
         return 2
     prof, sources = _machine(args)
+    if prof is None:
+        print(
+            "ramstream plan: no GPU is visible here and no cached GPU profile exists: pass --vram-gb, the "
+            "GPU memory to plan for in GiB (the rates default to the H200 machine's; --h2d-gbps etc. change them)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         plan = plan_training(shape, prof)
     except PlanError as e:

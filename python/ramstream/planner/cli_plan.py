@@ -26,7 +26,9 @@ def add_arguments(p) -> None:
         "--gpt", metavar="SIZE", choices=sorted(GPT_SIZES), help=f"a built-in GPT: {', '.join(GPT_SIZES)}"
     )
     p.add_argument(
-        "--vram-gb", type=float, help="usable GPU memory in GiB (default: the cached profile's free memory; required when no GPU profile exists)"
+        "--vram-gb",
+        type=float,
+        help="usable GPU memory in GiB (default: the cached profile's free memory; required when no GPU profile exists)",
     )
     p.add_argument(
         "--ram-gb", type=float, help="available host RAM in GiB (default: this machine's, per rank)"

@@ -21,7 +21,20 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "python"
+
+def _root() -> Path:
+    """The folder holding the ramstream package: the source tree's python/ when the tests run from a
+    checkout, else the installed package's parent (the wheel check runs the tests without sources)."""
+    src = Path(__file__).resolve().parents[1] / "python"
+    if (src / "ramstream" / "options.py").is_file():
+        return src
+    import importlib.util
+
+    spec = importlib.util.find_spec("ramstream")
+    return Path(spec.origin).resolve().parents[1]
+
+
+ROOT = _root()
 PACKAGE = "ramstream"
 LEAVES = ("ramstream.options", "ramstream.blocks")
 

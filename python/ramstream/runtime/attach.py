@@ -12,7 +12,6 @@ import torch
 from ..trace import register as _trace_register
 
 if TYPE_CHECKING:
-    from ..optim import OffloadAdamW
     from ..options import WrapOptions
     from ..report import EventLog
 
@@ -62,9 +61,9 @@ def _log_rebuilt(before: set, after: set, log: EventLog) -> None:
 
 
 def attach_model(
-    model: torch.nn.Module, opt: OffloadAdamW, opts: WrapOptions, log: EventLog, recompute=None
+    model: torch.nn.Module, opt: torch.optim.Optimizer, opts: WrapOptions, log: EventLog, recompute=None
 ) -> _Wrapped:
-    """What wrap() does to a model once its optimizer exists (also OffloadAdamW.attach):
+    """What wrap() does to a model once its optimizer (an OffloadAdamW) exists (also OffloadAdamW.attach):
     forward waits and parameter names, activation paging, state-dict hooks, .to()/.half().
     recompute: the plan's recomputed block indices, applied for activation_checkpointing="auto"."""
     w = _Wrapped(model, opt, opts, log)

@@ -20,12 +20,13 @@ import torch
 from .._faults import fault_point
 from . import guard as _guard
 from . import layout
-from .buckets import Bucket, Slot, build_buckets
+from .buckets import GPU_UPDATED, Bucket, Slot, build_buckets
 from .devices import check_param, make_device
 from .host_jobs import Hyper
 from .intake import GradientIntake, InFlight, _weak_method
+from .nonfinite import NonFiniteGradientError, describe, slot_name, warn_caller
 from .parallel import make_strategy
-from .updater import Updater
+from .updater import NonFinite, Updater
 from .weights import WeightReturn
 from .worker import Worker
 
@@ -49,10 +50,14 @@ class Engine:
         distributed: bool = False,
         eager_updates: bool = True,
         streamed: dict | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         """streamed: {id(parameter): block index} of the parameters whose weights live in
-        pinned host memory and visit the device only while their block runs (weights/)."""
+        pinned host memory and visit the device only while their block runs (weights/).
+        skip_nonfinite: a step whose global gradient norm is not finite is skipped with a
+        warning (True) or raises NonFiniteGradientError (False); both apply no update."""
         self.param_groups = param_groups
+        self.skip_nonfinite = skip_nonfinite
         self.eager_updates = eager_updates
         self.device = device
         self.moment_dtype = moment_dtype
@@ -115,6 +120,7 @@ class Engine:
             "throttle_s": 0.0,
             "grad_hook_calls": 0,
             "eager_updates": 0,
+            "skipped_steps": 0,  # steps whose gradients were not finite (no update applied)
         }
         # the parts, in the order a gradient meets them (each one's state is its own); none
         # holds the engine: hooks reach it weakly, so a dropped optimizer is freed
@@ -246,8 +252,9 @@ class Engine:
 
         return [Hyper(*check_group("ramstream", g, i)) for i, g in enumerate(self.param_groups)]
 
-    def step(self) -> None:
-        """Queues every update not yet queued; returns without waiting for host updates."""
+    def step(self) -> bool:
+        """Queues every update not yet queued; returns without waiting for host updates. False
+        when the step was skipped (non-finite gradients, skip_nonfinite)."""
         self.recover_if_abandoned()
         if self.intake.in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
@@ -259,11 +266,39 @@ class Engine:
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
-            self.updater.step(todo, self.intake.micro)
+            try:
+                self.updater.step(todo, self.intake.micro)
+            except NonFinite as nf:
+                return self._skip_nonfinite(nf, todo)
         self.weights.broadcast([self.buckets[bi] for bi in stepped])
         self.intake.end_step()
         self.updater.clip_now = None
         self.stats["steps"] += 1
+        return True
+
+    def _skip_nonfinite(self, nf: NonFinite, todo: list) -> bool:
+        """The global norm of this step's gradients is NaN or Inf and nothing was queued: the
+        gradients are dropped (a mapped slot's wait in .grad), every slot is ready for the next
+        step, and the step is skipped with a warning (skip_nonfinite) or raises
+        NonFiniteGradientError. Returns False (no update applied)."""
+        clip = self.updater.clip_now
+        for s in todo:
+            if s.bucket.placement in GPU_UPDATED:
+                s.param.grad = None
+        self.updater.discard()
+        self.intake.end_step()
+        self.stats["skipped_steps"] += 1
+        names = [slot_name(self.names, s) for s in nf.slots]
+        step = self.stats["steps"] + 1
+        limit = (
+            f"clip_grad_norm_({clip[0]:g})" if clip is not None else f"max_grad_norm={self.max_grad_norm:g}"
+        )
+        msg = describe(nf.norm, names, step, limit, self.skip_nonfinite)
+        self.log(msg)
+        if not self.skip_nonfinite:
+            raise NonFiniteGradientError(msg, norm=nf.norm, parameters=names, step=step)
+        warn_caller(msg)
+        return False
 
     def recover_if_abandoned(self) -> None:
         """Outside a backward pass, a pass still marked as running raised before its end."""

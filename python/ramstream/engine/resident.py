@@ -25,6 +25,7 @@ import torch
 from .._faults import fault_point
 from .intake import _grad_hook, _weak_method, track_pass
 from .layout import master_flat, replaced_params
+from .nonfinite import NonFiniteGradientError, describe, find_nonfinite, slot_name, warn_caller
 from .updater import clip_coefficient
 
 
@@ -173,7 +174,8 @@ class Resident:
             fn()
 
     # ---- update -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Updates what the step's backward passes gathered; False when skipped (non-finite)."""
         self.recover_if_abandoned()
         fault_point("resident.step")
         if self._in_backward:
@@ -193,16 +195,44 @@ class Resident:
             )
         grads, self.grads = self.grads, {}
         if not grads:
-            return
-        scale = 1.0
-        if clip is not None:
-            scale = clip_coefficient(clip[0], clip[1])
-        elif self.max_grad_norm is not None:
-            scale = clip_coefficient(self.max_grad_norm, math.sqrt(self._sq_norm(grads.values())))
+            return True
+        norm = clip[1] if clip is not None else None
+        if clip is None and self.max_grad_norm is not None:
+            norm = math.sqrt(self._sq_norm(grads.values()))
+        if norm is not None and not math.isfinite(norm):  # nothing updated; the gradients dropped
+            limit = (
+                f"clip_grad_norm_({clip[0]:g})"
+                if clip is not None
+                else f"max_grad_norm={self.max_grad_norm:g}"
+            )
+            return self._skip_nonfinite(norm, grads, limit)
+        scale = (
+            1.0
+            if norm is None
+            else clip_coefficient(clip[0] if clip is not None else self.max_grad_norm, norm)
+        )
         for gi, group in enumerate(self.param_groups):
             idx = [s.index for s in self.slots if s.group == gi and s.index in grads]
             if idx:
                 self._update_group(group, idx, grads, scale)
+        return True
+
+    def _skip_nonfinite(self, norm: float, grads: dict, limit: str) -> bool:
+        """As Engine._skip_nonfinite, for the device-side optimizer (its gradients are in `grads`,
+        already taken from the step)."""
+        e = self.engine
+        bad = find_nonfinite(
+            [s for s in self.slots if s.index in grads], lambda s: grads[s.index].reshape(-1)
+        )
+        names = [slot_name(e.names, s) for s in bad]
+        e.stats["skipped_steps"] += 1
+        step = e.stats["steps"] + 1
+        msg = describe(norm, names, step, limit, e.skip_nonfinite)
+        e.log(msg)
+        if not e.skip_nonfinite:
+            raise NonFiniteGradientError(msg, norm=norm, parameters=names, step=step)
+        warn_caller(msg)
+        return False
 
     def _sq_norm(self, grads) -> float:
         """Sum of the squared gradients, accumulated in double as the offloaded engine does."""

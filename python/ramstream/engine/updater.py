@@ -22,6 +22,15 @@ from ..trace import current as _trace_current
 from .buckets import GPU_UPDATED
 from .gpu_updates import MappedUpdates
 from .host_jobs import Piece, add_sq_norm, land, update
+from .nonfinite import find_nonfinite
+
+
+class NonFinite(Exception):
+    """Updater.step() found a non-finite global norm and queued nothing (Engine.step handles it)."""
+
+    def __init__(self, norm: float, slots: list) -> None:
+        super().__init__(norm)
+        self.norm, self.slots = norm, slots
 
 
 class Updater:
@@ -54,6 +63,7 @@ class Updater:
             dev=dev, device=device, seed=seed, inflight=inflight, weights=weights, stats=stats
         )
         self.last_grad_norm: float | None = None
+        self.bad_buckets: set[int] = set()  # host buckets whose squared norm was not finite
         self.clip_now = None  # (max_norm, norm, micro): clip_grad_norm_ for this step
         self._pass_hypers = None
 
@@ -153,13 +163,11 @@ class Updater:
             )
         if clip is None and self.max_grad_norm is not None and micro < self.accumulation_steps:
             self.norms_now(todo)
-        grad_scale = (
-            clip_coefficient(clip[0], clip[1])
-            if clip is not None
-            else self._clip_coefficient()
-            if self.max_grad_norm is not None
-            else 1.0
-        ) / self.parallel.world
+        norm = clip[1] if clip is not None else self.total_norm() if self.max_grad_norm is not None else None
+        if norm is not None and not math.isfinite(norm):
+            raise NonFinite(norm, self.nonfinite_slots(todo))  # before anything is queued
+        max_norm = clip[0] if clip is not None else self.max_grad_norm
+        grad_scale = (1.0 if norm is None else clip_coefficient(max_norm, norm)) / self.parallel.world
         accumulate = self.accumulation_steps > 1
         fault_point("step.updates")  # the last point before the first update is queued
         by_bucket: dict[int, list] = {}
@@ -205,17 +213,34 @@ class Updater:
             )
             b.last_seq = b.landing_seq = seq
 
-    def _clip_coefficient(self) -> float:
-        """clip_grad_norm_'s factor for max_grad_norm and the global norm (total_norm)."""
-        return clip_coefficient(self.max_grad_norm, self.total_norm())
+    def nonfinite_slots(self, todo) -> list:
+        """After a non-finite global norm: the slots of `todo` whose gradients hold a NaN or Inf,
+        as far as this process holds them (host buckets whose squared norm was not finite, and
+        mapped slots' .grad), in slot (forward) order."""
+        accumulate = self.accumulation_steps > 1
+
+        def grad_of(s):
+            b = s.bucket
+            if b.placement in GPU_UPDATED:
+                g = s.param.grad
+                return None if g is None else g.reshape(-1)
+            if not self.parallel.owns(b) or b.index not in self.bad_buckets:
+                return None
+            src = b.acc if accumulate else b.landing
+            return src[s.offset : s.offset + s.numel]
+
+        return find_nonfinite(sorted(todo, key=lambda s: (s.bucket.index, s.offset)), grad_of)
 
     def total_norm(self) -> float:
         """Waits for every gradient's squared norm (host buckets: computed as they landed;
         mapped ones: on the GPU) and returns the global L2 norm (consumed: set to zero)."""
         total = 0.0
+        self.bad_buckets = set()
         for b in self.buckets:
             if b.placement == "host" and self.parallel.owns(b):
                 self.worker.wait(b.landing_seq)
+                if not math.isfinite(b.sq_norm):
+                    self.bad_buckets.add(b.index)
                 total += b.sq_norm
                 b.sq_norm = 0.0
         total += self.mapped.take_sq_norm()

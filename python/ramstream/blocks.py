@@ -12,7 +12,7 @@ import math
 
 import torch.nn as nn
 
-__all__ = ["chosen_blocks", "find_blocks", "fraction_to_blocks", "ranges_text"]
+__all__ = ["check_blocks", "chosen_blocks", "find_blocks", "fraction_to_blocks", "ranges_text"]
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -52,6 +52,28 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             "explicitly (blocks=[...])."
         )
     return best[1]
+
+
+def check_blocks(where: str, model: nn.Module, blocks) -> list[nn.Module]:
+    """``blocks`` as a list: a non-empty sequence of nn.Modules, each a submodule of ``model``;
+    ValueError naming ``where``'s blocks argument and what is accepted otherwise (a block of another
+    model would be streamed, counted or packed while the model's own layers are not)."""
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) and isinstance(blocks, nn.Module):
+        blocks = None  # a single module is not a list of blocks
+    try:
+        items = None if blocks is None or isinstance(blocks, (str, bytes)) else list(blocks)
+    except TypeError:
+        items = None
+    if not items or not all(isinstance(b, nn.Module) for b in items):
+        raise ValueError(f"{where}: blocks must be a non-empty list of nn.Module, got {blocks!r:.80}")
+    mine = {id(m) for m in model.modules()}
+    foreign = [i for i, b in enumerate(items) if id(b) not in mine]
+    if foreign:
+        raise ValueError(
+            f"{where}: blocks {foreign} are not submodules of the model ({type(model).__name__}); "
+            "pass the model's own layers (such as list(model.layers))"
+        )
+    return items
 
 
 def ranges_text(idx: list[int]) -> str:

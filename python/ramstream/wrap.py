@@ -188,6 +188,10 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = WrapOptions.parse(**options)
     log = EventLog(opts.verbose)
     _check_model(model, optimizer)
+    if opts.blocks is not None:
+        from .blocks import check_blocks
+
+        check_blocks("wrap()", model, opts.blocks)
     devices = {p.device for p in model.parameters()}
     device = opts.device
     if device is None:

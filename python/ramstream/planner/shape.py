@@ -390,15 +390,13 @@ class ModelShape:
         part before the stack, every other parameter outside the blocks the part after it."""
         import torch.nn as nn
 
-        from ..blocks import find_blocks
+        from ..blocks import check_blocks, find_blocks
 
         where = "ModelShape.from_model"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
         batch, seq = _positive_int(where, "batch", batch), _positive_int(where, "seq", seq)
-        blocks = list(find_blocks(model) if blocks is None else blocks)
-        if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
-            raise ValueError(f"{where}: blocks must be a non-empty list of nn.Module (or None to find them)")
+        blocks = find_blocks(model) if blocks is None else check_blocks(where, model, blocks)
         params = [p for p in model.parameters() if p.is_floating_point()]
         if dtype is None:
             dtype = params[0].dtype if params else "float32"

@@ -27,7 +27,7 @@ def targets(model: nn.Module, blocks=None) -> tuple[list[tuple[str, nn.Module]],
     """([(name, module)] to pack, [names of trained weights left as they are]) in the block stack
     (``blocks``, default find_blocks(model)). With explicit blocks, a trained weight among them
     that is not an adapter raises ValueError naming it (freeze it first)."""
-    from ..blocks import find_blocks  # noqa: PLC0415
+    from ..blocks import check_blocks, find_blocks  # noqa: PLC0415
 
     explicit = blocks is not None
     if explicit:
@@ -38,6 +38,7 @@ def targets(model: nn.Module, blocks=None) -> tuple[list[tuple[str, nn.Module]],
             )
         if not all(isinstance(b, nn.Module) for b in blocks):
             raise ValueError("quantize_model(): blocks must hold nn.Module objects only")
+        check_blocks("quantize_model()", model, blocks)
     else:
         blocks = find_blocks(model)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -90,6 +91,15 @@ def quantize_model(
             f"quantize_model(): pin_budget={pin_budget!r} is not accepted; accepted: None or an integer >= 0 (bytes)"
         )
     todo, _trained = targets(model, blocks)
+    other = sorted(
+        {(m.quant_format, m.quant_block_size) for m in model.modules() if is_quantized(m)}
+        - {(fmt, block_size)}
+    )
+    if other:  # packing the rest differently would leave a model of two formats, reported as one
+        raise ValueError(
+            f"quantize_model(): the model is already quantized as {', '.join(f'{f} (block_size {b})' for f, b in other)}; "
+            f"quantize={fmt!r}, block_size={block_size} would mix formats: call ramstream.dequantize_model(model) first"
+        )
     for name, m in todo:
         if m.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(

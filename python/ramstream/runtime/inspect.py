@@ -149,8 +149,8 @@ def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None
     Raises PlanError (a MemoryError) with the arithmetic when nothing fits; ValueError / TypeError
     for bad arguments.
     """
-    from ..blocks import find_blocks
-    from ..options import WrapOptions
+    from ..blocks import check_blocks, find_blocks
+    from ..options import WrapOptions, parse_device
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"plan_for(): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,13 +167,21 @@ def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None
         raise ValueError(f"plan_for(): loss={loss!r} is not accepted; accepted: None, 'dense', 'chunked'")
     if profile is not None and not isinstance(profile, HardwareProfile):
         raise TypeError(f"plan_for(): profile must be a HardwareProfile, got {type(profile).__name__}")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"plan_for(): optimizer must be None or a torch optimizer (with param_groups), got "
+            f"{type(optimizer).__name__}"
+        )
     opts = WrapOptions.parse(**options)
     if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else next(model.parameters()).device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    blocks = list(blocks) if blocks is not None else find_blocks(model)
+        first = next(model.parameters(), None)
+        device = torch.device("cuda") if torch.cuda.is_available() else getattr(first, "device", "cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = parse_device(device, "plan_for():")
+    blocks = check_blocks("plan_for()", model, blocks) if blocks is not None else find_blocks(model)
     if profile is None:
         profile = live_profile(model, device, _rates(device))
     kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}

@@ -1,5 +1,6 @@
-"""OffloadModel's arguments and results: validation of chunks, device, window, pin/pin_layers and
-keep_activations (ValueError naming the argument), StepResult, detaching outputs."""
+"""OffloadModel's arguments and results: validation of chunks, device, window, pin/pin_layers,
+keep_activations and step()'s loss_fn / grad_outputs / targets (errors naming the argument),
+StepResult, detaching outputs."""
 
 from __future__ import annotations
 
@@ -122,4 +123,50 @@ def check_options(window, keep_activations, activation_offload) -> None:
             "OffloadModel: activation_offload=True pages the saved tensors of the kept graph to host "
             f"memory: it needs keep_activations=True (with keep_activations={keep_activations!r} each "
             "chunk keeps only its input and recomputes the rest)"
+        )
+
+
+def check_step_args(loss_fn, grad_outputs) -> None:
+    """TypeError unless loss_fn is None or callable and grad_outputs is None, a tensor, a tuple (of
+    tensors or None) or a callable given the output."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"OffloadModel.step: loss_fn must be None (mean squared error) or a callable "
+            f"loss_fn(output, targets), got {type(loss_fn).__name__}"
+        )
+    if grad_outputs is None or callable(grad_outputs) or torch.is_tensor(grad_outputs):
+        return
+    if isinstance(grad_outputs, tuple) and all(g is None or torch.is_tensor(g) for g in grad_outputs):
+        return
+    raise TypeError(
+        "OffloadModel.step: grad_outputs must be None, a tensor, a tuple of tensors (one per output) "
+        f"or a callable given the output, got {type(grad_outputs).__name__}"
+    )
+
+
+def check_grad_outputs(pairs) -> None:
+    """ValueError unless each (output, gradient) pair's gradient is a tensor of the output's shape."""
+    for i, (o, g) in enumerate(pairs):
+        if not torch.is_tensor(g):
+            raise TypeError(f"OffloadModel.step: grad_outputs[{i}] must be a tensor, got {type(g).__name__}")
+        if g.shape != o.shape:
+            raise ValueError(
+                f"OffloadModel.step: grad_outputs[{i}] has shape {tuple(g.shape)}, the output "
+                f"{tuple(o.shape)}; accepted: a tensor of the output's shape"
+            )
+
+
+def check_default_targets(out, targets) -> None:
+    """The default loss (mean squared error) needs one tensor output and targets of its shape
+    (torch's mse_loss would broadcast other shapes with only a warning)."""
+    if not torch.is_tensor(out):
+        raise ValueError(
+            f"OffloadModel.step: the default loss (mean squared error) needs one tensor output, the "
+            f"model returned {type(out).__name__}; pass loss_fn="
+        )
+    if not torch.is_tensor(targets) or targets.shape != out.shape:
+        got = tuple(targets.shape) if torch.is_tensor(targets) else type(targets).__name__
+        raise ValueError(
+            f"OffloadModel.step: targets must be a tensor of the output's shape {tuple(out.shape)} "
+            f"for the default loss (mean squared error), got {got}; pass loss_fn= for another loss"
         )

@@ -29,7 +29,17 @@ from ...trace import register as _trace_register
 from ...weights.slab import make_copier
 from ...weights.streamer import Block, WeightStreamer, frozen_slabs
 from .casts import CastSaver
-from .checks import StepResult, check_chunks, check_device, check_options, detach, pinned_set
+from .checks import (
+    StepResult,
+    check_chunks,
+    check_default_targets,
+    check_device,
+    check_grad_outputs,
+    check_options,
+    check_step_args,
+    detach,
+    pinned_set,
+)
 from .grads import GradWriteback
 from .optim import step_failed as _host_step_failed
 from .optim import streamed_blocks
@@ -401,6 +411,7 @@ class OffloadModel(torch.nn.Module):
         if profile_path is None:
             return self._traced_step(x, targets, loss_fn, grad_outputs)
         if _trace_current() is not None:
+        check_step_args(loss_fn, grad_outputs)
             raise ValueError("OffloadModel.step: profile_path given inside an active ramstream.trace()")
         with Tracer(profile_path, device=self.device):
             res = self._traced_step(x, targets, loss_fn, grad_outputs)
@@ -451,9 +462,12 @@ class OffloadModel(torch.nn.Module):
                     torch.autograd.backward([o for o, _ in pairs], [gr for _, gr in pairs])
                     res = StepResult(detach(out))
                 else:
+                    check_grad_outputs(pairs)
                     loss = (loss_fn or F.mse_loss)(out, targets)
                     loss.backward()
                     res = StepResult(detach(out), loss.detach())
+                    if loss_fn is None:
+                        check_default_targets(out, targets)
             ok = True
             return res
         finally:

@@ -54,7 +54,13 @@ def param_groups(model, params) -> list[dict]:
                 "OffloadModel.optimizer: params must be an iterable of parameters or of param-group "
                 f"dicts (as torch.optim.AdamW takes), got {type(params).__name__}"
             )
-        items = list(params)
+        try:
+            items = list(params)
+        except TypeError:
+            raise TypeError(
+                "OffloadModel.optimizer: params must be None or an iterable of parameters or of "
+                f"param-group dicts (as torch.optim.AdamW takes), got {type(params).__name__}"
+            ) from None
         if not items:
             raise ValueError("OffloadModel.optimizer: params is empty")
         if all(isinstance(g, dict) for g in items):

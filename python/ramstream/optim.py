@@ -172,6 +172,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         if device is None:
             if len(devices) != 1:
                 raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; pass device=")
+        if (
+            not torch.is_tensor(params)
+            and not isinstance(params, (list, tuple, dict))
+            and hasattr(params, "__iter__")
+        ):
+            params = list(params)  # a generator (model.parameters()): torch lists it too
+        if isinstance(params, (list, tuple)) and not params:
+            raise ValueError(
+                "OffloadAdamW: params is empty; accepted: the model's parameters (model.parameters()) or "
+                "param-group dicts"
+            )
             device = devices.pop()
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
         self._distributed = bool(distributed)
@@ -340,7 +351,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
         from .engine.state import gather_bucket_state
+        from .optim_checks import check_state_dict
 
+        check_state_dict(state_dict, self.param_groups)  # nothing changes when a value is refused
         self.synchronize()
         e = self._engine
         gathered = gather_bucket_state(e, ("master",)) if self._resident is None else None

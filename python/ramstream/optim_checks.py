@@ -1,0 +1,81 @@
+"""Checks of a torch-format AdamW state dict before OffloadAdamW.load_state_dict changes anything:
+its structure, each group's hyper-parameters (the kernels' rules, ops/_adamw_rules.py) and each
+parameter's step and second moment; ValueError naming the entry and what is accepted."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .ops import _adamw_rules as _rules
+
+_WHERE = "load_state_dict"
+
+
+def _step_value(step) -> float | None:
+    """The step as a float (an int, an integral float or a one-element real tensor); None otherwise."""
+    if torch.is_tensor(step):
+        if step.numel() != 1 or step.dtype == torch.bool or step.is_complex():
+            return None
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        return None
+    return float(step)
+
+
+def check_state_dict(sd, param_groups: list[dict]) -> None:
+    """ValueError unless `sd` is an AdamW state dict whose values the optimizer can train on: a dict
+    with 'state' (a dict of per-parameter dicts) and 'param_groups' (a list of dicts with 'params'),
+    hyper-parameters within the kernels' rules, each 'step' an integer >= 0 and each 'exp_avg_sq'
+    >= 0 (a negative one makes the update's square root NaN). Matching counts and shapes are
+    checked by engine/state.py's import_state, which this runs before."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError(
+            f"{_WHERE}: state_dict must be a dict with 'state' and 'param_groups' (an optimizer's "
+            f"state_dict()), got {type(sd).__name__}"
+            + (f" with keys {sorted(map(str, sd))}" if isinstance(sd, dict) else "")
+        )
+    groups = sd["param_groups"]
+    if not isinstance(groups, (list, tuple)) or not all(
+        isinstance(g, dict) and "params" in g for g in groups
+    ):
+        raise ValueError(
+            f"{_WHERE}: state_dict['param_groups'] must be a list of dicts each with 'params', got "
+            f"{type(groups).__name__}"
+        )
+    for i, g in enumerate(groups):
+        if not isinstance(g["params"], (list, tuple)):
+            raise ValueError(
+                f"{_WHERE}: state_dict['param_groups'][{i}]['params'] must be a list of parameter ids, "
+                f"got {type(g['params']).__name__}"
+            )
+    if len(groups) == len(param_groups):  # else import_state names the counts
+        for i, (g, mine) in enumerate(zip(groups, param_groups)):
+            _rules.check_group(_WHERE, {**mine, **g}, i)  # keys not saved keep the optimizer's
+    state = sd["state"]
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{_WHERE}: state_dict['state'] must be a dict {{parameter id: AdamW state}}, got "
+            f"{type(state).__name__}"
+        )
+    for pid, st in state.items():
+        if not isinstance(st, dict):
+            raise ValueError(
+                f"{_WHERE}: state_dict['state'][{pid!r}] must be a dict (step, exp_avg, exp_avg_sq), "
+                f"got {type(st).__name__}"
+            )
+        if "step" in st:
+            v = _step_value(st["step"])
+            if v is None or not math.isfinite(v) or v != int(v) or not 0 <= v < 2**63:
+                raise ValueError(
+                    f"{_WHERE}: state_dict['state'][{pid!r}]['step'] must be an integer >= 0 (an int, "
+                    f"or a one-element tensor as torch saves it), got {st['step']!r}"
+                )
+        v2 = st.get("exp_avg_sq")
+        if torch.is_tensor(v2) and v2.is_floating_point() and v2.numel() and bool((v2 < 0).any()):
+            raise ValueError(
+                f"{_WHERE}: state_dict['state'][{pid!r}]['exp_avg_sq'] has negative values; accepted: "
+                "a second moment >= 0 (an average of squared gradients)"
+            )

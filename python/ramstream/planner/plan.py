@@ -341,6 +341,22 @@ def _plan_training(
                 f"{where} {name}={v!r} is not accepted; accepted: a number in [0, {hi or 'inf'})"
             )
     p = profile
+    for name in ("vram_total", "vram_free", "ram_total", "ram_available", "pin_budget"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(
+                f"{where} profile.{name}={v!r} is not accepted; accepted: a finite number of bytes >= 0"
+            )
+    t = p.matmul_tflops
+    if t is not None and (
+        isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0
+    ):
+        raise ValueError(
+            f"{where} profile.matmul_tflops={t!r} is not accepted; accepted: None or a finite number >= 0 (TFLOP/s)"
+        )
+    lws = p.local_world_size
+    if isinstance(lws, bool) or not isinstance(lws, int) or lws < 1:
+        raise ValueError(f"{where} profile.local_world_size={lws!r} is not accepted; accepted: an int >= 1")
     rates = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "adamw_gbps") if p.vram_total else ()
     for name in rates:
         v = getattr(p, name)

@@ -183,8 +183,8 @@ def test_bad_inputs(fn):
         (dict(hidden=h[0, 0]), ValueError, "hidden"),
         (dict(weight=w[:, :-1]), ValueError, "weight"),
         (dict(weight=w[0]), ValueError, "weight"),
-        (dict(targets=t[:, :-1]), ValueError, "targets"),
-        (dict(targets=t.float()), TypeError, "targets"),
+        (dict(targets=t[:, :-1]), ValueError, "targets|labels"),  # causal_lm_loss's name: labels
+        (dict(targets=t.float()), TypeError, "targets|labels"),
         (dict(hidden=h.long()), TypeError, "hidden"),
         (dict(bias=b[:-1]), ValueError, "bias"),
         (dict(chunk_size=0), ValueError, "chunk_size"),

@@ -220,7 +220,9 @@ class _ChunkedCE(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items):
+def _check(
+    where: str, hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items, tname="targets"
+):
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"{where}: hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if not hidden.is_floating_point():
@@ -240,12 +242,12 @@ def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, 
             f"last dim), got {tuple(weight.shape)}"
         )
     if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"{where}: targets must be a torch.Tensor, got {type(targets).__name__}")
+        raise TypeError(f"{where}: {tname} must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{where}: targets must be an integer tensor, got {targets.dtype}")
+        raise TypeError(f"{where}: {tname} must be an integer tensor, got {targets.dtype}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
-            f"{where}: targets must have shape {tuple(hidden.shape[:-1])} (hidden's "
+            f"{where}: {tname} must have shape {tuple(hidden.shape[:-1])} (hidden's "
             f"leading dims), got {tuple(targets.shape)}"
         )
     if bias is not None:
@@ -256,7 +258,7 @@ def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, 
                 f"{where}: bias must have shape ({weight.shape[0]},) (weight's "
                 f"vocab), got {tuple(bias.shape)}"
             )
-    for name, t in (("weight", weight), ("targets", targets), ("bias", bias)):
+    for name, t in (("weight", weight), (tname, targets), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {hidden.device}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -292,7 +294,18 @@ def _check(where: str, hidden, weight, targets, bias, chunk_size, ignore_index, 
         )
 
 
-def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items):
+def _check_range(where: str, tname: str, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """ValueError when a target other than ignore_index is outside [0, vocab) (checked after the
+    loss failed: no pass over the targets on the way that works)."""
+    bad = targets[(targets != ignore_index) & ((targets < 0) | (targets >= vocab))]
+    if bad.numel():
+        raise ValueError(
+            f"{where}: {tname} must be class indices in [0, {vocab}) (weight's vocab) or ignore_index="
+            f"{ignore_index}, got {bad.numel()} outside, e.g. {int(bad[0])}"
+        )
+
+
+def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items, where, tname):
     d = hidden.shape[-1]
     h2 = hidden.reshape(-1, d)
     t1 = targets.reshape(-1).long()
@@ -311,7 +324,12 @@ def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num
         denom = 1.0
     else:
         denom = None
-    return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, cdtype, denom)
+    try:
+        return _ChunkedCE.apply(h2, weight, bias, t1, chunk_size, ignore_index, cdtype, denom)
+    except (RuntimeError, IndexError):
+        if t1.device.type == "cpu":  # a raw gather error: say which argument is wrong
+            _check_range(where, tname, t1, weight.shape[0], ignore_index)
+        raise
 
 
 def chunked_cross_entropy(
@@ -353,7 +371,18 @@ def chunked_cross_entropy(
     _check(
         "chunked_cross_entropy", hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items
     )
-    return _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items)
+    return _run(
+        hidden,
+        weight,
+        targets,
+        bias,
+        chunk_size,
+        ignore_index,
+        reduction,
+        num_items,
+        "chunked_cross_entropy",
+        "targets",
+    )
 
 
 def causal_lm_loss(
@@ -371,6 +400,28 @@ def causal_lm_loss(
     ``hidden`` ([..., T, d]) predicts ``labels[..., t + 1]`` ([..., T]); the last position of each
     sequence predicts nothing (its label is ``ignore_index``). Arguments and result as
     chunked_cross_entropy; ``num_items`` is HF's ``num_items_in_batch``."""
-    _check("causal_lm_loss", hidden, weight, labels, bias, chunk_size, ignore_index, reduction, num_items)
+    _check(
+        "causal_lm_loss",
+        hidden,
+        weight,
+        labels,
+        bias,
+        chunk_size,
+        ignore_index,
+        reduction,
+        num_items,
+        "labels",
+    )
     shifted = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
-    return _run(hidden, weight, shifted, bias, chunk_size, ignore_index, reduction, num_items)
+    return _run(
+        hidden,
+        weight,
+        shifted,
+        bias,
+        chunk_size,
+        ignore_index,
+        reduction,
+        num_items,
+        "causal_lm_loss",
+        "labels",
+    )

@@ -151,6 +151,8 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32, *, own_pages: bool =
     Keep the tensor alive until every ``non_blocking`` copy from or to it has completed (e.g.
     synchronise the stream or wait for an event), otherwise its memory may be reused under the copy.
     """
+    if not isinstance(own_pages, bool):
+        raise TypeError(f"pinned_empty: own_pages must be True or False, got {own_pages!r}")
     dims = _shape_of(shape)
     dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None
     if dl is None:
@@ -190,6 +192,9 @@ def pin_budget() -> int:
     """The page-lock budget in bytes (default: half of physical RAM; RAMSTREAM_PIN_BUDGET)."""
     return int(lib().pin_budget())
 
+_BUDGET_ACCEPTED = "an int (bytes), a float fraction of physical RAM in [0, 1] or a str ('8G', '512M', '60%')"
+
+
 
 def set_pin_budget(bytes_or_fraction) -> int:
     """Sets the page-lock budget and returns it in bytes.
@@ -201,7 +206,7 @@ def set_pin_budget(bytes_or_fraction) -> int:
     """
     v = bytes_or_fraction
     if isinstance(v, bool):
-        raise TypeError("set_pin_budget: expected int bytes, float fraction or str, got bool")
+        raise TypeError(f"set_pin_budget: bytes_or_fraction must be {_BUDGET_ACCEPTED}, got bool")
     if isinstance(v, numbers.Integral):
         n = int(v)
         if not 0 <= n < 1 << 63:
@@ -223,7 +228,9 @@ def set_pin_budget(bytes_or_fraction) -> int:
         except ValueError as e:
             raise ValueError(f"set_pin_budget: bytes_or_fraction: {e}") from None
     else:
-        raise TypeError(f"set_pin_budget: expected int bytes, float fraction or str, got {type(v).__name__}")
+        raise TypeError(
+            f"set_pin_budget: bytes_or_fraction must be {_BUDGET_ACCEPTED}, got {type(v).__name__}"
+        )
     lib().set_pin_budget(n)
     return n
 

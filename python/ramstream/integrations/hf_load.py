@@ -50,7 +50,7 @@ def _available_ram() -> int:
     return host_memory()["available"]
 
 
-def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap):
+def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap, trust_remote_code):
     if quantize is None or quantize is False or quantize == "none":
         fmt = "none"
     elif quantize == "auto":
@@ -71,6 +71,10 @@ def _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disa
     if not isinstance(disable_mmap, bool):
         raise ValueError(
             f"load_model(): disable_mmap={disable_mmap!r} is not accepted; accepted: True, False"
+        )
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(
+            f"load_model(): trust_remote_code={trust_remote_code!r} is not accepted; accepted: True, False"
         )
     if (
         isinstance(ram_fraction, bool)
@@ -270,14 +274,23 @@ def load_model(
     the config (naming the file and tensor); MemoryError when even NF4 does not fit. Nothing is
     returned half-loaded.
     """
-    fmt, block = _parse(quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap)
+    fmt, block = _parse(
+        quantize, dtype, quant_block_size, random_weights, ram_fraction, disable_mmap, trust_remote_code
+    )
     folder = _resolve(name_or_path)
     headers = (
         {} if random_weights else {p: read_header(p) for p in checkpoint_files(folder)}
     )  # (header, start)
     from transformers import AutoConfig  # noqa: PLC0415
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **config_overrides)
+    config, unused = AutoConfig.from_pretrained(
+        folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **config_overrides
+    )
+    if unused:  # transformers drops a key the config does not have (a typo would load the full model)
+        raise ValueError(
+            f"load_model(): {', '.join(sorted(unused))} is not an attribute of {type(config).__name__} "
+            "(config_overrides set attributes of the model's config, such as num_hidden_layers)"
+        )
     model = _skeleton(config, dtype, trust_remote_code)
     from ..activations.blocks import find_blocks  # noqa: PLC0415
 

@@ -33,11 +33,17 @@ def _gpu_ready() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    from ramstream import env
+
+    try:
+        require = env.get("RAMSTREAM_REQUIRE_CUDA")  # "0" or "1"; another value is an error
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     ok, why = _gpu_ready()
     if ok:
         return
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if cuda_items and os.environ.get("RAMSTREAM_REQUIRE_CUDA") == "1":
+    if cuda_items and require:
         raise pytest.UsageError(f"RAMSTREAM_REQUIRE_CUDA=1 but no usable GPU: {why}")
     for item in cuda_items:
         item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {why}"))

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from . import functional  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from .env import check_core as _check_env  # noqa: E402
 from .frontends.offload_model import OffloadModel, StepResult, offload_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402
@@ -28,6 +29,8 @@ from .runtime.inspect import plan_for  # noqa: E402
 from .runtime.tokens import PlanOutOfMemoryError  # noqa: E402
 from .trace import trace  # noqa: E402
 from .wrap import memory_report, unwrap, wrap  # noqa: E402
+
+_check_env()  # a bad RAMSTREAM_* value the C++ core reads warns once, here (env.py)
 
 __all__ = [
     "__version__",

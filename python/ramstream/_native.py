@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 
 
 @functools.cache
@@ -17,10 +16,7 @@ def lib():
             "'pip install .' (or a ramstream-cu12 / ramstream-cu13 wheel) instead of importing "
             f"it from the source tree ({e})"
         ) from e
-    bad_env = _C.isa_env_error()
-    if bad_env:  # a typo in RAMSTREAM_FORCE_ISA must not pass unnoticed
-        warnings.warn(f"ramstream: {bad_env}; ignored, using {_C.active_isa()}", RuntimeWarning, stacklevel=2)
-    return _C
+    return _C  # a bad RAMSTREAM_* value the core reads is reported at `import ramstream` (env.py)
 
 
 def cuda_available() -> bool:

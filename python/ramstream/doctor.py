@@ -14,16 +14,6 @@ import torch
 from .planner.measure import cgroup_limit, copy_rates, host_adamw_seconds
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
-KNOWN_ENV = (
-    "RAMSTREAM_NUM_THREADS",
-    "RAMSTREAM_FORCE_ISA",
-    "RAMSTREAM_PIN_BUDGET",
-    "RAMSTREAM_POOL_SPIN_US",
-    "RAMSTREAM_CUDA",
-    "RAMSTREAM_CUDA_ARCHS",
-    "RAMSTREAM_REQUIRE_CUDA",
-    "RAMSTREAM_CACHE_DIR",
-)
 _GIB = 2**30
 
 
@@ -259,16 +249,29 @@ def check_ram() -> Check:
 
 
 def check_env() -> Check:
-    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAMSTREAM_")}
+    """Each RAMSTREAM_* variable set, with what it parses to (env.py); a bad value is a WARN (ignored,
+    the default used) or a FAIL (an error where it is read), an unknown name a WARN."""
+    from . import env
+
+    found = sorted(k for k, v in os.environ.items() if k.startswith("RAMSTREAM_") and v)
     if not found:
         return Check("env", OK, "no RAMSTREAM_* variables set")
-    text = ", ".join(f"{k}={v}" for k, v in found.items())
-    unknown = [k for k in found if k not in KNOWN_ENV]
+    parts, problems, unknown, status = [], [], [], OK
+    for k in found:
+        if k not in env.VARIABLES:
+            parts.append(f"{k}={os.environ[k]}")
+            if not k.startswith(env.BENCH_PREFIXES):  # bench/ scripts read those
+                unknown.append(k)
+            continue
+        r = env.read(k)
+        parts.append(env.describe(r))
+        if r.error:
+            problems.append(r.message)
+            status = FAIL if r.var.on_bad == env.RAISE else (WARN if status == OK else status)
     if unknown:
-        return Check(
-            "env", WARN, text, f"unknown, ignored: {', '.join(unknown)} (known: {', '.join(KNOWN_ENV)})"
-        )
-    return Check("env", OK, text)
+        problems.append(f"unknown, ignored: {', '.join(unknown)} (known: {', '.join(env.VARIABLES)})")
+        status = WARN if status == OK else status
+    return Check("env", status, ", ".join(parts), "; ".join(problems))
 
 
 CHECKS = (

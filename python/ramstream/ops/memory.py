@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import env
 from .._native import lib
 
 __all__ = [
@@ -63,9 +64,7 @@ def _first_use() -> None:
         if _State.budget_error_checked:
             return
         _State.budget_error_checked = True
-    err = lib().memory_stats()["budget_error"]
-    if err:
-        warnings.warn(f"ramstream: {err}", RuntimeWarning, stacklevel=3)
+    env.get("RAMSTREAM_PIN_BUDGET", stacklevel=3)  # warns once per value (import ramstream did)
 
 
 def _before_pinning() -> None:

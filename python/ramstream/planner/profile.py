@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from .. import env
 from . import measure
 
 # The rates profile_hardware() measures (and caches); everything else is read on each call.
@@ -93,10 +94,9 @@ class HardwareProfile:
 
 
 def cache_dir() -> str:
-    """$RAMSTREAM_CACHE_DIR, or ~/.cache/ramstream."""
-    return os.environ.get("RAMSTREAM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "ramstream"
-    )
+    """$RAMSTREAM_CACHE_DIR, or ~/.cache/ramstream (also when it names something that is not a
+    folder: a RuntimeWarning says so, env.py)."""
+    return env.get("RAMSTREAM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ramstream")
 
 
 def local_world_size() -> int:

@@ -50,3 +50,37 @@ def test_bad_arguments_exit_with_a_usage_error(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+# ---- `ramstream plan --config`: the file checked before any work (issue 25 item 8) ----------------
+
+_TINY = dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda d: d / "nope.json", "--config '{p}' does not exist"),
+        (lambda d: (d / "c.json").write_text("{oops") and d / "c.json", "--config '{p}' is not JSON: "),
+        (lambda d: (d / "c.json").write_text("[]") and d / "c.json", "--config '{p}' holds a JSON list"),
+        (lambda d: d, "--config folder '{p}' holds no config.json"),
+    ],
+)
+def test_plan_config_that_is_missing_or_not_a_json_object_exits_2_naming_it(tmp_path, capsys, make, says):
+    p = make(tmp_path)
+    assert main(["plan", "--config", str(p), "--vram-gb", "24", "--ram-gb", "64"]) == 2
+    err = capsys.readouterr().err
+    assert says.format(p=p) in err and "Traceback" not in err, err
+
+
+def test_plan_config_reads_the_file_named_not_its_folders_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    (tmp_path / "deeper.json").write_text(json.dumps(dict(_TINY, num_hidden_layers=5)))
+    args = ["--vram-gb", "24", "--ram-gb", "64", "--json"]
+    assert main(["plan", "--config", str(tmp_path / "deeper.json"), *args]) == 0
+    deeper = json.loads(capsys.readouterr().out)["plan"]
+    assert main(["plan", "--config", str(tmp_path), *args]) == 0
+    shallow = json.loads(capsys.readouterr().out)["plan"]
+    assert deeper["weights"]["resident"] == [0, 1, 2, 3, 4]  # the 5 blocks of deeper.json
+    assert shallow["weights"]["resident"] == [0, 1]

@@ -275,3 +275,57 @@ def test_measure_from_a_real_step(tmp_path, keep, capsys):
     slack = 0.0 if keep is True else sum(m["tf"])
     assert 0 < pred.makespan <= m["step_s"] + slack
     model.close()
+
+
+# ---- file arguments checked at argument parsing (issue 25 item 8) ------------------------------
+
+
+def test_measure_with_a_missing_file_exits_2_naming_it_without_a_traceback(tmp_path):
+    missing = tmp_path / "nope.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "ramstream.simulate", "offload", "--measure", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"argument --measure: trace '{missing}' does not exist" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("not json", "is not JSON: Expecting value at line 1 column 1"),
+        ('{"a": 1}', "not a trace"),
+        ("[1, 2]", "no 'forward <chunk>' spans"),
+        ('[{"ph": "X", "name": "forward 0", "dur": "slow"}]', "dur='slow'"),
+        (None, "is a folder"),
+    ],
+)
+def test_measure_with_a_bad_file_is_a_usage_error_naming_it(tmp_path, capsys, content, says):
+    path = tmp_path / "t.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        cli(["offload", "--measure", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{path}'" in err and says in err, err
+
+
+def test_plot_into_a_missing_folder_is_refused_before_simulating(tmp_path, capsys):
+    out = tmp_path / "missing" / "g.png"
+    with pytest.raises(SystemExit) as e:
+        cli(["offload", "--layers", "2", "--tf", "1", "--tb", "1", "--th2d", "1", "--plot", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"its folder '{tmp_path / 'missing'}' does not exist" in err
+
+
+def test_times_from_trace_names_the_file(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": {}}')
+    with pytest.raises(ValueError, match=f"times_from_trace: '{path}': not a trace"):
+        times_from_trace(str(path))
+    with pytest.raises(FileNotFoundError, match="'/no/such.json' does not exist"):
+        times_from_trace("/no/such.json")

@@ -167,3 +167,25 @@ def test_wrap_training_is_traced(tmp_path, param_offload):
             2,
         }
     ramstream.unwrap(model)
+
+
+def test_trace_into_a_missing_folder_fails_at_entry_before_anything_runs(tmp_path):
+    chunks = _chunks(2)
+    model = ramstream.OffloadModel(chunks, device="cpu", window=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    chunks[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    missing = tmp_path / "missing" / "t.json"
+    with pytest.raises(FileNotFoundError, match=f"its folder '{tmp_path / 'missing'}' does not exist"):
+        with ramstream.trace(missing):
+            model.step(torch.randn(4, 32), targets=torch.randn(4, 32))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        model.step(torch.randn(4, 32), targets=torch.randn(4, 32), profile_path=missing)
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        ramstream.trace(tmp_path)
+    assert calls == [] and not os.path.exists(missing.parent)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    from ramstream.trace import current
+
+    assert current() is None
+    model.close()

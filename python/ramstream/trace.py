@@ -20,6 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ._paths import check_writable
+
 LANES = {"steps": 0, "compute": 1, "stall": 1, "h2d": 2, "d2h": 3, "host optimizer": 4}
 _TRACK_NAMES = {0: "steps", 1: "compute", 2: "H2D (weight loads)", 3: "D2H (gradients)", 4: "host optimizer"}
 
@@ -61,7 +63,7 @@ class Tracer:
     def __init__(self, path, device=None) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"ramstream.trace: path must be a str or os.PathLike, got {type(path).__name__}")
-        self.path = os.fspath(path)
+        self.path = check_writable(path, "ramstream.trace: path")  # before anything is traced
         self.device = None if device is None else torch.device(device)
         self.spans: list = []  # (lane, name, t0 token, t1 token, args)
         self.regions: list = []  # (t0 token, t1 token): inside a pass, an idle compute track is a stall
@@ -189,7 +191,8 @@ class Tracer:
 def trace(path, device=None) -> Tracer:
     """A context manager recording a Chrome/Perfetto trace of the training inside it into `path`
     (open it at ui.perfetto.dev or chrome://tracing). `device`: the GPU whose clock starts the
-    trace (found from the first GPU span when not given)."""
+    trace (found from the first GPU span when not given). The folder of `path` is checked here:
+    FileNotFoundError / NotADirectoryError / PermissionError naming it, before anything runs."""
     return Tracer(path, device)
 
 

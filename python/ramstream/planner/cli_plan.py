@@ -4,10 +4,13 @@ cannot fit."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import sys
 
+from .._paths import read_json
 from .plan import PlanError, plan_training
 from .profile import HardwareProfile
 from .rules import DEFAULT_RATES, DEFAULT_VRAM  # noqa: F401  (cli_plan.DEFAULT_RATES: its old name)
@@ -107,19 +110,37 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
     return prof, sources
 
 
-def _config_shape(args, dtype: str, loss: str) -> ModelShape:
-    """The shape wrap() would see: the model of the config built on the meta device and inspected as
-    wrap() inspects a live model (runtime/inspect.py), so that the plan printed is the one wrap()
-    applies on the same machine; without transformers (or peft for --lora), the config's arithmetic
-    (ModelShape.from_hf_config)."""
+def read_config(path: str) -> dict:
+    """The JSON object of --config: a config.json, or a folder holding one. OSError or ValueError
+    naming the file (checked before any work)."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"--config folder {path!r} holds no config.json")
+        path = os.path.join(path, "config.json")
+    config = read_json(path, "--config")
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r} holds a JSON {type(config).__name__}, not an object")
+    if "model_type" not in config and importlib.util.find_spec("transformers") is not None:
+        raise ValueError(
+            f"--config {path!r} has no 'model_type' key (a Hugging Face config.json names its "
+            "architecture, e.g. 'llama', 'qwen2', 'mistral')"
+        )
+    return config
+
+
+def _config_shape(args, config: dict, dtype: str, loss: str) -> ModelShape:
+    """The shape wrap() would see: the model of the config (read_config) built on the meta device and
+    inspected as wrap() inspects a live model (runtime/inspect.py), so that the plan printed is the
+    one wrap() applies on the same machine; without transformers (or peft for --lora), the config's
+    arithmetic (ModelShape.from_hf_config)."""
     try:
         from ..blocks import find_blocks
         from ..runtime.inspect import config_model, model_shape
 
-        model = config_model(args.config, dtype=dtype, lora=args.lora)
+        model = config_model(config, dtype=dtype, lora=args.lora)
     except ImportError:
         return ModelShape.from_hf_config(
-            args.config, batch=args.batch, seq=args.seq, dtype=dtype, lora=args.lora, loss=loss
+            config, batch=args.batch, seq=args.seq, dtype=dtype, lora=args.lora, loss=loss
         )
     return model_shape(model, find_blocks(model), batch=args.batch, seq=args.seq, loss=loss)
 
@@ -137,11 +158,18 @@ def run(args) -> int:
             flag = "--" + name.replace("_", "-")
             print(f"ramstream plan: {flag} must be a finite number > 0, got {v:g}", file=sys.stderr)
             return 2
+    config = None
+    if args.config:
+        try:
+            config = read_config(args.config)
+        except (OSError, ValueError) as e:
+            print(f"ramstream plan: {e}", file=sys.stderr)
+            return 2
     dtype = "bfloat16" if args.dtype == "bf16" else "float32"
     loss = "chunked" if args.chunked_loss else "dense"
     try:
-        if args.config:
-            shape = _config_shape(args, dtype, loss)
+        if config is not None:
+            shape = _config_shape(args, config, dtype, loss)
         else:
             if args.lora:
                 print("ramstream plan: --lora applies to --config models only", file=sys.stderr)
@@ -151,7 +179,8 @@ def run(args) -> int:
                 args.gpt, batch=args.batch, seq=args.seq, dtype=dtype, loss=loss, autocast=amp
             )
     except (OSError, ValueError, TypeError) as e:
-        print(f"ramstream plan: {e}", file=sys.stderr)
+        where = f"--config {args.config!r}: " if args.config else ""
+        print(f"ramstream plan: {where}{e}", file=sys.stderr)
         return 2
     prof, sources = _machine(args)
     if prof is None:

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from .._paths import arg_type, check_writable, read_json
+from .measure import times_from_trace
 from .offload import simulate_offload, table
 
 
@@ -15,6 +17,16 @@ def _keep(v: str):
     if v.lower() not in m:
         raise argparse.ArgumentTypeError(f"--keep-activations must be true, false or checkpoint, got {v!r}")
     return m[v.lower()]
+
+
+def _trace(path: str) -> dict:
+    """The trace at `path`, read and checked at argument parsing (times_from_trace finds its spans)."""
+    doc = read_json(path, "trace")
+    try:
+        times_from_trace(doc)
+    except ValueError as e:
+        raise ValueError(f"trace {path!r}: {str(e).removeprefix('times_from_trace: ')}") from None
+    return {"path": path, "doc": doc}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,9 +52,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--serial", action="store_true", help="copies inline (device='cpu')")
     p.add_argument(
-        "--measure", metavar="TRACE.json", help="per-chunk times from OffloadModel.step(profile_path=...)"
+        "--measure",
+        metavar="TRACE.json",
+        type=arg_type(_trace),
+        help="per-chunk times from OffloadModel.step(profile_path=...)",
     )
-    p.add_argument("--plot", metavar="GANTT.png", help="a Gantt chart (needs matplotlib: ramstream[plot])")
+    p.add_argument(
+        "--plot",
+        metavar="GANTT.png",
+        type=arg_type(check_writable),
+        help="a Gantt chart (needs matplotlib: ramstream[plot])",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     return ap
 
@@ -51,9 +71,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     times: dict = {}
     if args.measure:
-        from .measure import times_from_trace
-
-        times = times_from_trace(args.measure, keep_activations=args.keep_activations)
+        times = times_from_trace(args.measure["doc"], keep_activations=args.keep_activations)
     for name in ("layers", "tf", "tb", "th2d", "td2h"):
         v = getattr(args, name)
         if v is not None:

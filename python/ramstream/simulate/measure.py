@@ -3,10 +3,12 @@ OffloadModel.step(profile_path=...) JSON, or a live Tracer), as simulate_offload
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 import tempfile
+
+from .._paths import read_json
 
 _NAME = re.compile(r"^(forward|backward|load) (\d+)$")
 
@@ -18,28 +20,40 @@ def times_from_trace(trace, *, keep_activations=True) -> dict:
     "checkpoint" the backward span includes the recompute, so tb is it less the forward. th2d is
     the mean of the chunk's load spans; a chunk never loaded (pinned) gets the mean of the others
     (the simulator loads no pinned chunk). td2h is the chunk's D2H spans per backward."""
+    where = "times_from_trace"
     if isinstance(trace, (str, os.PathLike)):
-        with open(trace) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        where = f"times_from_trace: {os.fspath(trace)!r}"
+        trace = read_json(trace, "trace")
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ValueError(
+            f"{where}: not a trace (a JSON object with a 'traceEvents' list, or a list of events), "
+            f"got {type(trace).__name__}" + (" without 'traceEvents'" if isinstance(trace, dict) else "")
+        )
     acc: dict = {"forward": {}, "backward": {}, "load": {}}
     d2h: dict = {}
-    for ev in events:
-        if ev.get("ph") != "X":
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
-        m = _NAME.match(ev.get("name", ""))
+        name, dur, args = ev.get("name"), ev.get("dur"), ev.get("args")
+        m = _NAME.match(name) if isinstance(name, str) else None
+        chunk = args.get("chunk") if isinstance(args, dict) else None
+        if not m and not (ev.get("cat") == "d2h" and chunk is not None):
+            continue
+        if isinstance(dur, bool) or not isinstance(dur, (int, float)) or not math.isfinite(dur) or dur < 0:
+            raise ValueError(f"{where}: event {i} ({name!r}) has dur={dur!r}; a span needs a finite dur >= 0")
         if m:
-            acc[m.group(1)].setdefault(int(m.group(2)), []).append(ev["dur"] * 1e-6)
-        elif ev.get("cat") == "d2h" and "chunk" in ev.get("args", {}):
-            d2h.setdefault(int(ev["args"]["chunk"]), []).append(ev["dur"] * 1e-6)
+            acc[m.group(1)].setdefault(int(m.group(2)), []).append(dur * 1e-6)
+        elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"{where}: event {i} ({name!r}) has chunk={chunk!r}; expected an int >= 0")
+        else:
+            d2h.setdefault(chunk, []).append(dur * 1e-6)
     if not acc["forward"]:
-        raise ValueError(
-            "times_from_trace: the trace has no 'forward <chunk>' spans (trace an OffloadModel step)"
-        )
+        raise ValueError(f"{where}: the trace has no 'forward <chunk>' spans (trace an OffloadModel step)")
     n = max(acc["forward"]) + 1
     missing = [k for k in range(n) if k not in acc["forward"] or k not in acc["backward"]]
     if missing:
-        raise ValueError(f"times_from_trace: chunks {missing} have no forward or backward span")
+        raise ValueError(f"{where}: chunks {missing} have no forward or backward span")
 
     def mean(v):
         return sum(v) / len(v)

@@ -161,17 +161,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._zero_grad_callbacks: list = []
         self.plan_history: list[dict] = []  # the plan's changes (memory_report(model)["plan"])
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
-        super().__init__(params, defaults)
-        for i, g in enumerate(self.param_groups):  # a group may set its own hyper-parameters
-            _rules.check_group("OffloadAdamW", g, i)
-        if self._threads is not None:
-            from ._native import lib
-
-            lib().set_num_threads(self._threads)
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if device is None:
-            if len(devices) != 1:
-                raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; pass device=")
         if (
             not torch.is_tensor(params)
             and not isinstance(params, (list, tuple, dict))
@@ -183,6 +172,17 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "OffloadAdamW: params is empty; accepted: the model's parameters (model.parameters()) or "
                 "param-group dicts"
             )
+        super().__init__(params, defaults)
+        for i, g in enumerate(self.param_groups):  # a group may set its own hyper-parameters
+            _rules.check_group("OffloadAdamW", g, i)
+        if self._threads is not None:
+            from ._native import lib
+
+            lib().set_num_threads(self._threads)
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if device is None:
+            if len(devices) != 1:
+                raise ValueError(f"OffloadAdamW: parameters are on several devices {devices}; pass device=")
             device = devices.pop()
         self.mode, self.offload, self.vram_headroom = mode, offload, float(vram_headroom)
         self._distributed = bool(distributed)
@@ -333,7 +333,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         from .engine.state import import_state
+        from .optim_checks import check_state_dict
 
+        check_state_dict(state_dict, self.param_groups)  # nothing changes when a value is refused
         import_state(self, self.param_groups, state_dict)
 
     # ---- ramstream extras ---------------------------------------------------------------------
@@ -351,9 +353,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
         from .engine.layout import master_flat
         from .engine.state import gather_bucket_state
-        from .optim_checks import check_state_dict
 
-        check_state_dict(state_dict, self.param_groups)  # nothing changes when a value is refused
         self.synchronize()
         e = self._engine
         gathered = gather_bucket_state(e, ("master",)) if self._resident is None else None

@@ -363,8 +363,8 @@ class TrainStreamTrainer(OffloadTrainer):
     ) -> None:
         if trainstream is not None and ramstream is not None:
             raise ValueError("TrainStreamTrainer: pass trainstream= or ramstream=, not both")
-        super().__init__(*args, ramstream=trainstream if trainstream is not None else ramstream, **kwargs)
         if trainstream is not None and not isinstance(trainstream, dict):
             raise TypeError(
                 f"TrainStreamTrainer: trainstream= must be a dict of wrap() options, got {type(trainstream).__name__}"
             )
+        super().__init__(*args, ramstream=trainstream if trainstream is not None else ramstream, **kwargs)

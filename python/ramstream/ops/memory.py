@@ -150,9 +150,9 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32, *, own_pages: bool =
     Keep the tensor alive until every ``non_blocking`` copy from or to it has completed (e.g.
     synchronise the stream or wait for an event), otherwise its memory may be reused under the copy.
     """
+    dims = _shape_of(shape)
     if not isinstance(own_pages, bool):
         raise TypeError(f"pinned_empty: own_pages must be True or False, got {own_pages!r}")
-    dims = _shape_of(shape)
     dl = _DLPACK.get(dtype) if isinstance(dtype, torch.dtype) else None
     if dl is None:
         raise TypeError(f"pinned_empty: dtype must be one of {_ACCEPTED}, got {dtype!r}")
@@ -191,8 +191,8 @@ def pin_budget() -> int:
     """The page-lock budget in bytes (default: half of physical RAM; RAMSTREAM_PIN_BUDGET)."""
     return int(lib().pin_budget())
 
-_BUDGET_ACCEPTED = "an int (bytes), a float fraction of physical RAM in [0, 1] or a str ('8G', '512M', '60%')"
 
+_BUDGET_ACCEPTED = "an int (bytes), a float fraction of physical RAM in [0, 1] or a str ('8G', '512M', '60%')"
 
 
 def set_pin_budget(bytes_or_fraction) -> int:

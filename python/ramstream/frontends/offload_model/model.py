@@ -408,10 +408,10 @@ class OffloadModel(torch.nn.Module):
             raise ValueError("OffloadModel.step: give loss_fn or grad_outputs, not both")
         if grad_outputs is None and targets is None:
             raise ValueError("OffloadModel.step: give targets (for loss_fn) or grad_outputs")
+        check_step_args(loss_fn, grad_outputs)
         if profile_path is None:
             return self._traced_step(x, targets, loss_fn, grad_outputs)
         if _trace_current() is not None:
-        check_step_args(loss_fn, grad_outputs)
             raise ValueError("OffloadModel.step: profile_path given inside an active ramstream.trace()")
         with Tracer(profile_path, device=self.device):
             res = self._traced_step(x, targets, loss_fn, grad_outputs)
@@ -459,15 +459,15 @@ class OffloadModel(torch.nn.Module):
                         for o, gr in zip(outs, gs)
                         if gr is not None and torch.is_tensor(o) and o.requires_grad
                     ]
+                    check_grad_outputs(pairs)
                     torch.autograd.backward([o for o, _ in pairs], [gr for _, gr in pairs])
                     res = StepResult(detach(out))
                 else:
-                    check_grad_outputs(pairs)
+                    if loss_fn is None:
+                        check_default_targets(out, targets)
                     loss = (loss_fn or F.mse_loss)(out, targets)
                     loss.backward()
                     res = StepResult(detach(out), loss.detach())
-                    if loss_fn is None:
-                        check_default_targets(out, targets)
             ok = True
             return res
         finally:

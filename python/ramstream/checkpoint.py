@@ -38,12 +38,10 @@ import tempfile
 
 import torch
 
-from ._tensorfile import entry, fsync_dir, read_safetensors, write_json, write_safetensors
+from ._checkpoint_read import FORMAT, VERSION, read_extra, read_meta, read_model, read_optimizer, shard_name
+from ._tensorfile import entry, fsync_dir, write_json, write_safetensors
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
-
-FORMAT = "ramstream-checkpoint"
-VERSION = 1
 
 
 def _check_args(where: str, path, model, optimizer) -> str:
@@ -79,13 +77,6 @@ def _save_model(folder: str, model: torch.nn.Module) -> None:
         entries.append(entry(name, t))
     meta = {"format": FORMAT, "ramstream_ties": json.dumps(ties, sort_keys=True)}
     write_safetensors(os.path.join(folder, "model.safetensors"), entries, meta)
-
-
-def _load_model(folder: str, model: torch.nn.Module) -> None:
-    tensors, meta = read_safetensors(os.path.join(folder, "model.safetensors"))
-    for alias, target in json.loads(meta.get("ramstream_ties", "{}")).items():
-        tensors[alias] = tensors[target]
-    model.load_state_dict(tensors)
 
 
 # ---- the optimizer -------------------------------------------------------------------------------
@@ -171,45 +162,6 @@ def _save_optimizer(folder: str, optimizer) -> None:
     write_json(os.path.join(folder, "optimizer.json"), json.loads(text))
 
 
-def _load_optimizer(folder: str, optimizer) -> None:
-    from .optim import OffloadAdamW
-
-    path = os.path.join(folder, "optimizer.json")
-    if not os.path.exists(path):
-        raise ValueError(f"load_checkpoint: {folder} holds no optimizer state (saved with optimizer=None)")
-    with open(path) as f:
-        js = json.load(f)
-    key = lambda pid: int(pid) if pid.lstrip("-").isdigit() else pid  # noqa: E731
-    state: dict = {key(pid): dict(rest) for pid, rest in js["state"].items()}
-    if "shards" in js:  # saved under data parallel: one file per rank, the state of its buckets
-        tensors = {}
-        for r in range(int(js["shards"])):
-            base = os.path.join(folder, _shard_name(r, int(js["shards"])))
-            if not os.path.isfile(base + ".json") or not os.path.isfile(base + ".safetensors"):
-                raise ValueError(
-                    f"load_checkpoint: {folder} lacks the optimizer shard {base}.json/.safetensors"
-                )
-            with open(base + ".json") as f:
-                state.update({key(pid): dict(rest) for pid, rest in json.load(f).items()})
-            tensors.update(read_safetensors(base + ".safetensors")[0])
-    else:
-        tensors, _ = read_safetensors(os.path.join(folder, "optimizer.safetensors"))
-    for name, t in tensors.items():
-        _, pid, k = name.split(".", 2)
-        state.setdefault(key(pid), {})[k] = t
-    for st in state.values():
-        if "step" in st and not torch.is_tensor(st["step"]) and not isinstance(optimizer, OffloadAdamW):
-            st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-    groups = []
-    for g in js["param_groups"]:
-        g = dict(g)
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-        g["params"] = [key(str(p)) for p in g["params"]]
-        groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 # ---- extras --------------------------------------------------------------------------------------
 def _check_extra(extra: dict) -> None:
     for k, v in extra.items():
@@ -230,14 +182,6 @@ def _save_extra(folder: str, extra: dict) -> None:
     rest = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
     write_json(os.path.join(folder, "extra.json"), rest)
     write_safetensors(os.path.join(folder, "extra.safetensors"), tensors, {"format": FORMAT})
-
-
-def _load_extra(folder: str) -> dict:
-    with open(os.path.join(folder, "extra.json")) as f:
-        out = json.load(f)
-    tensors, _ = read_safetensors(os.path.join(folder, "extra.safetensors"))
-    out.update({k: v.clone() for k, v in tensors.items()})
-    return out
 
 
 # ---- the folder ----------------------------------------------------------------------------------
@@ -293,10 +237,6 @@ def _publish(tmp: str, path: str) -> None:
     fsync_dir(parent)
 
 
-def _shard_name(rank: int, world: int) -> str:
-    return f"optimizer-{rank:05d}-of-{world:05d}"
-
-
 def _data_parallel(optimizer):
     from .optim import OffloadAdamW
 
@@ -322,7 +262,7 @@ def _save_distributed(path: str, model, optimizer, extra: dict, dp) -> str:
     tmp, err = box[0], None
     try:
         entries, js = _offload_entries(optimizer, owned_only=True)
-        shard = os.path.join(tmp, _shard_name(dp.rank, dp.world))
+        shard = os.path.join(tmp, shard_name(dp.rank, dp.world))
         write_safetensors(shard + ".safetensors", entries, {"format": FORMAT})
         write_json(shard + ".json", js["state"])
         if dp.rank == 0:
@@ -406,21 +346,20 @@ def save_checkpoint(path, model: torch.nn.Module, optimizer=None, **extra) -> st
 def load_checkpoint(path, model: torch.nn.Module, optimizer=None) -> dict:
     """Loads a folder written by save_checkpoint into `model` (strict: every key must match) and
     `optimizer` (if given; the model first, so that a bf16 model's fp32 masters are restored),
-    and returns the `extra` it was saved with. Nothing is unpickled. ValueError when `path` is
-    not a complete checkpoint."""
+    and returns the `extra` it was saved with. Nothing is unpickled. All or nothing: every file is
+    read and checked first (JSON type-checked, safetensors headers validated, keys, shapes and
+    dtypes against the model and the optimizer; _checkpoint_read.py), and only then installed, so
+    that a damaged or mismatched checkpoint raises with the model and the optimizer as they were.
+    ValueError naming the file and the key when `path` is not a complete checkpoint or does not
+    fit; FileNotFoundError naming the path of a missing folder or file."""
     path = _check_args("load_checkpoint", path, model, optimizer)
-    meta_path = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"load_checkpoint: {path} is not a complete ramstream checkpoint (no meta.json)")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or not meta.get("complete"):
-        raise ValueError(f"load_checkpoint: {path} is not a complete ramstream checkpoint ({meta})")
-    if meta.get("version", 0) > VERSION:
-        raise ValueError(
-            f"load_checkpoint: {path} has format version {meta['version']}; this ramstream reads <= {VERSION}"
-        )
-    _load_model(path, model)
-    if optimizer is not None:
-        _load_optimizer(path, optimizer)
-    return _load_extra(path)
+    meta = read_meta(path)
+    tensors = read_model(path, model)
+    state = read_optimizer(path, optimizer, meta) if optimizer is not None else None
+    extra = read_extra(path)
+    if state is not None and hasattr(optimizer, "synchronize"):
+        optimizer.synchronize()  # a pending update's failure surfaces before anything changes
+    model.load_state_dict(tensors)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    return extra

@@ -10,6 +10,8 @@ the resident switch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import weights_flat
@@ -110,17 +112,32 @@ def _set_master(opt, s, master: torch.Tensor) -> bool:
     return True
 
 
-def import_state(opt, param_groups: list[dict], sd: dict) -> None:
-    """Loads a torch-format AdamW state dict (ours or torch's); ValueError when it does not match."""
+def _saved_step(pid, step) -> int:
+    v = step.item() if torch.is_tensor(step) and step.numel() == 1 else step
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(
+            f"load_state_dict: 'step' of parameter {pid} must be a non-negative number, got {step!r}"
+        )
+    return int(v)
+
+
+def check_state(opt, param_groups: list[dict], sd: dict) -> list:
+    """import_state's checks, changing nothing: [(slot, its saved state)] for the slots to load.
+    ValueError when `sd` does not match the optimizer (load_checkpoint calls it before it installs
+    anything, so that a load is all-or-nothing)."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
     saved_groups = sd["param_groups"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(sd["state"], dict):
+        raise ValueError("load_state_dict: 'param_groups' must be a list and 'state' a dict")
     if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
             f"the optimizer {len(param_groups)}"
         )
     for i, (sg, g) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+            raise ValueError(f"load_state_dict: param group {i} must be a dict with a 'params' list")
         if (
             sg.get("amsgrad")
             or sg.get("maximize")
@@ -139,8 +156,7 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
     for sg in saved_groups:
         for pid in sg["params"]:
             id_map[pid] = len(id_map)
-    slots = opt._engine.slots
-    by_index = {s.index: s for s in slots}
+    by_index = {s.index: s for s in opt._engine.slots}
     staged = []
     for pid, st in sd["state"].items():
         if pid not in id_map:
@@ -148,6 +164,8 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         s = by_index.get(id_map[pid])
         if s is None:
             continue  # an empty parameter: nothing to load
+        if not isinstance(st, dict):
+            raise ValueError(f"load_state_dict: the state of parameter {pid} must be a dict")
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if key not in st:
                 raise ValueError(
@@ -165,14 +183,24 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                     f"load_state_dict: '{key}' of parameter {pid} has "
                     f"{st[key].numel()} elements, the parameter {s.numel}"
                 )
+        _saved_step(pid, st["step"])
         staged.append((s, st))
+    return staged
+
+
+def import_state(opt, param_groups: list[dict], sd: dict) -> None:
+    """Loads a torch-format AdamW state dict (ours or torch's); ValueError when it does not match
+    (check_state), and then nothing has changed."""
+    staged = check_state(opt, param_groups, sd)
+    slots = opt._engine.slots
+    saved_groups = sd["param_groups"]
     opt.synchronize()  # nothing is changed before every entry was checked
     stale = []
     with torch.no_grad():
         for s, st in staged:
             _, m, v = _slot_tensors(opt, s)
             if m is None:  # another data-parallel rank owns this state
-                _set_step(opt, s, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
+                _set_step(opt, s, _saved_step(None, st["step"]))
                 if "master" in st and not _set_master(opt, s, st["master"]):
                     stale.append(s)
                 continue
@@ -180,8 +208,7 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
                 src = src.detach().reshape(dst.shape)
                 if src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
-            step = st["step"]
-            _set_step(opt, s, int(step.item() if torch.is_tensor(step) else step))
+            _set_step(opt, s, _saved_step(None, st["step"]))
             if "master" in st and not _set_master(opt, s, st["master"]):
                 stale.append(s)
         loaded = {s.index for s, _ in staged}

@@ -1,5 +1,5 @@
-"""The safetensors files of a checkpoint folder, their headers validated against the file sizes
-before any tensor is read (a truncated file or offsets past the end name the file and tensor)."""
+"""The safetensors files of a checkpoint folder, their headers validated as the format requires
+before any tensor is read (_tensorfile.read_header: errors name the file and the tensor)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,17 @@ def checkpoint_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"load_model(): {index} is not a safetensors index ({e})") from None
+            with open(index, "rb") as f:
+                weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(
+                f"load_model(): {index} is not a safetensors index ({type(e).__name__}: {e})"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(
+                f"load_model(): {index}: 'weight_map' must be an object {{tensor name: file name}}, got "
+                f"{str(weight_map)[:80]}"
+            )
         names = list(dict.fromkeys(weight_map.values()))
         files = [os.path.join(folder, n) for n in names]
         missing = [f for f in files if not os.path.exists(f)]
@@ -47,7 +54,8 @@ def checkpoint_files(folder: str) -> list[str]:
 
 def read_header(path: str) -> tuple[dict[str, dict], int]:
     """({tensor name: {"dtype", "shape", "data_offsets"}}, file offset of the data) of a safetensors
-    file, checked against the file's size (_tensorfile.read_header); a tensor's bytes lie at
-    data offset + data_offsets. ValueError naming the file (and the tensor) otherwise."""
+    file, validated as the format requires (_tensorfile.read_header: offsets contiguous, covering
+    the data exactly, sizes matching dtype x shape); a tensor's bytes lie at data offset +
+    data_offsets. ValueError naming the file (and the tensor) otherwise."""
     header, _meta, start = _tensorfile.read_header(path, "load_model()")
     return header, start

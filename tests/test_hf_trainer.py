@@ -395,4 +395,29 @@ def test_wrap_hf_trains_like_torch_with_tied_streamed_embeddings():
     assert l_streamed == l_plain
     assert all(torch.equal(a, b) for a, b in zip(_params(plain).values(), _params(streamed).values()))
     assert l_plain == pytest.approx(l_torch, rel=1e-4)
+
+
+def test_a_nan_batch_skips_its_step_with_a_warning(root, tmp_path):
+    """OffloadTrainer skips a step whose gradients are not finite (skip_nonfinite defaults to True
+    there): training goes on, the weights stay finite, the count is in the logs. The stock
+    Trainer, clipping by a NaN norm, would make every weight NaN."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(_llama_dir(root))
+    calls = []
+    weight = model.model.layers[1].mlp.up_proj.weight
+    weight.register_hook(lambda g: (calls.append(1), g * float("nan") if len(calls) == 3 else g)[1])
+    with pytest.warns(RuntimeWarning, match=r"skipped: the global gradient norm is nan"):
+        t = _run(
+            OffloadTrainer,
+            model,
+            tmp_path,
+            _data(40),
+            max_steps=4,
+            eval_strategy="no",
+            ramstream={"device": "cpu"},
+        )
+    assert len(calls) == 8  # 4 steps x 2 micro-batches; the poisoned one is in step 2
+    logs = [e for e in t.state.log_history if "ramstream_skipped_steps" in e]
+    assert logs and logs[-1]["ramstream_skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert ramstream.memory_report(t.model)["optimizer"]["stats"]["skipped_steps"] == 1
     assert ramstream.memory_report(streamed)["params"]["streamed_blocks"] == [0, 1]

@@ -68,7 +68,7 @@ VALID = {
     "device": st.sampled_from([None, "cpu", torch.device("cpu")]),
     "distributed": st.sampled_from([None, False]),
     "guard_params": st.booleans(),
-    "max_grad_norm": st.one_of(st.none(), st.floats(1e-6, 1e6)),
+    "max_grad_norm": st.one_of(st.none(), st.floats(1e-6, 1e6), st.just(float("inf"))),
     "accumulation_steps": st.integers(1, 3),
     "moment_dtype": st.sampled_from(
         ["auto", "float32", "fp32", "bfloat16", "bf16", torch.float32, torch.bfloat16]
@@ -80,6 +80,7 @@ VALID = {
     "vram_headroom": st.floats(0, 0.99),
     "max_inflight_bytes": st.one_of(st.none(), st.integers(1 << 20, 1 << 40)),
     "eager_updates": st.booleans(),
+    "skip_nonfinite": st.booleans(),
     "activation_offload": st.one_of(st.booleans(), st.just("auto"), st.floats(0, 1)),
     "prefetch_depth": st.integers(1, 8),
     "min_offload_bytes": st.integers(0, 1 << 30),
@@ -220,7 +221,7 @@ OPT_VALID = {
     "eps": st.floats(1e-12, 1),
     "weight_decay": st.floats(0, 1),
     "mode": st.sampled_from(["cpu", "auto"]),
-    "max_grad_norm": st.one_of(st.none(), st.floats(1e-6, 1e6)),
+    "max_grad_norm": st.one_of(st.none(), st.floats(1e-6, 1e6), st.just(float("inf"))),
     "accumulation_steps": st.integers(1, 3),
     "moment_dtype": st.sampled_from(["float32", "bf16", torch.bfloat16]),
     "threads": st.one_of(st.none(), st.integers(1, 3)),

@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from . import functional  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .env import check_core as _check_env  # noqa: E402
+from .engine.nonfinite import NonFiniteGradientError  # noqa: E402
 from .frontends.offload_model import OffloadModel, StepResult, offload_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .engine.nonfinite import NonFiniteGradientError
 from .ops import _adamw_rules as _rules
 from .options import (
     parse_accumulation_steps,
@@ -82,6 +83,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             False defers every update to step(), so a backward pass that raises leaves weights
             and optimizer state untouched, at the cost of that overlap. With max_grad_norm the
             updates wait for step() either way.
+        skip_nonfinite: what step() does when the global gradient norm it computes (max_grad_norm,
+            clip_grad_norm_) is NaN or Inf: either way no update is applied (weights, masters,
+            moments and step counts stay as they were, the gradients are dropped, the next step
+            trains); False (default) raises NonFiniteGradientError naming the norm and the
+            parameters, True skips with a RuntimeWarning. Counted in stats()["skipped_steps"].
+            Without a norm (no max_grad_norm, no clip_grad_norm_) gradients are not checked and,
+            as with torch.optim.AdamW, a NaN gradient makes NaN weights; max_grad_norm=
+            float("inf") checks every step without clipping.
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         distributed: bool = False,
         seed: int = 0,
         eager_updates: bool = True,
+        skip_nonfinite: bool = False,
         _order=None,
         _log=None,
         _streamed=None,
@@ -124,6 +134,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             ("guard_params", guard_params),
             ("eager_updates", eager_updates),
             ("distributed", distributed),
+            ("skip_nonfinite", skip_nonfinite),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
@@ -206,6 +217,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             log=_log,
             eager_updates=eager_updates,
             streamed=_streamed,
+            skip_nonfinite=skip_nonfinite,
         )
         from .engine.refine import make_refiner
 
@@ -250,13 +262,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._check_first_gradients()
         try:
             if self._resident is not None:
-                self._resident.step()
+                stepped = self._resident.step()
             else:
-                self._engine.step()
+                stepped = self._engine.step()
+        except NonFiniteGradientError:
+            self._after_step()  # the step's passes completed: their bookkeeping as after any step
+            raise
         except BaseException:
             for fn in self._zero_grad_callbacks:  # the failed step's pooled buffers go back
                 fn(failed=True)
             raise
+        if not stepped:  # skipped (non-finite gradients, skip_nonfinite): no update, no count
+            self._after_step()
+            return loss
         if self._resident is not None:
             self._engine.stats["steps"] += 1
             self._after_step()

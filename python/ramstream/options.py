@@ -43,14 +43,10 @@ def parse_moment_dtype(value: Any, *, allow_auto: bool = True, where: str = "wra
 def parse_max_grad_norm(value: Any, where: str = "wrap(): option") -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         raise ValueError(
-            f"{where} max_grad_norm={value!r} is not accepted; accepted: None or a finite number > 0"
+            f"{where} max_grad_norm={value!r} is not accepted; accepted: None or a number > 0 "
+            "(float('inf'): the global norm is taken and checked for NaN/Inf, nothing is clipped)"
         )
     return float(value)
 
@@ -101,6 +97,7 @@ class WrapOptions:
     vram_headroom: float = 0.10
     max_inflight_bytes: int | None = None
     eager_updates: bool = True
+    skip_nonfinite: bool = False
     activation_offload: Any = False
     prefetch_depth: int = 1
     min_offload_bytes: int = 1 << 20
@@ -143,7 +140,15 @@ class WrapOptions:
             raise _fail("distributed", o.distributed, "None (auto), True, False")
         o.param_offload = parse_param_offload(o.param_offload)
         o.activation_checkpointing = parse_checkpointing(o.activation_checkpointing)
-        for name in ("guard_params", "verbose", "eager_updates", "check_memory", "profile", "watchdog"):
+        for name in (
+            "guard_params",
+            "verbose",
+            "eager_updates",
+            "skip_nonfinite",
+            "check_memory",
+            "profile",
+            "watchdog",
+        ):
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")
         o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)

@@ -294,6 +294,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         max_inflight_bytes=opts.max_inflight_bytes,
         distributed=use_dp,
         eager_updates=opts.eager_updates,
+        skip_nonfinite=opts.skip_nonfinite,
         _order=_forward_order(model),
         _log=log,
         _streamed=streamed,

@@ -158,7 +158,8 @@ def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
     if options.get("blocks") is None:
         options["blocks"] = find_decoder_layers(model)
     model, opt = wrap(model, optimizer, **options)
-    return model, opt, loss_fn
+    model.__dict__["ramstream_loss"] = loss_fn  # not a submodule: state_dict() and .to() skip it
+    return (model, opt, loss_fn) if return_loss else (model, opt)
 
 
 # ---- the Trainer ---------------------------------------------------------------------------------
@@ -182,7 +183,8 @@ class RamstreamCallback(transformers.TrainerCallback):
     def metrics(model, optimizer) -> dict[str, float]:
         """ramstream_vram_alloc_gb (device memory torch has allocated now), ramstream_host_state_gb
         (fp32 masters, moments and accumulation sums in host RAM), ramstream_d2h_gb (gradient
-        bytes copied to the host since training began), and TrainStream's ts_ names for them."""
+        bytes copied to the host since training began), ramstream_skipped_steps (steps skipped
+        for non-finite gradients), and TrainStream's ts_ names for them."""
         dev = optimizer._engine.device
         vram = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         rep = memory_report(model)["optimizer"]
@@ -207,6 +209,7 @@ class _PlacedByWrap:
 
     def __enter__(self):
         if self.cls is not None:
+            "ramstream_skipped_steps": rep["stats"]["skipped_steps"],
             self.args.__class__ = type(self.cls.__name__, (self.cls,), {"place_model_on_device": False})
 
     def __exit__(self, *exc) -> None:
@@ -317,6 +320,7 @@ class OffloadTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if (
             not self.chunked_loss
+        opts.setdefault("skip_nonfinite", True)  # a NaN batch skips its step with a warning
             or return_outputs  # evaluation wants the logits
             or "labels" not in inputs
             or self.label_smoother is not None

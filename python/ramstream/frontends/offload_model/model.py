@@ -303,6 +303,9 @@ class OffloadModel(torch.nn.Module):
                 the updates then wait for opt.step() (the norm needs every gradient) and overlap
                 only the next forward. torch.nn.utils.clip_grad_norm_(model.parameters(), n)
                 between model.step() and opt.step() needs max_grad_norm or eager_updates=False.
+            skip_nonfinite: a step whose global norm (max_grad_norm, clip_grad_norm_) is NaN or
+                Inf applies no update either way; False (default) raises
+                ramstream.NonFiniteGradientError, True skips with a RuntimeWarning.
             eager_updates: True (default): the updates of the last micro-batch's model.step()
                 (with accumulation_steps=1: every model.step()) run during its backward, and
                 opt.step() only closes the step; False: they run at opt.step() (queued in forward

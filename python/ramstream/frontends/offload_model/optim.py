@@ -20,7 +20,15 @@ import torch
 
 from ...optim import OffloadAdamW
 
-_OPTIONS = ("moment_dtype", "accumulation_steps", "max_grad_norm", "eager_updates", "threads", "bucket_bytes")
+_OPTIONS = (
+    "moment_dtype",
+    "accumulation_steps",
+    "max_grad_norm",
+    "skip_nonfinite",
+    "eager_updates",
+    "threads",
+    "bucket_bytes",
+)
 
 
 class OffloadModelAdamW(OffloadAdamW):

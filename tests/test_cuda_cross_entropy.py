@@ -130,3 +130,19 @@ def test_the_kernels_are_used_on_cuda():
     assert ce.usable(torch.device("cuda"), torch.bfloat16)
     assert not ce.usable(torch.device("cuda"), torch.float64)
     assert not ce.usable(torch.device("cpu"), torch.float32)
+
+
+def test_a_target_outside_the_vocab_gives_nan_not_another_rows_logit():
+    """The forward kernel reads a row's target logit only for a target in [0, vocab): one outside
+    makes that row's loss NaN (torch would stop at a device-side assert), never a logit read from
+    another row or past the tensor."""
+    x, t = _logits(6, 1001, torch.float32)
+    t[2], t[4] = 1001, -3
+    lse, tl = ce.forward(x, t)
+    assert torch.isnan(tl[2]) and torch.isnan(tl[4])
+    ok = torch.tensor([0, 1, 3, 5], device="cuda")
+    assert torch.equal(tl[ok], x.gather(1, t[ok, None]).squeeze(1).float())
+    hidden = torch.randn(4, 16, device="cuda")
+    weight = torch.randn(1001, 16, device="cuda")
+    loss = chunked_cross_entropy(hidden, weight, torch.tensor([1, 2, 5000, 3], device="cuda"))
+    assert torch.isnan(loss)

@@ -87,7 +87,10 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       if (lane == 0) {
         lse[r] = a.m == -INFINITY ? -INFINITY : a.m + logf(a.s);
-        target_logit[r] = load<T>(logits, base + targets[r]);
+        // a target outside [0, vocab) reads nothing: its loss is NaN (never another row's logit);
+        // chunked_cross_entropy then names the bad target (loss.py, _check_range)
+        const std::int64_t t = targets[r];
+        target_logit[r] = (t >= 0 && t < vocab) ? load<T>(logits, base + t) : NAN;
       }
     }
     __syncthreads();  // warp_part is reused by the next row

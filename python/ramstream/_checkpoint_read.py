@@ -349,16 +349,12 @@ def read_optimizer(folder: str, optimizer, meta: dict) -> dict:
 
 def _offload_checks(optimizer, sd: dict) -> None:
     """What OffloadAdamW.load_state_dict checks before it changes anything, run here before the
-    model is installed: the value rules of optim_checks.check_state_dict (hyper-parameters, steps,
-    second moments; where this tree has them) and the engine's match (engine.state.check_state)."""
+    model is installed: the value rules (optim_checks.check_state_dict: hyper-parameters, steps,
+    second moments) and the match with the engine (engine.state.check_state)."""
     from .engine.state import check_state
+    from .optim_checks import check_state_dict
 
-    try:
-        from .optim_checks import check_state_dict
-    except ImportError:  # pragma: no cover - a tree without the value rules
-        check_state_dict = None
-    if check_state_dict is not None:
-        check_state_dict(sd, optimizer.param_groups)
+    check_state_dict(sd, optimizer.param_groups)
     check_state(optimizer, optimizer.param_groups, sd)
 
 

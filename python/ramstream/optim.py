@@ -407,10 +407,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         return s
 
-    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Hooks `model` (whose parameters this optimizer holds) as wrap() does, so a plain
-        loop trains exactly as after wrap(): forward waits, names, state-dict and .to() hooks;
-        ramstream.unwrap(model) undoes it. Returns the model."""
+    def attach(self, model: torch.nn.Module) -> "OffloadAdamW":
+        """Hooks `model` (whose parameters this optimizer holds) in place as wrap() does, so a
+        plain loop trains exactly as after wrap(): forward waits, names, state-dict and .to()
+        hooks; ramstream.unwrap(model) undoes it. Returns this optimizer, so that
+        ``opt = OffloadAdamW(model.parameters()).attach(model)`` chains (TrainStream's idiom)."""
         from .options import WrapOptions
         from .report import EventLog
         from .runtime.attach import attach_model
@@ -444,7 +445,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
         attach_model(model, self, opts, log, recompute=recompute)
         log(f"attached: {len(self._engine.slots)} parameters in {len(self._engine.buckets)} buckets")
-        return model
+        return self
 
     @property
     def attached(self) -> bool:
@@ -464,6 +465,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     @property
     def max_grad_norm(self) -> float | None:
         return self._max_grad_norm
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm max_grad_norm took at the last step (TrainStream's name);
+        None before one, without max_grad_norm, or once resident."""
+        return None if self._resident is not None else self._engine.last_grad_norm
 
     @property
     def resident(self) -> bool:

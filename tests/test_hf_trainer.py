@@ -346,7 +346,7 @@ def test_find_decoder_layers_and_the_loss_helper(kind):
     model.eval()
     ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_n = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(7)).loss
-    m, opt, loss_fn = wrap_hf(model, device="cpu", loss_chunk_size=5)
+    m, opt, loss_fn = wrap_hf(model, device="cpu", loss_chunk_size=5, return_loss=True)
     got = loss_fn(input_ids=ids, attention_mask=mask, labels=labels)
     got_n = loss_fn(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(7))
     assert torch.allclose(got, ref, atol=1e-5) and torch.allclose(got_n, ref_n, atol=1e-5)
@@ -374,9 +374,10 @@ def test_wrap_hf_trains_like_torch_with_tied_streamed_embeddings():
         if offload is None:  # torch's own loop, the same loss function
             opt, loss_fn = torch.optim.AdamW(m.parameters(), lr=3e-3, foreach=False), CausalLMLoss(m)
         else:
-            m, opt, loss_fn = wrap_hf(
+            m, opt = wrap_hf(
                 m, torch.optim.AdamW(m.parameters(), lr=3e-3), device="cpu", param_offload=offload
             )
+            loss_fn = m.ramstream_loss
             assert m.lm_head.weight is m.transformer.wte.weight
         losses = []
         for step in range(6):
@@ -395,6 +396,7 @@ def test_wrap_hf_trains_like_torch_with_tied_streamed_embeddings():
     assert l_streamed == l_plain
     assert all(torch.equal(a, b) for a, b in zip(_params(plain).values(), _params(streamed).values()))
     assert l_plain == pytest.approx(l_torch, rel=1e-4)
+    assert ramstream.memory_report(streamed)["params"]["streamed_blocks"] == [0, 1]
 
 
 def test_a_nan_batch_skips_its_step_with_a_warning(root, tmp_path):
@@ -420,4 +422,3 @@ def test_a_nan_batch_skips_its_step_with_a_warning(root, tmp_path):
     assert logs and logs[-1]["ramstream_skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     assert ramstream.memory_report(t.model)["optimizer"]["stats"]["skipped_steps"] == 1
-    assert ramstream.memory_report(streamed)["params"]["streamed_blocks"] == [0, 1]

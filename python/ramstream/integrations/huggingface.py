@@ -35,6 +35,9 @@ __all__ = [
     "wrap_hf",
     "find_decoder_layers",
     "load_model",
+    # TrainStream's names
+    "decoder_layers",
+    "lm_head_of",
 ]
 
 logger = logging.getLogger("ramstream")
@@ -84,6 +87,16 @@ def find_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from ..activations.blocks import find_blocks
 
     return find_blocks(base)
+
+
+decoder_layers = find_decoder_layers  # TrainStream's name
+
+
+def lm_head_of(model: torch.nn.Module):
+    """The model's nn.Linear output layer when its logits are plain hidden @ weight.T (+ bias), so
+    the chunked loss applies; None otherwise (TrainStream's name)."""
+    lm = _unpeft(model)
+    return None if _chunkable(lm) else lm.get_output_embeddings()
 
 
 def _chunkable(lm) -> str | None:
@@ -137,13 +150,17 @@ class CausalLMLoss:
         )
 
 
-def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
+def wrap_hf(model: torch.nn.Module, optimizer=None, *, return_loss: bool = False, **options):
     """ramstream.wrap() for a Hugging Face causal LM (or a peft model of one): the decoder layers
     become wrap()'s blocks (unless blocks= is given), tied input/output embeddings stay one
-    parameter, and "loss_chunk_size" (default 1024) sizes the returned loss helper.
-    Returns (model, optimizer, loss_fn) with loss_fn as CausalLMLoss (chunked, HF's semantics)."""
+    parameter, and "loss_chunk_size" (default 1024) sizes the loss helper.
+    Returns (model, optimizer), as wrap() and TrainStream's wrap_hf do; with return_loss=True,
+    (model, optimizer, loss_fn) with loss_fn a CausalLMLoss (chunked, HF's semantics). The helper
+    is also ``model.ramstream_loss`` either way."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap_hf: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(return_loss, bool):
+        raise ValueError(f"wrap_hf: return_loss={return_loss!r}; accepted: True, False")
     chunk = options.pop("loss_chunk_size", 1024)
     loss_fn = CausalLMLoss(model, chunk)  # checks the chunk size before anything changes
     lm = _unpeft(model)
@@ -192,6 +209,7 @@ class RamstreamCallback(transformers.TrainerCallback):
             "ramstream_vram_alloc_gb": vram / 1e9,
             "ramstream_host_state_gb": rep["host_state_bytes"] / 1e9,
             "ramstream_d2h_gb": rep["stats"]["bytes_d2h"] / 1e9,
+            "ramstream_skipped_steps": rep["stats"]["skipped_steps"],
         }
         out.update({"ts_" + k[len("ramstream_") :]: v for k, v in list(out.items())})
         return out
@@ -209,7 +227,6 @@ class _PlacedByWrap:
 
     def __enter__(self):
         if self.cls is not None:
-            "ramstream_skipped_steps": rep["stats"]["skipped_steps"],
             self.args.__class__ = type(self.cls.__name__, (self.cls,), {"place_model_on_device": False})
 
     def __exit__(self, *exc) -> None:
@@ -221,7 +238,8 @@ class OffloadTrainer(transformers.Trainer):
     """transformers.Trainer with ramstream's optimizer. ramstream={...} takes any wrap() option
     plus "chunked_loss" (default True: causal_lm_loss, so the full logits never exist; False:
     the model's own loss), "loss_chunk_size" (default 1024) and "atomic_checkpoints" (default
-    True: each checkpoint-N folder appears only when complete). TrainingArguments' learning rate,
+    True: each checkpoint-N folder appears only when complete). chunked_loss_used counts the
+    losses computed chunked. TrainingArguments' learning rate,
     weight decay, betas, eps, warm-up/schedule, gradient_accumulation_steps and max_grad_norm
     apply as with the stock Trainer (max_grad_norm and accumulation become wrap()'s
     max_grad_norm and accumulation_steps). fp16=True is refused (bf16 or fp32)."""
@@ -268,6 +286,7 @@ class OffloadTrainer(transformers.Trainer):
         WrapOptions.parse(**opts)  # an unknown option or value fails here, not at train()
         self.ramstream_options = opts
         self.chunked_loss, self.loss_chunk_size = chunked, chunk
+        self.chunked_loss_used = 0  # training steps' micro-batches whose loss was chunked
         self.ramstream_callback = RamstreamCallback()
         self._ramstream_loss = None
         callbacks = list(kwargs.pop("callbacks", None) or []) + [self.ramstream_callback]
@@ -301,6 +320,7 @@ class OffloadTrainer(transformers.Trainer):
         a = self.args
         opts = dict(self.ramstream_options)
         opts["accumulation_steps"] = int(a.gradient_accumulation_steps)
+        opts.setdefault("skip_nonfinite", True)  # a NaN batch skips its step with a warning
         if a.max_grad_norm is not None and a.max_grad_norm > 0:
             opts["max_grad_norm"] = float(a.max_grad_norm)
         else:  # the Trainer still measures the norm (clip_grad_norm_ with inf): updates wait for step()
@@ -320,7 +340,6 @@ class OffloadTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if (
             not self.chunked_loss
-        opts.setdefault("skip_nonfinite", True)  # a NaN batch skips its step with a warning
             or return_outputs  # evaluation wants the logits
             or "labels" not in inputs
             or self.label_smoother is not None
@@ -338,6 +357,7 @@ class OffloadTrainer(transformers.Trainer):
         kw = {"num_items_in_batch": num_items_in_batch} if self.model_accepts_loss_kwargs else {}
         with self.accelerator.autocast():
             loss = self._ramstream_loss(labels, **kw, **inputs)
+        self.chunked_loss_used += 1
         if (
             self.args.average_tokens_across_devices
             and self.model_accepts_loss_kwargs
@@ -372,3 +392,19 @@ class TrainStreamTrainer(OffloadTrainer):
                 f"TrainStreamTrainer: trainstream= must be a dict of wrap() options, got {type(trainstream).__name__}"
             )
         super().__init__(*args, ramstream=trainstream if trainstream is not None else ramstream, **kwargs)
+
+    # TrainStream's public attributes (chunked_loss, loss_chunk_size and chunked_loss_used are
+    # OffloadTrainer's own, under the same names)
+    @property
+    def trainstream_config(self) -> dict:
+        """The wrap() options given (trainstream= or ramstream=), without the Trainer's own keys
+        (chunked_loss, loss_chunk_size, atomic_checkpoints): ramstream_options."""
+        return self.ramstream_options
+
+    @property
+    def ts_optimizer(self):
+        """The OffloadAdamW once create_optimizer() ran (train() runs it), else None."""
+        from ..optim import OffloadAdamW
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        return opt if isinstance(opt, OffloadAdamW) else None

@@ -218,7 +218,7 @@ def test_lora_blocks_are_found_through_peft_and_paging_is_exact():
     assert la == lb
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
-    assert rb["params"]["paged_blocks"] == [0, 1, 2]
+    assert rb["activations"]["paged_blocks"] == [0, 1, 2]
     assert rb["plan"]["activations"]["stats"]["bytes_d2h"] > 0
 
 
@@ -255,8 +255,8 @@ def test_paging_every_block_is_bit_identical(make, checkpoint):
     assert la == lb
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
-    assert ra["params"]["paged_blocks"] == []
-    assert rb["params"]["paged_blocks"] == [0, 1, 2]
+    assert ra["activations"]["paged_blocks"] == []
+    assert rb["activations"]["paged_blocks"] == [0, 1, 2]
     stats = rb["plan"]["activations"]["stats"]
     assert stats["bytes_d2h"] > 0 and stats["bytes_h2d"] == stats["bytes_d2h"]
     if checkpoint is not None:  # and checkpointing changes nothing either

@@ -107,8 +107,8 @@ def test_prefer_speed_trains_like_peft_within_rounding(monkeypatch):
     common = dict(device="cpu", quantize="nf4", quant_block_size=32, param_offload=False)
     f, fopt = ramstream.wrap(fused, _opt(fused), prefer="speed", **common)
     p, popt = ramstream.wrap(plain, _opt(plain), prefer="exact", **common)
-    assert ramstream.memory_report(f)["params"]["quantize"]["lora_fused"] == 21
-    assert ramstream.memory_report(p)["params"]["quantize"].get("lora_fused") is None
+    assert ramstream.memory_report(f)["params"]["quantization"]["lora_fused"] == 21
+    assert ramstream.memory_report(p)["params"]["quantization"].get("lora_fused") is None
     assert sum(is_fused(m) for m in f.modules()) == 21 and not any(is_fused(m) for m in p.modules())
     for i in range(4):
         losses = []
@@ -182,7 +182,7 @@ def test_prefer_speed_trains_like_peft_cuda():
     common = dict(device="cuda", quantize="nf4", quant_block_size=32, param_offload=False)
     f, fopt = ramstream.wrap(fused.cuda(), _opt(fused), prefer="speed", **common)
     p, popt = ramstream.wrap(plain.cuda(), _opt(plain), prefer="exact", **common)
-    assert ramstream.memory_report(f)["params"]["quantize"]["lora_fused"] == 21
+    assert ramstream.memory_report(f)["params"]["quantization"]["lora_fused"] == 21
     for i in range(3):
         losses = []
         for mdl, o in ((f, fopt), (p, popt)):

@@ -138,7 +138,7 @@ def test_memory_report_plan_counts_the_streamed_packed_bytes():
     # the streamed bytes: the packed buffers plus the blocks' parameters (norms, LoRA), padded
     params = sum(p.nbytes for k in (0, 2) for p in m.base_model.model.model.layers[k].parameters())
     assert want + params <= plan["streamed_bytes"] <= want + params + 512 * 64
-    q = rep["params"]["quantize"]
+    q = rep["params"]["quantization"]
     assert q["packed_streamed_bytes"] == want and q["bytes_after"] > want  # block 1's codes resident
     assert any("packed quantized codes" in e for e in rep["events"])
     ramstream.unwrap(m)

@@ -139,7 +139,7 @@ def test_flat_peaks_move_nothing():
         "step": 10, "peak_bytes": 900, "usable_bytes": 1000, "trigger_bytes": 950
     }  # fmt: skip
     assert not any(str(h.get("change", "")).startswith("watchdog") for h in report["plan"]["history"])
-    assert report["params"]["paged_blocks"] == [] and not any("watchdog" in x for x in report["events"])
+    assert report["activations"]["paged_blocks"] == [] and not any("watchdog" in x for x in report["events"])
     ramstream.unwrap(model)
 
 
@@ -161,7 +161,7 @@ def test_growth_after_settling_pages_more_blocks_and_stays_bit_identical():
     assert acts[0]["peaks"] == [[3, 800], [4, 800], [5, 960]] and acts[0]["reason"] == "peak"
     assert acts[1]["moves"][0]["blocks"] == [1] and acts[1]["moves"][0]["bytes"] > 0
     report = ramstream.memory_report(model)
-    assert report["params"]["paged_blocks"] == [0, 1] and report["activations"]["packed_bytes"] > 0
+    assert report["activations"]["paged_blocks"] == [0, 1] and report["activations"]["packed_bytes"] > 0
     assert report["plan"]["watchdog"]["actions"] == acts and not report["plan"]["watchdog"]["exhausted"]
     assert all(a in report["plan"]["history"] for a in acts)
     assert any("watchdog after step 5" in x and "blocks [0] page" in x for x in report["events"])

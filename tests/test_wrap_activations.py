@@ -28,7 +28,7 @@ def test_paging_is_bit_exact_and_follows_the_option(setting, paged):
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a.detach(), b.detach())
     r = ramstream.memory_report(model)
-    assert r["params"]["paged_blocks"] == paged
+    assert r["activations"]["paged_blocks"] == paged
     if paged:
         assert r["plan"]["activations"]["stats"]["bytes_d2h"] > 0
 
@@ -36,7 +36,7 @@ def test_paging_is_bit_exact_and_follows_the_option(setting, paged):
 def test_auto_on_the_cpu_engine_pages_nothing():
     model, _ = _run(make_model(0), activation_offload="auto")
     r = ramstream.memory_report(model)
-    assert r["params"]["paged_blocks"] == []
+    assert r["activations"]["paged_blocks"] == []
     assert any("no VRAM to save" in e for e in r["events"])
 
 
@@ -44,7 +44,7 @@ def test_explicit_blocks_and_unwrap_detaches():
     model = make_model(0)
     model, opt = ramstream.wrap(model, lr=1e-3, activation_offload=True, blocks=[model.blocks[2]])
     train_torch(model, opt, batches(2))
-    assert ramstream.memory_report(model)["params"]["paged_blocks"] == [0]
+    assert ramstream.memory_report(model)["activations"]["paged_blocks"] == [0]
     ramstream.unwrap(model)
     x, y = batches(1)[0]
     model(x, y).backward()  # no saved-tensor hooks left behind

@@ -61,10 +61,10 @@ def test_wrap_quantize_trains_like_the_dequantized_base(fmt, stream):
     m, opt = ramstream.wrap(model, _train(model)[1], quantize=fmt, quant_block_size=32, **common)
     r, ropt = ramstream.wrap(ref, _train(ref)[1], quantize="none", **common)
     assert sum(is_quantized(x) for x in m.modules()) == 21
-    rep = ramstream.memory_report(m)["params"]["quantize"]
+    rep = ramstream.memory_report(m)["params"]["quantization"]
     assert rep["format"] == fmt and rep["tensors"] == 21
     assert rep["bytes_saved"] == rep["bytes_before"] - rep["bytes_after"] > 0
-    assert ramstream.memory_report(r)["params"]["quantize"] is None
+    assert ramstream.memory_report(r)["params"]["quantization"] is None
     if stream:
         assert ramstream.memory_report(m)["params"]["streamed_blocks"] == [0, 1, 2]
     for i in range(3):
@@ -88,7 +88,7 @@ def test_wrap_quantize_trains_like_the_dequantized_base(fmt, stream):
 def test_auto_never_quantizes_on_the_cpu_engine():
     model = _lora(_llama().requires_grad_(False))
     m, _ = ramstream.wrap(model, device="cpu", param_offload=False)
-    rep = ramstream.memory_report(m)["params"]["quantize"]
+    rep = ramstream.memory_report(m)["params"]["quantization"]
     assert rep["format"] is None and "CPU engine" in rep["reason"]
     assert not any(is_quantized(x) for x in m.modules())
     ramstream.unwrap(m)
@@ -134,7 +134,7 @@ def test_cuda_auto_speed_picks_nf4_when_it_keeps_every_block_resident(monkeypatc
         activation_checkpointing=False,
     )
     monkeypatch.setattr(hw, "gpu_memory", real)
-    rep = ramstream.memory_report(m)["params"]["quantize"]
+    rep = ramstream.memory_report(m)["params"]["quantization"]
     assert rep["format"] == "nf4", rep
     r, ropt = ramstream.wrap(
         ref, device="cuda", quantize="none", param_offload=False, activation_checkpointing=False

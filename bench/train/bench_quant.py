@@ -170,7 +170,7 @@ def _train(args, cfg: dict, res: dict) -> None:
     _sync(dev)
     res["setup_s"] = time.perf_counter() - t0
     rep = ramstream.memory_report(model)
-    res["quantize"] = rep["params"]["quantize"]
+    res["quantize"] = rep["params"]["quantization"]
     res["streamed_blocks"] = len(rep["params"]["streamed_blocks"])
     res["plan_weights"] = rep["plan"].get("weights")
     res["rss_after_setup_gib"] = _rss_gib()

@@ -21,10 +21,83 @@ class EventLog:
             print(f"ramstream: {msg}", flush=True)
 
 
+def _blocks(w) -> list:
+    from .blocks import find_blocks
+
+    if w.options.blocks is not None:
+        return list(w.options.blocks)
+    try:
+        return find_blocks(w.model)
+    except ValueError:
+        return []
+
+
+def _trainstream_keys(w, stats: dict, act: dict) -> dict:
+    """TrainStream 0.4.1's keys with its meanings, where ramstream's own keys differ
+    (docs/compat.md): params.paged_blocks are the blocks whose weights stream from host RAM,
+    params.quantize the format; transfers, pinned, gpu and resident at the top."""
+    from .ops.memory import memory_stats
+    from .quant.packed import is_quantized
+
+    streamer = w.streamer
+    stream = streamer.stats if streamer is not None else {}
+    blocks = _blocks(w)
+    quantized = [i for i, b in enumerate(blocks) if any(is_quantized(m) for m in b.modules())]
+    q = w.plan.get("quantize")
+    params = {
+        "paged_blocks": [b.index for b in streamer.blocks] if streamer is not None else [],
+        "paged_bytes": streamer.home_bytes()["streamed_bytes"] if streamer is not None else 0,
+        "total_blocks": len(blocks),
+        "load_bytes": stream.get("bytes_h2d", 0),
+        "releases": stream.get("evictions", 0),
+        "quantize": q.get("format") if isinstance(q, dict) else None,
+        "quantized_blocks": quantized,
+        "quantized_bytes": q.get("bytes_after", 0) if isinstance(q, dict) else 0,
+    }
+    d2h = stats["bytes_d2h"] + act.get("bytes_d2h", 0)
+    h2d = stats["bytes_h2d"] + act.get("bytes_h2d", 0) + stream.get("bytes_h2d", 0)
+    ms = memory_stats()
+    dev = w.optimizer._engine.device
+    cuda = dev.type == "cuda"
+    return {
+        "params": params,
+        "activations": {
+            "offloaded_blocks": list(act.get("paged_blocks", [])),
+            "total_blocks": len(blocks),
+        },
+        # bytes each way over the link (host memcpy on the CPU engine): gradients, weight uploads,
+        # activation paging, streamed weights; copies: activation copies and block loads
+        "transfers": {
+            "bytes_d2h": d2h,
+            "bytes_h2d": h2d,
+            "copies_d2h": act.get("copies_d2h", 0),
+            "copies_h2d": act.get("copies_h2d", 0) + stream.get("loads", 0),
+        },
+        "pinned": {
+            "live_bytes": ms["bytes_in_use"],
+            "peak_live_bytes": ms["peak_bytes_in_use"],
+            "cached_bytes": ms["bytes_cached"],
+            "reserved_bytes": ms["bytes_pinned"],
+            "host_alloc_calls": ms["pin_calls"],
+            "host_free_calls": ms["unpin_calls"],
+            "cache_hits": ms["reuse_hits"],
+        },
+        "gpu": {
+            "allocated": torch.cuda.memory_allocated(dev) if cuda else 0,
+            "reserved": torch.cuda.memory_reserved(dev) if cuda else 0,
+            "peak_allocated": torch.cuda.max_memory_allocated(dev) if cuda else 0,
+        },
+        "resident": w.optimizer.resident,
+    }
+
+
 def memory_report(model: torch.nn.Module) -> dict:
     """What ramstream decided and holds for a wrapped model: events, params, activations,
-    optimizer, plan. TrainStream's keys are always there, empty or zero where ramstream lacks
-    the feature: params.loads (weight paging), params.quantize."""
+    optimizer, plan; and TrainStream 0.4.1's keys with its meanings (docs/compat.md): params
+    (paged_blocks: blocks whose weights stream from host RAM, loads, load_bytes, releases,
+    paged_bytes, total_blocks, quantize: None, "int8" or "nf4", quantized_blocks,
+    quantized_bytes), activations (offloaded_blocks, total_blocks, packed_bytes), transfers,
+    pinned, gpu, resident; empty or zero where ramstream lacks the feature."""
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
@@ -37,6 +110,7 @@ def memory_report(model: torch.nn.Module) -> dict:
     landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
     stats = w.optimizer.stats()
     act = w.activations.off.stats() if w.activations is not None else {}
+    ts = _trainstream_keys(w, stats, act)
     return {
         "events": list(w.log.lines),
         "params": {
@@ -45,16 +119,22 @@ def memory_report(model: torch.nn.Module) -> dict:
             "device": str(e.device),
             "buckets": len(e.buckets),
             "bucket_numel": [b.numel for b in e.buckets],
-            "paged_blocks": w.activations.off.paged if w.activations is not None else [],
-            "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,  # block weight loads
+            # block weight loads, forward and backward (TrainStream's meaning too)
+            "loads": w.streamer.stats["loads"] if w.streamer is not None else 0,
             "streamed_blocks": [b.index for b in w.streamer.blocks] if w.streamer is not None else [],
             "stream": dict(w.streamer.stats) if w.streamer is not None else {},
-            "quantize": w.plan.get("quantize"),
+            "quantization": w.plan.get("quantize"),  # None with quantize="none", else a dict
+            **ts["params"],
         },
         "activations": {
             "packed_bytes": act.get("bytes_d2h", 0),  # saved activations paged to host, in all
-            "paged_blocks": list(act.get("paged_blocks", [])),
+            "paged_blocks": list(act.get("paged_blocks", [])),  # blocks paging their activations
+            **ts["activations"],
         },
+        "transfers": ts["transfers"],
+        "pinned": ts["pinned"],
+        "gpu": ts["gpu"],
+        "resident": ts["resident"],
         "optimizer": {
             "mode": w.optimizer.mode,
             "gpu_updated_numel": e.mapped_numel,

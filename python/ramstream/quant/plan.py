@@ -1,5 +1,5 @@
 """wrap()'s quantize / prefer decision: which format the frozen block weights are packed in, with
-the numbers behind it (memory_report(model)["params"]["quantize"])."""
+the numbers behind it (memory_report(model)["params"]["quantization"])."""
 
 from __future__ import annotations
 
@@ -115,8 +115,17 @@ def _host_room(model) -> tuple[int, str]:
 def apply_quantize(model, opts, device: torch.device, log) -> tuple[dict | None, set]:
     """Runs wrap()'s quantize option on the model before streaming is planned: returns (the
     report for memory_report, ids of the weight parameters it replaced)."""
+    from .packed import is_quantized  # noqa: PLC0415
+
     option = opts.quantize
+    packed_already = any(is_quantized(m) for m in model.modules())
     if option == "none":
+        if packed_already:  # as TrainStream: "none" contradicts weights quantized beforehand
+            raise ValueError(
+                "wrap(): quantize='none' but the model already holds quantized weights "
+                "(quantize_model, load_model); pass quantize='auto' or their format, or call "
+                "ramstream.dequantize_model(model) first"
+            )
         return None, set()
     try:
         todo, _ = targets(model, opts.blocks)
@@ -124,6 +133,12 @@ def apply_quantize(model, opts, device: torch.device, log) -> tuple[dict | None,
         if option == "auto":
             return {"format": None, "reason": "no block stack found"}, set()
         raise
+    if option != "auto" and not todo and not packed_already:  # as TrainStream: nothing to pack
+        raise ValueError(
+            f"wrap(): quantize={option!r} but the block stack holds no frozen Linear weights: only "
+            "frozen weights (a LoRA base) are quantized, trained ones never; freeze the base (or add "
+            "adapters) first, or pass quantize='auto' or 'none'"
+        )
     reason = f"quantize={option!r}"
     fmt = option
     if option == "auto":

@@ -21,6 +21,7 @@ import torch
 
 from .. import env
 from . import measure
+from .trainstream_names import TrainStreamProfileNames
 
 # The rates profile_hardware() measures (and caches); everything else is read on each call.
 RATE_FIELDS = ("h2d_gbps", "d2h_gbps", "duplex_gbps", "adamw_gbps", "matmul_tflops")
@@ -28,8 +29,9 @@ _CACHE_FORMAT = 1
 
 
 @dataclass
-class HardwareProfile:
-    """What one process may use on this machine, for plan_training().
+class HardwareProfile(TrainStreamProfileNames):
+    """What one process may use on this machine, for plan_training(). TrainStream 0.4.1's field
+    names and derived quantities are read-only properties (trainstream_names.py).
 
     Bytes are bytes; rates are GB/s (1e9 bytes/s) and TFLOP/s (1e12 flop/s).
 

@@ -156,6 +156,7 @@ class GradientIntake:
         self.max_grad_norm = max_grad_norm
         self.device = device
         self.micro = 0  # backward passes finished since the last step
+        self.declared_steps: int | None = None  # accumulation_steps while an extra pass is summed
         self._in_backward = False
         self._task = -1
         self.frozen_names: dict[int, str] = {}
@@ -191,6 +192,8 @@ class GradientIntake:
 
     # ---- one backward pass ----------------------------------------------------------------------
     def _begin_backward(self) -> None:
+        if self.micro >= self.accumulation_steps and self._can_sum_extra_pass():
+            self._sum_extra_pass()
         if self.micro >= self.accumulation_steps:
             k = self.accumulation_steps
             raise RuntimeError(
@@ -204,6 +207,47 @@ class GradientIntake:
         self.parallel.begin_backward(self.buckets)
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _can_sum_extra_pass(self) -> bool:
+        """An undeclared backward pass can be summed when no update has run yet: with
+        max_grad_norm every update waits for step() (a user's clip_grad_norm_ already took the
+        norm, and data parallel reduced and may have updated: those raise)."""
+        return self.max_grad_norm is not None and self.updater.clip_now is None and self.parallel.world == 1
+
+    def _sum_extra_pass(self) -> None:
+        """Backward pass micro + 1 before step() with max_grad_norm (TrainStream sums it): this
+        step now accumulates micro + 1 passes. The passes so far are in the landing buffers
+        (moved to host accumulators when none were planned: 4 bytes per parameter, allocated at
+        the first such pass and kept) or, for GPU-updated buckets, in .grad, where autograd sums
+        the next one; the norms they took are dropped and taken again at the end of the new last
+        pass."""
+        self.updater.drain()
+        self.dev.synchronize()
+        k = self.micro + 1
+        landed_only = self.accumulation_steps == 1  # the passes so far are in the landing buffers
+        if self.declared_steps is None:
+            self.declared_steps = self.accumulation_steps
+        for b in self.buckets:
+            b.sq_norm = 0.0
+            if b.landing is None or b.placement in GPU_UPDATED or not landed_only:
+                continue
+            if b.acc is None:
+                b.acc = torch.empty(b.numel, dtype=torch.float32)
+            for s in b.slots:
+                if s.arrivals > 0:
+                    b.acc[s.offset : s.offset + s.numel].copy_(b.landing[s.offset : s.offset + s.numel])
+        self.updater.mapped.discard()
+        self.accumulation_steps = self.updater.accumulation_steps = k
+        self.log(
+            f"backward pass {k} before optimizer.step() with max_grad_norm: summed with the "
+            f"{k - 1} before it (accumulation_steps={self.declared_steps} declared; declare it to "
+            "plan the host accumulators)"
+        )
+
+    def _restore_declared_steps(self) -> None:
+        if self.declared_steps is not None:
+            self.accumulation_steps = self.updater.accumulation_steps = self.declared_steps
+            self.declared_steps = None
 
     def on_grad(self, p: torch.nn.Parameter) -> None:
         s: Slot = p._ramstream_slot
@@ -314,6 +358,7 @@ class GradientIntake:
             s.arrivals = 0
             s.updated = False
         self.micro = 0
+        self._restore_declared_steps()
 
     def recover_if_abandoned(self) -> None:
         """Outside a backward pass, a pass still marked as running raised before its end."""
@@ -356,6 +401,7 @@ class GradientIntake:
                 s.arrivals, s.micro_arrived, s.updated = 0, False, False
         self.updater.discard()
         self.micro, self._in_backward, self._task = 0, False, -1
+        self._restore_declared_steps()
         msg = f"{why}: the gradients of {dropped} parameters gathered since the last step were discarded"
         if stepped:
             msg += (

@@ -8,9 +8,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import functional  # noqa: E402
+from .blocks import find_blocks  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from .env import check_core as _check_env  # noqa: E402
 from .engine.nonfinite import NonFiniteGradientError  # noqa: E402
+from .env import check_core as _check_env  # noqa: E402
 from .frontends.offload_model import OffloadModel, StepResult, offload_checkpoint  # noqa: E402
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402
@@ -36,6 +37,7 @@ _check_env()  # a bad RAMSTREAM_* value the C++ core reads warns once, here (env
 __all__ = [
     "__version__",
     "OffloadAdamW",
+    "NonFiniteGradientError",
     "wrap",
     "unwrap",
     "memory_report",
@@ -61,6 +63,7 @@ __all__ = [
     "PlanError",
     "PlanOutOfMemoryError",
     "functional",
+    "find_blocks",  # the repeated block stack wrap() detects (TrainStream's name)
     # pinned host memory
     "pinned_empty",
     "memory_stats",

@@ -13,18 +13,32 @@ KEEP = (False, True, "checkpoint")
 _NO_LOSS = object()
 
 
+class NoLossError(ValueError, RuntimeError):
+    """StepResult.loss of a step given grad_outputs: a ValueError (ramstream's) that is also the
+    RuntimeError RamTorch's OffloadStepResult raises, so either `except` catches it."""
+
+
+class ModelClosedError(ValueError, RuntimeError):
+    """A call on a closed OffloadModel: ValueError (ramstream's), also RuntimeError (RamTorch's)."""
+
+
 @dataclass
 class StepResult:
-    """What step() returns: the output (detached) and the loss (detached; raises ValueError when
-    step() was given grad_outputs, which computes no loss)."""
+    """What step() returns (RamTorch's OffloadStepResult): the output (detached), the loss
+    (detached; raises NoLossError, a ValueError and RuntimeError, when step() was given
+    grad_outputs, which computes no loss) and grad_bypassed (whether it was)."""
 
     output: Any
     _loss: Any = _NO_LOSS
 
     @property
+    def grad_bypassed(self) -> bool:
+        return self._loss is _NO_LOSS
+
+    @property
     def loss(self):
         if self._loss is _NO_LOSS:
-            raise ValueError("StepResult.loss: step() was given grad_outputs, so no loss was computed")
+            raise NoLossError("StepResult.loss: step() was given grad_outputs, so no loss was computed")
         return self._loss
 
 
@@ -131,7 +145,7 @@ def check_step_args(loss_fn, grad_outputs) -> None:
     tensors or None) or a callable given the output."""
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
-            f"OffloadModel.step: loss_fn must be None (mean squared error) or a callable "
+            f"OffloadModel.step: loss_fn must be None (the default loss) or a callable "
             f"loss_fn(output, targets), got {type(loss_fn).__name__}"
         )
     if grad_outputs is None or callable(grad_outputs) or torch.is_tensor(grad_outputs):

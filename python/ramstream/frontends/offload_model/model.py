@@ -30,6 +30,7 @@ from ...weights.slab import make_copier
 from ...weights.streamer import Block, WeightStreamer, frozen_slabs
 from .casts import CastSaver
 from .checks import (
+    ModelClosedError,
     StepResult,
     check_chunks,
     check_default_targets,
@@ -41,8 +42,17 @@ from .checks import (
     pinned_set,
 )
 from .grads import GradWriteback
+from .hooks import Hooks, weak_grad_hook
 from .optim import step_failed as _host_step_failed
 from .optim import streamed_blocks
+from .ramtorch import (
+    RamTorchSurface,
+    call_grad_outputs,
+    check_ramtorch_options,
+    resolve_activation_offload,
+    sum_loss,
+    to_device,
+)
 
 __all__ = ["OffloadModel", "StepResult", "offload_checkpoint"]
 
@@ -62,71 +72,19 @@ def offload_checkpoint(module, *args, **kwargs):
     return checkpointed(module, *args, preserve_rng_state=True, **kwargs)
 
 
-class _Hooks:
-    """What a live OffloadModel installed (released by close() or when the model is collected:
-    holds no reference to the model)."""
-
-    def __init__(self) -> None:
-        self.streamer = None
-        self.grad_hooks: list = []
-        self.recompute = None
-        self.host_opt = None  # the host optimizer (optim.py), while attached
-        self.opt_handles: list = []
-        self.activations = None  # the ActivationOffloader of activation_offload=True
-
-    def release_host_opt(self) -> None:
-        """Closes the attached host optimizer's engine (waits for its updates, removes its hooks)."""
-        opt, self.host_opt = self.host_opt, None
-        for h in self.opt_handles:
-            h.remove()
-        self.opt_handles = []
-        if opt is not None:
-            from ...optim import OffloadAdamW
-
-            OffloadAdamW.close(opt)
-
-    def release_streamer(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
-        for h in self.grad_hooks:
-            h.remove()
-        self.grad_hooks = []
-
-    def release(self) -> None:
-        self.release_host_opt()
-        self.release_streamer()
-        if self.activations is not None:
-            self.activations.detach()
-            self.activations = None
-        if self.recompute is not None:
-            self.recompute.close()
-            self.recompute = None
-
-
-def _weak_grad_hook(model):
-    ref = weakref.ref(model)
-
-    def hook(p) -> None:
-        m = ref()
-        if m is not None:
-            m._grad_landed(p)
-
-    return hook
-
-
 def _trace_modules(model):
     return list(model.chunks), model.device
 
 
-class OffloadModel(torch.nn.Module):
+class OffloadModel(RamTorchSurface, torch.nn.Module):
     """Runs `chunks` (nn.Modules) in sequence, streaming each unpinned chunk's weights through a
     window of `window` chunks on `device`.
 
     Args:
         chunks: the model cut into modules; a tuple output becomes the next chunk's positional
             arguments.
-        device: "cuda", "cuda:i" or "cpu" (the same logic with host copies: CI).
+        device: "cuda", "cuda:i" or "cpu" (the same logic with host copies: CI); None (default,
+            RamTorch's): "cuda" when torch sees a GPU, else "cpu".
         window: device slots for streamed chunks, the running one included (RamTorch's meaning;
             >= 1): at most `window` streamed chunks are loaded at once, `window` - 1 of them
             ahead of the one running. window=1 loads each chunk on demand, after the compute
@@ -145,6 +103,13 @@ class OffloadModel(torch.nn.Module):
             ahead (ramstream's ActivationOffloader, the one wrap(activation_offload=...) uses);
             needs keep_activations=True. Under autocast the weights' low-precision casts are then
             paged with the other saved tensors instead of being cast again in backward.
+            None (default): False, or offload_activations (RamTorch's name; both given: equal).
+
+    RamTorch's options (docs/compat.md): nvme, nvme_layers, nvme_path (the disk tier, issue 29:
+    NotImplementedError when they ask for it; no-ops at their defaults); grad_accum ("stream" or
+    "cpu": ramstream has one way, every step's gradients home and summed there, as RamTorch's
+    "cpu"); acc_slots (no device accumulators: unused); act_slots (ramstream pages every
+    chunk's large saved tensors, whatever the count).
 
     Optimizers (the host optimizer's fp32 weights equal torch's fused AdamW's on the host copies
     bit for bit):
@@ -167,24 +132,49 @@ class OffloadModel(torch.nn.Module):
     def __init__(
         self,
         chunks,
-        device="cuda",
+        device=None,
         window: int = 2,
         pin: int = 0,
         pin_layers=None,
         keep_activations=False,
-        activation_offload=False,
+        activation_offload=None,
+        *,
+        nvme: int = 0,
+        nvme_layers=None,
+        nvme_path=None,
+        grad_accum: str = "stream",
+        acc_slots=None,
+        offload_activations=None,
+        act_slots: int = 2,
     ) -> None:
         super().__init__()
         chunks = check_chunks(chunks)
+        activation_offload = resolve_activation_offload(
+            activation_offload, offload_activations, keep_activations
+        )
         check_options(window, keep_activations, activation_offload)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = check_device(device)
         pinned = pinned_set(pin, pin_layers, len(chunks))
+        check_ramtorch_options(
+            len(chunks),
+            pinned,
+            nvme=nvme,
+            nvme_layers=nvme_layers,
+            nvme_path=nvme_path,
+            grad_accum=grad_accum,
+            acc_slots=acc_slots,
+            act_slots=act_slots,
+        )
+        self.grad_accum, self.acc_slots, self.act_slots = grad_accum, acc_slots or window, act_slots
+        self.offload_activations = activation_offload
         self.chunks = torch.nn.ModuleList(chunks)
         self.window = window
         self.keep_activations = keep_activations
         self.copier = make_copier(self.device)
         self.grads = GradWriteback(self.device)
-        self._hooks = _Hooks()
+        self._hooks = Hooks()
         if keep_activations is not True:
             self._hooks.recompute = Recompute(chunks, range(len(chunks)))
         if activation_offload:
@@ -243,7 +233,7 @@ class OffloadModel(torch.nn.Module):
         self._written_back = [p for p in self._streamed if id(p) not in taken]  # GradWriteback's
         self.grads.forget(taken)  # their pinned buffers of earlier steps go back to the arena
         self.grads.chunk_of = {id(p): b.index for b in blocks for s in b.slabs for p in s.params}
-        hook = _weak_grad_hook(self)
+        hook = weak_grad_hook(self)
         self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._written_back]
 
     def _teardown(self) -> None:
@@ -255,24 +245,6 @@ class OffloadModel(torch.nn.Module):
                     for s in b.slabs:
                         for p in s.params:
                             p.data = p.data.clone()  # off the slab's home buffer
-
-    def set_pinned(self, indices) -> None:
-        """Makes exactly the chunks at `indices` resident (the others stream); an int is a count
-        of evenly spaced chunks, as `pin` (RamTorch's set_pinned). Gradients move with their
-        parameters; build the optimizer after this call (its state would stay where the
-        parameters were)."""
-        self._check_open()
-        if self._hooks.host_opt is not None:
-            raise ValueError(
-                "OffloadModel.set_pinned: the host optimizer (model.optimizer()) keeps its buckets "
-                "where the chunks live; call set_pinned before model.optimizer(), or opt.close() first"
-            )
-        if isinstance(indices, int) and not isinstance(indices, bool):
-            pinned = pinned_set(indices, None, len(self.chunks))
-        else:
-            pinned = pinned_set(0, indices, len(self.chunks))
-        self._teardown()
-        self._build(pinned)
 
     def optimizer(
         self,
@@ -347,11 +319,14 @@ class OffloadModel(torch.nn.Module):
         gradient write-back's (bytes_d2h, the host optimizer's included), casts_dropped
         (autocast's weight casts the kept graph did not hold: cast again in backward) and, with
         activation_offload=True, activation_bytes_paged (the last forward's saved tensors sent
-        to host memory) and activation_host_bytes (the host buffers held)."""
+        to host memory) and activation_host_bytes (the host buffers held); RamTorch's keys too
+        (docs/compat.md): nvme_loads, acquire_wait_s, acc_loads, acc_evictions, act_offloads,
+        act_reloads, act_bytes_offloaded, retiers."""
         opt = self._hooks.host_opt
         act = self._hooks.activations.stats() if self._hooks.activations is not None else {}
         return {
             **self.streamer.stats,
+            **self._ramtorch_stats(self.streamer.stats, act),
             "bytes_d2h": self.grads.stats["bytes_d2h"] + (opt._engine.stats["bytes_d2h"] if opt else 0),
             "casts_dropped": self._casts.stats["casts_dropped"],
             "activation_bytes_paged": act.get("bytes_paged_last_pass", 0),
@@ -372,17 +347,10 @@ class OffloadModel(torch.nn.Module):
         p.grad = None
         self.grads.land(p, g)
 
-    def flush_grads(self) -> None:
-        """RamTorch's "accumulators -> .grad". step() already leaves every gradient in `.grad`
-        (streamed parameters: on their home device; the host optimizer's parameters: in its
-        buffers instead); this waits for pending copies."""
-        self.copier.synchronize()
-        self.grads.wait()
-
     # ---- running -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._hooks.streamer is None:
-            raise ValueError("OffloadModel: the model is closed")
+            raise ModelClosedError("OffloadModel: the model is closed")
 
     def _run(self, x):
         for c in self.chunks:
@@ -391,6 +359,7 @@ class OffloadModel(torch.nn.Module):
 
     def forward(self, x):
         self._check_open()
+        x = to_device(x, self.device)
         try:
             return self._run(x)
         finally:
@@ -400,18 +369,20 @@ class OffloadModel(torch.nn.Module):
                 self.streamer.evict_all()
 
     def step(self, x, targets=None, loss_fn=None, grad_outputs=None, profile_path=None) -> StepResult:
-        """Forward and backward. The loss is loss_fn(output, targets) (default: mean squared
-        error); with grad_outputs (a tensor, a tuple for a tuple output, or a callable given the
-        output) the output's gradient is supplied instead and no loss is computed. Gradients add
-        into each trained parameter's `.grad`; a step that raises leaves them as they were.
+        """Forward and backward. x: a tensor or a tuple/list of the first chunk's arguments
+        (tensors moved to the device, as targets). The loss is loss_fn(output, targets); without
+        loss_fn, mean squared error against targets, or output.sum() (RamTorch's) without
+        targets. With grad_outputs (a tensor, a tuple for a tuple output, or a callable given the
+        output, or RamTorch's (output, targets)) the output's gradient is supplied instead and no
+        loss is computed. Gradients add into each trained parameter's `.grad` (the first step
+        after flush_grads() starts a new sum); a step that raises leaves them as they were.
         profile_path: write a Chrome/Perfetto trace of this step there (ramstream.trace; with the
         host optimizer, the step returns after the updates it started, so they are in the trace)."""
         self._check_open()
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("OffloadModel.step: give loss_fn or grad_outputs, not both")
-        if grad_outputs is None and targets is None:
-            raise ValueError("OffloadModel.step: give targets (for loss_fn) or grad_outputs")
         check_step_args(loss_fn, grad_outputs)
+        x, targets = to_device(x, self.device), to_device(targets, self.device)
         if profile_path is None:
             return self._traced_step(x, targets, loss_fn, grad_outputs)
         if _trace_current() is not None:
@@ -432,9 +403,13 @@ class OffloadModel(torch.nn.Module):
                 tr.span("steps", "step", t0, time.perf_counter())
 
     def _step(self, x, targets, loss_fn, grad_outputs) -> StepResult:
-        before = {}
+        before, fresh = {}, self._flushed  # after flush_grads(): a new sum (RamTorch's reset)
         for p in self._written_back:
             before[id(p)] = p.grad
+            p.grad = None
+        mine = {id(p) for p in self._written_back}
+        kept = {id(p): (p, p.grad) for p in self._grad_params() if id(p) not in mine} if fresh else {}
+        for p, _ in kept.values():
             p.grad = None
         self._in_step = True
         ok = False
@@ -450,9 +425,13 @@ class OffloadModel(torch.nn.Module):
                 with casts:
                     out = self._run(x)
                 if grad_outputs is not None:
-                    g = grad_outputs(out) if callable(grad_outputs) else grad_outputs
+                    g = (
+                        call_grad_outputs(grad_outputs, out, targets)
+                        if callable(grad_outputs)
+                        else grad_outputs
+                    )
                     outs = out if isinstance(out, tuple) else (out,)
-                    gs = g if isinstance(g, tuple) else (g,)
+                    gs = to_device(g if isinstance(g, tuple) else (g,), self.device)
                     if len(outs) != len(gs):
                         raise ValueError(
                             f"OffloadModel.step: grad_outputs has {len(gs)} tensors for {len(outs)} outputs"
@@ -466,9 +445,13 @@ class OffloadModel(torch.nn.Module):
                     torch.autograd.backward([o for o, _ in pairs], [gr for _, gr in pairs])
                     res = StepResult(detach(out))
                 else:
-                    if loss_fn is None:
+                    if loss_fn is not None:
+                        loss = loss_fn(out, targets)
+                    elif targets is None:
+                        loss = sum_loss(out)
+                    else:
                         check_default_targets(out, targets)
-                    loss = (loss_fn or F.mse_loss)(out, targets)
+                        loss = F.mse_loss(out, targets)
                     loss.backward()
                     res = StepResult(detach(out), loss.detach())
             ok = True
@@ -478,11 +461,14 @@ class OffloadModel(torch.nn.Module):
             self.streamer.evict_all()
             self.copier.synchronize()
             if ok:
-                self.grads.commit(before)
+                self.grads.commit({} if fresh else before)
+                self._flushed = False
             else:
                 self.grads.discard()
                 for p in self._written_back:
                     p.grad = before[id(p)]
+                for p, g in kept.values():
+                    p.grad = g
                 act = self._hooks.activations
                 if act is not None:  # the failed pass's paged tensors leave the pool now
                     act.release_abandoned()

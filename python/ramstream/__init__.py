@@ -12,7 +12,12 @@ from .blocks import find_blocks  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .engine.nonfinite import NonFiniteGradientError  # noqa: E402
 from .env import check_core as _check_env  # noqa: E402
-from .frontends.offload_model import OffloadModel, StepResult, offload_checkpoint  # noqa: E402
+from .frontends.offload_model import (  # noqa: E402
+    OffloadModel,
+    OffloadStepResult,
+    StepResult,
+    offload_checkpoint,
+)
 from .loss import causal_lm_loss, chunked_cross_entropy  # noqa: E402
 from .ops.memory import (  # noqa: E402
     empty_cache,
@@ -44,6 +49,7 @@ __all__ = [
     # explicit weight streaming over user-cut chunks (RamTorch's API)
     "OffloadModel",
     "StepResult",
+    "OffloadStepResult",  # RamTorch's name for StepResult
     "offload_checkpoint",
     # Chrome/Perfetto step traces (every mode)
     "trace",

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ramstream import OffloadModel
+from ramstream import OffloadModel, OffloadStepResult
 
 D = 16
 RAMTORCH_STATS = (
@@ -169,7 +169,7 @@ def test_grad_outputs_callable_gets_output_and_targets():
     out.backward(2 * (out.detach() - t))
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
-    assert res.grad_bypassed
+    assert isinstance(res, OffloadStepResult) and res.grad_bypassed
     assert torch.equal(res.output, out.detach())
     with pytest.raises(RuntimeError, match="grad_outputs"):  # RamTorch's error type
         _ = res.loss

@@ -3,4 +3,6 @@ write-back (grads.py), argument checks and StepResult (checks.py), saved-tensor 
 
 from .model import OffloadModel, StepResult, offload_checkpoint
 
-__all__ = ["OffloadModel", "StepResult", "offload_checkpoint"]
+OffloadStepResult = StepResult  # RamTorch's name
+
+__all__ = ["OffloadModel", "OffloadStepResult", "StepResult", "offload_checkpoint"]

@@ -1,4 +1,6 @@
-"""Every wrap() option and every public name is documented in the README."""
+"""Every wrap() option and every public name is documented: the options table in docs/guide/wrap.md,
+OffloadAdamW in docs/guide/offload_adamw.md, the public names in the docs pages; and every s/step
+figure the README and the docs pages quote is in bench/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -11,37 +13,58 @@ from dataclasses import fields
 import ramstream
 from ramstream.options import WrapOptions
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
-RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "RESULTS.md")
+REPO = os.path.join(os.path.dirname(__file__), os.pardir)
+README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
+WRAP_PAGE = os.path.join(DOCS, "guide", "wrap.md")
+ADAMW_PAGE = os.path.join(DOCS, "guide", "offload_adamw.md")
+API_PAGE = os.path.join(DOCS, "api.md")  # generated from the names: it does not count as mentioning them
+RESULTS = os.path.join(REPO, "bench", "RESULTS.md")
 
 
-def _readme() -> str:
-    with open(README) as f:
+def _read(path: str) -> str:
+    with open(path) as f:
         return f.read()
 
 
+def _readme() -> str:
+    return _read(README)
+
+
+def _pages(api: bool = False) -> dict[str, str]:
+    """Every docs page (path -> text), the API reference only with api=True."""
+    out = {}
+    for root, _, files in os.walk(DOCS):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if name.endswith(".md") and (api or os.path.abspath(path) != os.path.abspath(API_PAGE)):
+                out[path] = _read(path)
+    assert out, "no docs pages found"
+    return out
+
+
 def test_every_wrap_option_has_a_row_in_the_options_table():
-    text = _readme()
+    text = _read(WRAP_PAGE)
     missing = [n for n in WrapOptions.names() if f"| `{n}` |" not in text]
-    assert not missing, f"wrap() options without a README row: {missing}"
+    assert not missing, f"wrap() options without a row in docs/guide/wrap.md: {missing}"
 
 
 def test_every_offload_adamw_keyword_is_mentioned():
-    text = _readme()
+    text = _read(ADAMW_PAGE)
     sig = inspect.signature(ramstream.OffloadAdamW.__init__)
     public = [n for n in sig.parameters if n not in ("self", "params") and not n.startswith("_")]
     missing = [n for n in public if f"`{n}" not in text and f"{n}=" not in text]
-    assert not missing, f"OffloadAdamW arguments the README never names: {missing}"
+    assert not missing, f"OffloadAdamW arguments docs/guide/offload_adamw.md never names: {missing}"
 
 
 def test_every_public_name_is_mentioned():
-    text = _readme()
+    text = "\n".join(_pages().values())  # the guides, not the generated API reference
     missing = [n for n in ramstream.__all__ if n != "__version__" and n not in text]
-    assert not missing, f"public names the README never mentions: {missing}"
+    assert not missing, f"public names the docs pages never mention: {missing}"
 
 
 def _options_table(text: str) -> dict[str, str]:
-    """option name -> the README table's default cell, for the wrap() options table."""
+    """option name -> the table's default cell, for the wrap() options table."""
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -51,7 +74,7 @@ def _options_table(text: str) -> dict[str, str]:
 
 
 def _literal(cell: str):
-    """The first `...` of a README cell as a Python value ("32 MiB" -> bytes)."""
+    """The first `...` of a table cell as a Python value ("32 MiB" -> bytes)."""
     m = re.search(r"`([^`]*)`", cell)
     assert m, f"default cell without a `value`: {cell!r}"
     v = m.group(1)
@@ -62,7 +85,7 @@ def _literal(cell: str):
 
 
 def test_options_table_defaults_equal_wrap_options():
-    rows = _options_table(_readme())
+    rows = _options_table(_read(WRAP_PAGE))
     defaults = {f.name: f.default for f in fields(WrapOptions) if not f.name.startswith("_")}
     defaults["optimizer"] = inspect.signature(ramstream.wrap).parameters["optimizer"].default
     assert set(rows) == set(defaults), "options table rows differ from wrap()'s options"
@@ -71,13 +94,13 @@ def test_options_table_defaults_equal_wrap_options():
         for n, d in defaults.items()
         if _literal(rows[n]) != d or type(_literal(rows[n])) is not type(d)
     }
-    assert not wrong, f"README default != WrapOptions default: {wrong}"
+    assert not wrong, f"docs/guide/wrap.md default != WrapOptions default: {wrong}"
 
 
-def test_offload_adamw_signature_in_readme_equals_the_code():
-    text = " ".join(_readme().split())
+def test_offload_adamw_signature_in_the_docs_equals_the_code():
+    text = " ".join(_read(ADAMW_PAGE).split())
     m = re.search(r"`OffloadAdamW\(params, (.*?)\)` is the optimizer", text)
-    assert m, "README lost the OffloadAdamW(...) signature line"
+    assert m, "docs/guide/offload_adamw.md lost the OffloadAdamW(...) signature line"
     shown = {}
     for part in re.split(r",\s*(?![^()]*\))", m.group(1)):
         if part.strip() == "*":
@@ -93,12 +116,18 @@ def test_offload_adamw_signature_in_readme_equals_the_code():
     assert shown == code
 
 
-def test_benchmark_figures_in_readme_come_from_results():
-    """Every s/step figure the README quotes is in bench/RESULTS.md, with the same digits."""
-    readme = _readme()
-    with open(RESULTS) as f:
-        results = f.read()
-    quoted = re.findall(r"(?<![\w.])(\d+\.\d+)(?=[^|`\n]*s/step)", readme)
-    assert quoted, "the README quotes no s/step figure any more: update this test"
-    missing = [q for q in quoted if not re.search(rf"(?<![\w.]){re.escape(q)}(?![\d])", results)]
-    assert not missing, f"README figures not in bench/RESULTS.md: {missing}"
+def _quoted(text: str) -> list[str]:
+    return re.findall(r"(?<![\w.])(\d+\.\d+)(?=[^|`\n]*s/step)", text)
+
+
+def test_benchmark_figures_in_readme_and_docs_come_from_results():
+    """Every s/step figure the README and the docs pages quote is in bench/RESULTS.md, with the
+    same digits."""
+    results = _read(RESULTS)
+    assert _quoted(_readme()), "the README quotes no s/step figure any more: update this test"
+    missing = {}
+    for path, text in {README: _readme(), **_pages()}.items():
+        bad = [q for q in _quoted(text) if not re.search(rf"(?<![\w.]){re.escape(q)}(?![\d])", results)]
+        if bad:
+            missing[os.path.relpath(path, REPO)] = bad
+    assert not missing, f"figures not in bench/RESULTS.md: {missing}"

@@ -420,11 +420,11 @@ def test_readme_example_runs():
     import os
     import re
 
-    with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md")) as f:
-        section = f.read().split("## `ramstream.OffloadModel`", 1)[1]
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide", "offload_model.md")) as f:
+        section = f.read().split("# `OffloadModel`", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     scope: dict = {}
-    exec(compile(code, "README.md (OffloadModel)", "exec"), scope)  # noqa: S102 - our README
+    exec(compile(code, "docs/guide/offload_model.md", "exec"), scope)  # noqa: S102 - our docs
     assert scope["res"].loss.ndim == 0 and scope["model"].streamer is None  # closed by `with`
 
 

@@ -1,4 +1,5 @@
-"""The README's CPU quick start, extracted from README.md and run: it trains as torch AdamW does."""
+"""The CPU quick start (docs/guide/wrap.md, linked from the README), extracted and run: it trains as
+torch AdamW does. tests/test_docs_pages.py runs every other Python block of the README and the docs."""
 
 from __future__ import annotations
 
@@ -7,22 +8,22 @@ import re
 
 import torch
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide", "wrap.md")
 WRAP_LINE = 'model, optimizer = ramstream.wrap(model, optimizer, device="cpu")\n'
 
 
 def _cpu_quick_start() -> str:
-    with open(README) as f:
+    with open(PAGE) as f:
         text = f.read()
     section = text.split("### On the CPU", 1)[1]
     m = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert m, "README lost the CPU quick start's code block"
+    assert m, "docs/guide/wrap.md lost the CPU quick start's code block"
     return m.group(1)
 
 
 def _run(code: str) -> dict:
     scope: dict = {}
-    exec(compile(code, "README.md (CPU quick start)", "exec"), scope)  # noqa: S102 - our README
+    exec(compile(code, "docs/guide/wrap.md (CPU quick start)", "exec"), scope)  # noqa: S102 - our docs
     return scope
 
 

@@ -1,7 +1,7 @@
 """Every RAMSTREAM_* environment variable, declared once (who reads it, accepted values, default,
 what it does): parsed where it is read, a bad value reported with a RuntimeWarning naming the
 variable, the value, what is accepted and what is used instead (a ValueError where going on would be
-wrong); `ramstream doctor` and the README's table (markdown_table(), checked by tests/test_env.py)
+wrong); `ramstream doctor` and the docs' table (markdown_table(), checked by tests/test_env.py)
 come from the same declarations.
 
 The C++ core reads its variables itself (thread pool, spin, ISA, pin budget) and falls back to its
@@ -309,7 +309,7 @@ def describe(r: Reading) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of every variable, from the declarations."""
+    """The table of every variable in docs/troubleshooting.md, from the declarations."""
     rows = [
         "| variable | read by | accepted | default | a bad value | what it does |",
         "|---|---|---|---|---|---|",

@@ -79,7 +79,7 @@ def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
 
 @dataclass
 class WrapOptions:
-    """Every wrap() option with its default. See the README table under "ramstream.wrap" for what
+    """Every wrap() option with its default. See the options table of docs/guide/wrap.md for what
     each does."""
 
     optimizer_mode: str = "auto"

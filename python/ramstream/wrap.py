@@ -175,7 +175,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
 
     Returns (model, optimizer): the same model object (hooks installed, parameters now views
     of flat buffers) and a ramstream.OffloadAdamW holding the converted optimizer's groups and
-    state. Every option is in the README table under "ramstream.wrap"; an unknown name or a
+    state. Every option is in the table of docs/guide/wrap.md; an unknown name or a
     value not accepted raises ValueError listing what is accepted.
     An OffloadModel gets its host optimizer (OffloadModel.optimizer) over the optimizer's groups.
     """

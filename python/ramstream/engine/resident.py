@@ -12,7 +12,7 @@ schedulers keep working.
 Gradients are taken from the parameters as autograd accumulates them, as the offloaded engine
 does: summed over micro-batches in fp32 (a low-precision model's included), clipped by their
 norm accumulated in double, and dropped with their accumulation window when a backward pass
-raises (README "When a backward pass raises").
+raises (docs/guide/wrap.md, "When a backward pass raises").
 """
 
 from __future__ import annotations

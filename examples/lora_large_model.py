@@ -159,7 +159,9 @@ def main(argv=None) -> int:
     packed = sum(1 for m in model.modules() if ramstream.quant.is_quantized(m))
     print(f"base built: {sum(p.numel() for p in model.parameters()):,} parameters, {packed} packed Linear(s)")
     opts = {"device": "cuda" if gpu else "cpu"}  # the base was built in host RAM
-    model, opt, loss_fn = wrap_hf(model, torch.optim.AdamW(trainable(model), lr=a.lr), return_loss=True, **opts)
+    model, opt, loss_fn = wrap_hf(
+        model, torch.optim.AdamW(trainable(model), lr=a.lr), return_loss=True, **opts
+    )
     rep = ramstream.memory_report(model)
     n_train = sum(p.numel() for p in trainable(model))
     streamed = rep["params"]["streamed_blocks"]

@@ -191,7 +191,17 @@ def test_memory_report_is_consistent_with_the_layout():
         model(x, y).backward()
     opt.step()
     r = ramstream.memory_report(model)
-    assert set(r) == {"events", "params", "activations", "optimizer", "plan"}
+    assert set(r) == {
+        "events",
+        "params",
+        "activations",
+        "optimizer",
+        "plan",
+        "transfers",
+        "pinned",
+        "gpu",
+        "resident",
+    }
     params = list(model.parameters())
     e = opt._engine
     assert r["params"]["count"] == len(params)

@@ -1,9 +1,11 @@
 # CUDA support: RAMSTREAM_CUDA = AUTO (use a toolkit when one is found), ON (require one), OFF.
 # The CUDA runtime is linked statically so that the module imports with no GPU and no driver.
-# RAMSTREAM_CUDA_ARCHS overrides the architecture list (e.g. "90" for a quick build on an H200).
+# RAMSTREAM_CUDA_ARCHS: empty (default) builds for the GPUs nvidia-smi sees (PTX for the oldest
+# supported architecture when none is visible), "all" for every major one (wheels), or a CMake list
+# (e.g. "90-real" for a quick build on an H200).
 include_guard(GLOBAL)
 set(RAMSTREAM_CUDA "AUTO" CACHE STRING "CUDA kernels: AUTO, ON or OFF")
-set(RAMSTREAM_CUDA_ARCHS "" CACHE STRING "CUDA architectures (empty: a default per CUDA major)")
+set(RAMSTREAM_CUDA_ARCHS "" CACHE STRING "CUDA architectures (empty: the visible GPUs'; all: every major one)")
 set_property(CACHE RAMSTREAM_CUDA PROPERTY STRINGS AUTO ON OFF)
 
 set(RAMSTREAM_WITH_CUDA OFF)
@@ -30,15 +32,74 @@ if(NOT RAMSTREAM_CUDA STREQUAL "OFF")
   endif()
 endif()
 
-function(ramstream_configure_cuda_target target)
-  if(RAMSTREAM_CUDA_ARCHS STREQUAL "")
-    if(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 13)
-      set(archs 75-real 80-real 86-real 89-real 90-real 100-real 120-real 120-virtual)
-    elseif(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.8)
-      set(archs 70-real 75-real 80-real 86-real 89-real 90-real 100-real 120-real 120-virtual)
-    else()
-      set(archs 70-real 75-real 80-real 86-real 89-real 90-real 90-virtual)
+# Every major architecture the toolkit compiles for, plus the newest as PTX (what wheels carry:
+# RAMSTREAM_CUDA_ARCHS=all, set by pyproject's cibuildwheel environment).
+function(_ramstream_all_archs out)
+  if(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 13)
+    set(archs 75-real 80-real 86-real 89-real 90-real 100-real 120-real 120-virtual)
+  elseif(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.8)
+    set(archs 70-real 75-real 80-real 86-real 89-real 90-real 100-real 120-real 120-virtual)
+  else()
+    set(archs 70-real 75-real 80-real 86-real 89-real 90-real 90-virtual)
+  endif()
+  set(${out} ${archs} PARENT_SCOPE)
+endfunction()
+
+# A source build with RAMSTREAM_CUDA_ARCHS unset: the GPUs nvidia-smi sees, each as its own cubin
+# (one compile per distinct GPU instead of eight); a GPU newer than the toolkit's list gets the
+# newest PTX (the driver compiles it at first use). No GPU visible: PTX for the oldest supported
+# architecture only, which any later GPU runs after the driver's one-time compilation.
+function(_ramstream_visible_archs out)
+  _ramstream_all_archs(all)
+  set(known "")
+  foreach(a ${all})
+    if(a MATCHES "^([0-9]+)-real$")
+      list(APPEND known ${CMAKE_MATCH_1})
     endif()
+  endforeach()
+  list(GET known 0 oldest)
+  list(GET known -1 newest)
+  set(archs "")
+  find_program(RAMSTREAM_NVIDIA_SMI nvidia-smi)
+  if(RAMSTREAM_NVIDIA_SMI)
+    execute_process(COMMAND ${RAMSTREAM_NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
+                    OUTPUT_VARIABLE caps RESULT_VARIABLE rc ERROR_QUIET TIMEOUT 30
+                    OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(rc EQUAL 0 AND NOT caps STREQUAL "")
+      string(REPLACE "\n" ";" caps "${caps}")
+      foreach(c ${caps})
+        string(STRIP "${c}" c)
+        string(REPLACE "." "" c "${c}")
+        if(NOT c MATCHES "^[0-9]+$")
+          continue()
+        endif()
+        list(FIND known ${c} at)
+        if(NOT at EQUAL -1)
+          list(APPEND archs ${c}-real)
+        elseif(c GREATER newest)
+          list(APPEND archs ${newest}-virtual)
+        else()
+          message(WARNING "ramstream: a GPU of compute capability ${c} is older than this CUDA ${CMAKE_CUDA_COMPILER_VERSION} supports; its kernels are not built")
+        endif()
+      endforeach()
+      list(REMOVE_DUPLICATES archs)
+    endif()
+  endif()
+  if(archs STREQUAL "")
+    set(archs ${oldest}-virtual)
+    set(why "no GPU visible: PTX for sm_${oldest}, compiled by the driver at first use on any later GPU")
+  else()
+    set(why "the GPUs nvidia-smi sees")
+  endif()
+  message(STATUS "ramstream: CUDA architectures ${archs} (${why}; RAMSTREAM_CUDA_ARCHS=all builds every one, or name them)")
+  set(${out} ${archs} PARENT_SCOPE)
+endfunction()
+
+function(ramstream_configure_cuda_target target)
+  if(RAMSTREAM_CUDA_ARCHS STREQUAL "all")
+    _ramstream_all_archs(archs)
+  elseif(RAMSTREAM_CUDA_ARCHS STREQUAL "")
+    _ramstream_visible_archs(archs)
   else()
     set(archs ${RAMSTREAM_CUDA_ARCHS})
   endif()

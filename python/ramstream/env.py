@@ -222,8 +222,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "RAMSTREAM_CUDA_ARCHS",
             BUILD,
-            "CMake CUDA architectures (90-real;100-real)",
-            "every major one of the toolkit",
+            "all, or CMake CUDA architectures (90-real;100-real)",
+            "the GPUs nvidia-smi sees (none: sm_75 PTX)",
             "the GPU architectures compiled",
             None,
             BUILD_STOPS,

@@ -33,6 +33,16 @@ class Poison:
         return torch.full_like(g, self.value) if self.armed else g
 
 
+def _wrapped(value: float = float("nan"), **options):
+    """A fresh TinyGPT (seed 0) with a Poison hook, wrapped on the CPU engine with `options`."""
+    model = clone(make_model(0))
+    poison = Poison(model, value=value)
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", **options
+    )
+    return model, opt, poison
+
+
 def _run(model, opt, data, poison, bad: set[int], accumulation: int = 1) -> list:
     """Trains over `data` in steps of `accumulation` micro-batches; the micro-batches whose index
     is in `bad` get a poisoned gradient. Returns what each step() raised (None or the error)."""
@@ -69,11 +79,7 @@ def _steps_of(opt) -> set[int]:
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_step_raises_names_the_parameter_and_changes_nothing(value):
     data = batches(6)
-    model = clone(make_model(0))
-    poison = Poison(model, value=value)
-    model, opt = ramstream.wrap(
-        model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", max_grad_norm=1.0
-    )
+    model, opt, poison = _wrapped(value, max_grad_norm=1.0)
     errors = _run(model, opt, data, poison, bad={2})
     assert [e is None for e in errors] == [True, True, False, True, True, True]
     err = errors[2]
@@ -94,15 +100,7 @@ def test_nonfinite_step_raises_names_the_parameter_and_changes_nothing(value):
 
 def test_skip_nonfinite_warns_once_per_skipped_step_and_trains_on():
     data = batches(7)
-    model = clone(make_model(0))
-    poison = Poison(model)
-    model, opt = ramstream.wrap(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=3e-3),
-        device="cpu",
-        max_grad_norm=1.0,
-        skip_nonfinite=True,
-    )
+    model, opt, poison = _wrapped(max_grad_norm=1.0, skip_nonfinite=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         errors = _run(model, opt, data, poison, bad={1, 4})
@@ -119,16 +117,7 @@ def test_skip_nonfinite_warns_once_per_skipped_step_and_trains_on():
 
 def test_accumulation_a_poisoned_micro_batch_drops_the_whole_step():
     data = batches(8)
-    model = clone(make_model(0))
-    poison = Poison(model)
-    model, opt = ramstream.wrap(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=3e-3),
-        device="cpu",
-        max_grad_norm=1.0,
-        accumulation_steps=2,
-        skip_nonfinite=True,
-    )
+    model, opt, poison = _wrapped(max_grad_norm=1.0, accumulation_steps=2, skip_nonfinite=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         _run(model, opt, data, poison, bad={2}, accumulation=2)  # step 1's first micro-batch
@@ -142,11 +131,7 @@ def test_clip_grad_norm_returns_the_nan_and_step_raises():
     """eager_updates=False without max_grad_norm: torch.nn.utils.clip_grad_norm_ (the guard)
     returns the non-finite norm as torch would, and step() applies nothing."""
     data = batches(4)
-    model = clone(make_model(0))
-    poison = Poison(model)
-    model, opt = ramstream.wrap(
-        model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", eager_updates=False
-    )
+    model, opt, poison = _wrapped(eager_updates=False)
     before = [p.detach().clone() for p in model.parameters()]
     for i, (x, y) in enumerate(data[:2]):
         poison.armed = i == 1
@@ -178,11 +163,7 @@ def test_max_grad_norm_inf_checks_without_clipping():
     """max_grad_norm=float('inf'): equal to torch without clipping on clean data, and a poisoned
     step is refused."""
     data = batches(5)
-    model = clone(make_model(0))
-    poison = Poison(model)
-    model, opt = ramstream.wrap(
-        model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", max_grad_norm=float("inf")
-    )
+    model, opt, poison = _wrapped(max_grad_norm=float("inf"))
     errors = _run(model, opt, data, poison, bad={3})
     assert [e is None for e in errors] == [True, True, True, False, True]
     opt.synchronize()
@@ -226,15 +207,7 @@ def test_resident_optimizer_skips_the_same_way(monkeypatch):
 
     monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
     data = batches(6)
-    model = clone(make_model(0))
-    poison = Poison(model)
-    model, opt = ramstream.wrap(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=3e-3),
-        device="cpu",
-        max_grad_norm=1.0,
-        offload="auto",
-    )
+    model, opt, poison = _wrapped(max_grad_norm=1.0, offload="auto")
     errors = _run(model, opt, data, poison, bad={4})
     assert opt.resident
     assert [e is None for e in errors] == [True, True, True, True, False, True]

@@ -422,3 +422,27 @@ def test_a_nan_batch_skips_its_step_with_a_warning(root, tmp_path):
     assert logs and logs[-1]["ramstream_skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     assert ramstream.memory_report(t.model)["optimizer"]["stats"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("damaged", ["optimizer.pt", "model.safetensors", "trainer_state.json"])
+def test_resume_from_a_damaged_checkpoint_is_refused_before_the_model_loads(root, tmp_path, damaged):
+    """The Trainer loads the model long before the optimizer: a truncated optimizer file used to
+    be found only after the weights were replaced. OffloadTrainer checks every file first."""
+    full = _ckpt_run(OffloadTrainer, root, tmp_path / "full", ramstream={"device": "cpu"})
+    ck = tmp_path / "full" / "checkpoint-5"
+    path = ck / damaged
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    model = transformers.AutoModelForCausalLM.from_pretrained(_llama_dir(root))
+    before = _params(model)
+    t = OffloadTrainer(
+        model=model,
+        args=_args(tmp_path / "again", eval_strategy="no"),
+        train_dataset=_data(40),
+        ramstream={"device": "cpu"},
+    )
+    with pytest.raises(ValueError, match=damaged):
+        t.train(resume_from_checkpoint=str(ck))
+    after = _params(t.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was loaded
+    assert full.state.global_step == 10

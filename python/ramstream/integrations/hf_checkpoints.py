@@ -163,3 +163,63 @@ class AtomicCheckpoints(transformers.TrainerCallback):
             for run_dir in sorted({os.path.dirname(os.path.join(real, rel)) for rel in found}):
                 _rotate(self.trainer, run_dir, args, state)
         _barrier()
+
+
+def check_resume(trainer, resume_from_checkpoint) -> None:
+    """Before Trainer.train(resume_from_checkpoint=...) loads anything: the checkpoint folder's files
+    are checked as far as it costs no read of their data, so that a damaged checkpoint is refused
+    before the model's weights are replaced (the Trainer loads the model first, the optimizer much
+    later). Every safetensors header (validated as load_checkpoint does), every torch file (.pt,
+    .pth, .bin in torch's zip format: its zip directory, which a truncated file lacks) and
+    trainer_state.json (parsed).
+    ValueError naming the file; FileNotFoundError when the folder is missing. A folder without a
+    checkpoint is left to the Trainer's own error."""
+    import json
+    import zipfile
+
+    from .._tensorfile import read_header
+
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        folder = (
+            get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+        )
+        if folder is None:
+            return  # the Trainer says there is none
+    else:
+        folder = os.fspath(resume_from_checkpoint)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"OffloadTrainer.train: resume_from_checkpoint={folder!r} is not a folder")
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".safetensors"):
+            read_header(path, "OffloadTrainer.train(resume_from_checkpoint=...)")
+        elif name.endswith((".pt", ".pth", ".bin")):
+            with open(path, "rb") as f:
+                if f.read(2) != b"PK":
+                    continue  # not torch's zip format (a legacy file): left to the Trainer
+            try:
+                with zipfile.ZipFile(path):
+                    pass
+            except (zipfile.BadZipFile, OSError) as e:
+                raise ValueError(
+                    f"OffloadTrainer.train: checkpoint file {path} is damaged or truncated ({e}); "
+                    "nothing was loaded: resume from an earlier checkpoint"
+                ) from None
+        elif name == _STATE_NAME:
+            try:
+                with open(path) as f:
+                    state = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"OffloadTrainer.train: {path} is not valid JSON ({e}); nothing was loaded"
+                ) from None
+            if not isinstance(state, dict):
+                raise ValueError(
+                    f"OffloadTrainer.train: {path} holds a {type(state).__name__}, not an object"
+                )

@@ -300,11 +300,16 @@ class OffloadTrainer(transformers.Trainer):
             )
             cbs.insert(at, self.checkpoint_callback)
 
-    def train(self, *args, **kwargs):
-        """transformers.Trainer.train; if it raises during a checkpoint save, args.output_dir is
-        restored (it pointed at the staging folder for the save)."""
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """transformers.Trainer.train; a checkpoint to resume from is checked before anything
+        loads (hf_checkpoints.check_resume: a damaged file is refused with the model untouched);
+        if it raises during a checkpoint save, args.output_dir is restored (it pointed at the
+        staging folder for the save)."""
+        from .hf_checkpoints import check_resume
+
+        check_resume(self, resume_from_checkpoint)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if self.checkpoint_callback is not None:
                 self.checkpoint_callback.restore(self.args)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from . import optim_checks as _checks
+from . import trainstream_args as _ts_args
 from .engine.nonfinite import NonFiniteGradientError
 from .ops import _adamw_rules as _rules
 from .options import (
@@ -116,54 +118,42 @@ class OffloadAdamW(torch.optim.Optimizer):
         seed: int = 0,
         eager_updates: bool = True,
         skip_nonfinite: bool = False,
+        eager=None,  # TrainStream's names (trainstream_args.py)
+        compute_grad_norm: bool = False,
+        chunk_elems=None,
+        pin_moments=None,
         _order=None,
         _log=None,
         _streamed=None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
-        if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
-            raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
-        if not (offload is True or (isinstance(offload, str) and offload == "auto")):
-            raise ValueError(f"OffloadAdamW: offload={offload!r}; accepted: True, 'auto'")
+        eager_updates, max_grad_norm = _ts_args.translate(
+            eager=eager,
+            compute_grad_norm=compute_grad_norm,
+            chunk_elems=chunk_elems,
+            pin_moments=pin_moments,
+            eager_updates=eager_updates,
+            max_grad_norm=max_grad_norm,
+        )
+        _checks.check_args(
+            mode=mode,
+            offload=offload,
+            flags=dict(
+                guard_params=guard_params,
+                eager_updates=eager_updates,
+                distributed=distributed,
+                skip_nonfinite=skip_nonfinite,
+            ),
+            bucket_bytes=bucket_bytes,
+            seed=seed,
+            max_inflight_bytes=max_inflight_bytes,
+            vram_headroom=vram_headroom,
+        )
         self._max_grad_norm = parse_max_grad_norm(max_grad_norm, "OffloadAdamW:")
         self._accumulation_steps = parse_accumulation_steps(accumulation_steps, "OffloadAdamW:")
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        for name, value in (
-            ("guard_params", guard_params),
-            ("eager_updates", eager_updates),
-            ("distributed", distributed),
-            ("skip_nonfinite", skip_nonfinite),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
-        for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: an integer >= {lo}")
-        if max_inflight_bytes is not None and (
-            isinstance(max_inflight_bytes, bool)
-            or not isinstance(max_inflight_bytes, int)
-            or max_inflight_bytes < (1 << 20)
-        ):
-            raise ValueError(
-                f"OffloadAdamW: max_inflight_bytes={max_inflight_bytes!r}; accepted: "
-                "None or an integer >= 1 MiB"
-            )
-        if (
-            isinstance(vram_headroom, bool)
-            or not isinstance(vram_headroom, (int, float))
-            or not 0.0 <= vram_headroom < 1.0
-        ):
-            raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number in [0, 1)")
-        if distributed:
-            import torch.distributed as dist
-
-            if not dist.is_available() or not dist.is_initialized():
-                raise ValueError(
-                    "OffloadAdamW: distributed=True needs torch.distributed "
-                    "initialised (torch.distributed.init_process_group) first"
-                )
         device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None
@@ -407,11 +397,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         return s
 
-    def attach(self, model: torch.nn.Module) -> "OffloadAdamW":
+    def attach(self, model: torch.nn.Module, guard: bool = True) -> "OffloadAdamW":
         """Hooks `model` (whose parameters this optimizer holds) in place as wrap() does, so a
         plain loop trains exactly as after wrap(): forward waits, names, state-dict and .to()
         hooks; ramstream.unwrap(model) undoes it. Returns this optimizer, so that
-        ``opt = OffloadAdamW(model.parameters()).attach(model)`` chains (TrainStream's idiom)."""
+        ``opt = OffloadAdamW(model.parameters()).attach(model)`` chains (TrainStream's idiom).
+        guard=False (TrainStream's argument) drops the read guard on the parameters, as
+        guard_params=False does (forward waits still order every module's reads)."""
+        if not isinstance(guard, bool):
+            raise ValueError(f"OffloadAdamW.attach: guard={guard!r}; accepted: True, False")
         from .options import WrapOptions
         from .report import EventLog
         from .runtime.attach import attach_model
@@ -444,6 +438,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             if plan is not None:
                 recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
         attach_model(model, self, opts, log, recompute=recompute)
+        if not guard and self._engine.guard_params:
+            from .engine import guard as _guard
+
+            for sl in self._engine.slots:
+                _guard.unguard(sl.param)
+            self._engine.guard_params = False
         log(f"attached: {len(self._engine.slots)} parameters in {len(self._engine.buckets)} buckets")
         return self
 

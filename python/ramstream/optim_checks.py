@@ -79,3 +79,40 @@ def check_state_dict(sd, param_groups: list[dict]) -> None:
                 f"{_WHERE}: state_dict['state'][{pid!r}]['exp_avg_sq'] has negative values; accepted: "
                 "a second moment >= 0 (an average of squared gradients)"
             )
+
+
+def check_args(*, mode, offload, flags: dict, bucket_bytes, seed, max_inflight_bytes, vram_headroom) -> None:
+    """OffloadAdamW's constructor arguments that it does not parse into values: ValueError naming
+    the argument and what is accepted (flags: name -> a value that must be a bool)."""
+    if not isinstance(mode, str) or mode not in ("cpu", "gpu", "auto"):
+        raise ValueError(f"OffloadAdamW: mode={mode!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
+    if not (offload is True or (isinstance(offload, str) and offload == "auto")):
+        raise ValueError(f"OffloadAdamW: offload={offload!r}; accepted: True, 'auto'")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: True, False")
+    for name, value, lo in (("bucket_bytes", bucket_bytes, 4096), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"OffloadAdamW: {name}={value!r}; accepted: an integer >= {lo}")
+    if max_inflight_bytes is not None and (
+        isinstance(max_inflight_bytes, bool)
+        or not isinstance(max_inflight_bytes, int)
+        or max_inflight_bytes < (1 << 20)
+    ):
+        raise ValueError(
+            f"OffloadAdamW: max_inflight_bytes={max_inflight_bytes!r}; accepted: None or an integer >= 1 MiB"
+        )
+    if (
+        isinstance(vram_headroom, bool)
+        or not isinstance(vram_headroom, (int, float))
+        or not 0.0 <= vram_headroom < 1.0
+    ):
+        raise ValueError(f"OffloadAdamW: vram_headroom={vram_headroom!r}; accepted: a number in [0, 1)")
+    if flags.get("distributed"):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "OffloadAdamW: distributed=True needs torch.distributed "
+                "initialised (torch.distributed.init_process_group) first"
+            )

@@ -50,6 +50,40 @@ def test_attach_returns_the_optimizer_and_trains_like_torch_cuda():
 
 
 # ---- max_grad_norm: a backward pass more than accumulation_steps is summed ----------------------------
+@pytest.mark.parametrize(
+    "kw, eager, max_norm",
+    [
+        ({"eager": False}, False, None),
+        ({"eager": True}, True, None),
+        ({"compute_grad_norm": True, "chunk_elems": 1 << 16, "pin_moments": True}, True, float("inf")),
+    ],
+)
+def test_trainstream_constructor_arguments_train_like_torch(kw, eager, max_norm):
+    """OffloadAdamW(eager=, compute_grad_norm=, chunk_elems=, pin_moments=) and attach(guard=False),
+    TrainStream's spellings: eager is eager_updates, compute_grad_norm takes the norm without
+    clipping (last_grad_norm set), the other two are accepted with no effect."""
+    ref = make_model(0)
+    model = clone(ref)
+    data = batches(5)
+    want = _torch_reference(ref, data)
+    opt = OffloadAdamW(model.parameters(), **HP, **kw).attach(model, guard=False)
+    try:
+        assert opt._engine.eager_updates is eager and opt.max_grad_norm == max_norm
+        assert not opt._engine.guard_params
+        got = train_torch(model, opt, data)
+        opt.synchronize()
+        assert got == pytest.approx(want, abs=1e-5) and max_diff(ref, model) < 1e-5
+        assert (opt.last_grad_norm is not None) == (max_norm is not None)
+    finally:
+        trainstream.unwrap(model)
+    with pytest.raises(ValueError, match="eager"):
+        OffloadAdamW(make_model(0).parameters(), eager="yes")
+    with pytest.raises(ValueError, match="disagree"):
+        OffloadAdamW(make_model(0).parameters(), eager=True, eager_updates=False)
+    with pytest.raises(ValueError, match="guard"):
+        OffloadAdamW(model.parameters()).attach(model, guard=1)
+
+
 @pytest.mark.parametrize("accumulation_steps, passes", [(1, 2), (1, 3), (2, 3)])
 @pytest.mark.parametrize("param_offload", [False, True])
 def test_max_grad_norm_sums_an_extra_backward_like_torch(accumulation_steps, passes, param_offload):

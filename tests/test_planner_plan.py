@@ -10,6 +10,7 @@ import pytest
 import ramstream
 from ramstream.cli import main
 from ramstream.planner import HardwareProfile, ModelShape, PlanError, plan_training
+from ramstream.planner.rules import HOST_RAM_SHARE as SHARE  # the planner plans for this share of RAM
 
 G = 2**30
 V, D = 50304, 2048
@@ -109,11 +110,14 @@ def test_ram_forces_bf16_moments():
 
 def test_bf16_moments_by_hand_and_the_error_without_them():
     # optimizer_mode="cpu": no VRAM share, so host RAM is exactly the state of every parameter
-    assert 16 * P18 > 24 * G > 12 * P18
+    assert 16 * P18 > SHARE * 24 * G > 12 * P18
     with pytest.raises(PlanError) as e:
         plan_training(gpt18(), prof(24, 24), optimizer_mode="cpu", moment_dtype="float32")
     msg = str(e.value)
-    assert f"needs {16 * P18 / G:.2f} GiB" in msg and "24.00 GiB available per rank" in msg
+    assert (
+        f"needs {16 * P18 / G:.2f} GiB" in msg
+        and f"{int(SHARE * 24 * G) / G:.2f} GiB available per rank" in msg
+    )
     assert "moment_dtype='bfloat16'" in msg and isinstance(e.value, MemoryError)
     assert e.value.arithmetic["ram"]["optimizer_state"] == 12 * P18
     p = plan_training(gpt18(), prof(24, 24), optimizer_mode="cpu")
@@ -125,7 +129,10 @@ def test_local_world_size_divides_ram():
     ok = plan_training(gpt18(), prof(24, 48), optimizer_mode="cpu")
     assert ok.optimizer["moment_dtype"] == "float32"  # 16 P < 48 GiB
     two = plan_training(gpt18(), prof(24, 48, local_world_size=2), optimizer_mode="cpu")
-    assert two.optimizer["moment_dtype"] == "bfloat16" and two.memory["ram"]["budget"] == 24 * G
+    assert (
+        two.optimizer["moment_dtype"] == "bfloat16"
+        and two.memory["ram"]["budget"] == int(SHARE * 48 * G) // 2
+    )
 
 
 def test_6_85b_fp32_on_an_uncapped_h200_is_resident():
@@ -172,7 +179,7 @@ def test_plan_error_shows_the_arithmetic_per_component():
     assert f"vs {0.9 * 4:.2f} GiB usable (free 4.00 GiB less 10%)" in msg
     v = e.value.arithmetic["vram"]
     assert f"needs {sum(x for k, x in v.items() if k != 'budget') / G:.2f} GiB" in msg
-    assert "RAM (least-RAM plan)" in msg and "32.00 GiB available per rank" in msg
+    assert "RAM (least-RAM plan)" in msg and f"{int(SHARE * 32 * G) / G:.2f} GiB available per rank" in msg
 
 
 def test_step_time_model_by_hand_resident_and_host():

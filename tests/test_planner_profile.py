@@ -11,6 +11,7 @@ import pytest
 import ramstream
 from ramstream.planner import measure
 from ramstream.planner import profile as prof_mod
+from ramstream.planner.rules import HOST_RAM_SHARE
 
 RATES = {"h2d_gbps": 12.5, "d2h_gbps": 11.0, "duplex_gbps": 9.5, "adamw_gbps": 30.0, "matmul_tflops": None}
 
@@ -98,7 +99,9 @@ def test_ram_and_pin_budget_are_read_on_every_call_and_split_per_rank(counted, m
     p = ramstream.profile_hardware("cpu")
     assert p.local_world_size == 4
     assert p.pin_budget == ramstream.pin_budget()
-    assert p.ram_per_rank == p.ram_available // 4 and p.pin_per_rank == p.pin_budget // 4
+    assert (
+        p.ram_per_rank == int(p.ram_available * HOST_RAM_SHARE) // 4 and p.pin_per_rank == p.pin_budget // 4
+    )
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     assert p.ram_total == total and 0 < p.ram_available <= total

@@ -68,8 +68,12 @@ class HardwareProfile(TrainStreamProfileNames):
 
     @property
     def ram_per_rank(self) -> int:
-        """Available RAM this process may plan for: ram_available / local_world_size."""
-        return self.ram_available // max(1, self.local_world_size)
+        """Available RAM this process may plan for: rules.HOST_RAM_SHARE (90 %) of ram_available /
+        local_world_size, the share wrap()'s host arithmetic (host_fit.py) allows, so that a plan
+        the planner accepts is never refused there."""
+        from .rules import HOST_RAM_SHARE
+
+        return int(self.ram_available * HOST_RAM_SHARE) // max(1, self.local_world_size)
 
     @property
     def pin_per_rank(self) -> int:

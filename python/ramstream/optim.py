@@ -36,21 +36,6 @@ _GROUP_EXTRAS = dict(
 )
 
 
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    """The rules of ramstream.ops._adamw_rules; ValueError naming the bad one."""
-    b1, b2 = _rules.check_betas("OffloadAdamW", betas)
-    _rules.check_hypers(
-        "OffloadAdamW",
-        lr=lr,
-        beta1=b1,
-        beta2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        names={"beta1": "betas[0]", "beta2": "betas[1]"},
-        type_error=ValueError,
-    )
-
-
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments off the GPU.
 
@@ -126,7 +111,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         _log=None,
         _streamed=None,
     ) -> None:
-        _check_hyper(lr, betas, eps, weight_decay)
+        _checks.check_hyper(lr, betas, eps, weight_decay)
         eager_updates, max_grad_norm = _ts_args.translate(
             eager=eager,
             compute_grad_norm=compute_grad_norm,

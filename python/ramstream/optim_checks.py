@@ -116,3 +116,18 @@ def check_args(*, mode, offload, flags: dict, bucket_bytes, seed, max_inflight_b
                 "OffloadAdamW: distributed=True needs torch.distributed "
                 "initialised (torch.distributed.init_process_group) first"
             )
+
+
+def check_hyper(lr, betas, eps, weight_decay) -> None:
+    """The rules of ramstream.ops._adamw_rules; ValueError naming the bad one."""
+    b1, b2 = _rules.check_betas("OffloadAdamW", betas)
+    _rules.check_hypers(
+        "OffloadAdamW",
+        lr=lr,
+        beta1=b1,
+        beta2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        names={"beta1": "betas[0]", "beta2": "betas[1]"},
+        type_error=ValueError,
+    )

@@ -32,7 +32,7 @@ fi
 for stage in $STAGES; do
   case "$stage" in
     tests)
-      (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout 300 python3 -m pytest ${TESTS:-.} -q -m cuda -p no:cacheprovider \
+      (cd tests && RAMSTREAM_REQUIRE_CUDA=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest ${TESTS:-.} -q -m cuda -p no:cacheprovider \
         --tb=short > "$OUT/tests_cuda.log" 2>&1)
       summary "tests -m cuda: $(tail -1 "$OUT/tests_cuda.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests_cuda.log" | head -20 ;;

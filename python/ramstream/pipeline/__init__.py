@@ -1,0 +1,1 @@
+"""Single-process pipeline parallelism over the GPUs of one machine (RamTorch's Pipeline API)."""

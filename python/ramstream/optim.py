@@ -36,7 +36,7 @@ _GROUP_EXTRAS = dict(
 )
 
 
-class OffloadAdamW(torch.optim.Optimizer):
+class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments off the GPU.
 
     Args:
@@ -371,15 +371,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         (backward waiting on max_inflight_bytes), gpu_updates, grad_hook_calls, eager_updates
         (bucket updates run during backward); TrainStream's names: grad_bytes_offloaded
         (= bytes_d2h), param_bytes_uploaded (= bytes_h2d), guard_waits (= waits: reads that
-        waited for an update), mode ("resident" after the switch), numel (trained elements)."""
+        waited for an update), mode ("resident" after the switch), numel (trained elements),
+        params, host_state_bytes, moment_dtype, update_ms_total (trainstream_args.stats_names)."""
         s = dict(self._engine.stats)
-        s.update(
-            grad_bytes_offloaded=s["bytes_d2h"],
-            param_bytes_uploaded=s["bytes_h2d"],
-            guard_waits=s["waits"],
-            mode="resident" if self._resident is not None else self.mode,
-            numel=sum(x.numel for x in self._engine.slots),
-        )
+        s.update(_ts_args.stats_names(self, s))
         return s
 
     def attach(self, model: torch.nn.Module, guard: bool = True) -> "OffloadAdamW":

@@ -21,6 +21,14 @@ class EventLog:
             print(f"ramstream: {msg}", flush=True)
 
 
+def host_state_bytes(engine) -> int:
+    """Bytes of the buckets' fp32 masters, moments and accumulation sums (off the device: 0 once
+    the optimizer is resident)."""
+    return sum(
+        t.nbytes for b in engine.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
+    )
+
+
 def _blocks(w) -> list:
     from .blocks import find_blocks
 
@@ -104,9 +112,7 @@ def memory_report(model: torch.nn.Module) -> dict:
     from .engine.refine import split_report
 
     e = w.optimizer._engine
-    host_state = sum(
-        t.nbytes for b in e.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
-    )
+    host_state = host_state_bytes(e)
     landing = sum(b.landing.nbytes for b in e.buckets if b.landing is not None)
     stats = w.optimizer.stats()
     act = w.activations.off.stats() if w.activations is not None else {}

@@ -5,6 +5,7 @@ exists: forward waits, the plan's recompute, activation paging, the watchdog, st
 from __future__ import annotations
 
 import types
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -135,4 +136,5 @@ def attach_model(
 
     model._apply = types.MethodType(_apply, model)
     model._ramstream = w
+    opt._attached_model = weakref.ref(model)  # OffloadAdamW.detach() (TrainStream's) finds it
     return w

@@ -1,0 +1,307 @@
+"""One pipeline step (or inference pass) in flight: Run executes a stage's op list (forward and
+backward of (microbatch, chunk)), hands activations and gradients over through an Exchange, and
+collects the outputs and losses; PipelineResult is what step() returns.
+
+A Run is built per step by the Pipeline and dropped after it; stage threads hold it only while
+they run its ops. Every op of a chunk runs on the chunk's stage thread (or, with overlap=False,
+on the caller's thread), on the stage's CUDA stream when its device is a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+
+import torch
+
+from .stage import Exchange, Stopped, device_context, receive, send
+
+__all__ = ["Chunk", "PipelineResult", "Run"]
+
+
+class Chunk:
+    """One piece of the pipeline (a virtual stage): `module` on `device`, run by stage `stage`
+    on `stream` (a torch.cuda.Stream, None off CUDA) under autocast `dtype` (None: off)."""
+
+    __slots__ = ("device", "dtype", "module", "stage", "stream")
+
+    def __init__(self, module, device, stage, stream, dtype) -> None:
+        self.module, self.device, self.stage, self.stream, self.dtype = module, device, stage, stream, dtype
+
+    def autocast(self):
+        if self.dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+class PipelineResult:
+    """The result of Pipeline.step(): `outputs` (the last chunk's output per microbatch, detached,
+    on the last stage's device), `losses` (the loss per microbatch, detached scalars; empty with
+    grad_outputs), `loss` (their mean) and `output` (the outputs concatenated along dim 0)."""
+
+    def __init__(self, outputs, losses, pipeline=None) -> None:
+        self.outputs = list(outputs)
+        self.losses = list(losses)
+        self._pipeline = pipeline
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The mean of the microbatch losses (the full-batch mean when the microbatches are equal)."""
+        if not self.losses:
+            raise RuntimeError(
+                "PipelineResult.loss: this step ran with grad_outputs (the loss was bypassed), so no "
+                "loss was computed"
+            )
+        return torch.stack(self.losses).mean()
+
+    @property
+    def output(self):
+        """The microbatch outputs concatenated along dim 0 (a tuple output: element-wise)."""
+        return cat_outputs(self.outputs)
+
+    def flush_grads(self, scale: float = 1.0) -> None:
+        """Pipeline.flush_grads(scale) of the pipeline that made this result (one meaning: see
+        there; RamTorch's result averages by default, here the step's gradients already are the
+        microbatch mean)."""
+        if self._pipeline is None:
+            raise RuntimeError("PipelineResult.flush_grads: no pipeline attached")
+        self._pipeline.flush_grads(scale)
+
+
+def cat_outputs(outs):
+    first = outs[0]
+    if torch.is_tensor(first):
+        return torch.cat(outs, dim=0) if len(outs) > 1 else first
+    if isinstance(first, tuple):
+        return tuple(cat_outputs([o[i] for o in outs]) for i in range(len(first)))
+    return list(outs)
+
+
+def _move(v, device):
+    if torch.is_tensor(v):
+        return v.to(device, non_blocking=device.type == "cuda")
+    if isinstance(v, tuple):
+        return tuple(_move(x, device) for x in v)
+    return v
+
+
+class Run:
+    """One step's state. `chunks` (Chunk per virtual stage), `ops` (per stage, Op lists), `inputs`
+    (per microbatch, the first chunk's positional arguments), `targets` (per microbatch or None),
+    `loss_fn` or `grads` (per microbatch: the last output's gradient, or a callable), `train`
+    (False: forwards only, under no_grad). run_stage(s) never raises: the first failure is in
+    `exchange.error`."""
+
+    def __init__(self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False) -> None:
+        self.chunks, self.ops = chunks, ops
+        self.inputs, self.targets = inputs, targets
+        self.loss_fn, self.grads, self.train = loss_fn, grads, train
+        self.n = len(inputs)
+        self.last = len(chunks) - 1
+        self.exchange = Exchange(len(ops))
+        self.saved: dict = {}  # (chunk, mb) -> forward state, each key touched by one stage only
+        self.outputs: list = [None] * self.n
+        self.losses: list = [None] * self.n
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.start_events: dict = {}  # device -> event on the caller's stream at the start
+        self.end_events: dict = {}  # stage -> event on its stream at its end
+        self.spans: list | None = [] if trace else None
+
+    # ---- the caller's side -----------------------------------------------------------------------
+    def mark_start(self) -> None:
+        """Events on the caller's current stream of every GPU: the stages start after what the
+        caller queued there (an optimizer step, the inputs)."""
+        for ch in self.chunks:
+            if ch.stream is not None and ch.device not in self.start_events:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(ch.device))
+                self.start_events[ch.device] = ev
+
+    def join_streams(self) -> None:
+        """The caller's current streams wait (on the GPU) for every stage's last op, and the
+        outputs and losses (made on the last stage's stream) are recorded on the caller's."""
+        for s, ev in self.end_events.items():
+            dev = next(ch.device for ch in self.chunks if ch.stage == s)
+            torch.cuda.current_stream(dev).wait_event(ev)
+        for v in list(self.outputs) + list(self.losses):
+            for t in v if isinstance(v, tuple) else (v,):
+                if torch.is_tensor(t) and t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+
+    def run_serial(self, order) -> None:
+        """overlap=False: every (stage, op) of `order` (an execution order) on this thread, each
+        under its stage's device and stream; raises the first failure."""
+        self.exchange.running = 1  # a missing hand-over is a deadlock at once
+        grad = torch.enable_grad() if self.train else torch.no_grad()
+        seen = set()
+        try:
+            with grad:
+                for s, op in order:
+                    ch = self.chunks[op.chunk]
+                    with device_context(ch.device, ch.stream):
+                        if s not in seen and ch.stream is not None and ch.device in self.start_events:
+                            ch.stream.wait_event(self.start_events[ch.device])
+                        seen.add(s)
+                        self.run_op(s, op)
+        except Stopped:
+            raise self.exchange.error from None
+        finally:
+            for ch in self.chunks:
+                if ch.stream is not None and ch.stage in seen and ch.stage not in self.end_events:
+                    ev = torch.cuda.Event()
+                    ev.record(ch.stream)
+                    self.end_events[ch.stage] = ev
+
+    # ---- a stage's side --------------------------------------------------------------------------
+    def run_stage(self, s: int, serial: bool = False) -> None:
+        """Runs stage s's ops in order (never raises; failures go to the exchange)."""
+        ch0 = next(ch for ch in self.chunks if ch.stage == s)
+        try:
+            with device_context(ch0.device, ch0.stream):
+                try:
+                    if ch0.stream is not None and ch0.device in self.start_events:
+                        ch0.stream.wait_event(self.start_events[ch0.device])
+                    grad = torch.enable_grad() if self.train else torch.no_grad()
+                    with grad:
+                        for op in self.ops[s]:
+                            self.exchange.check()
+                            self.run_op(s, op)
+                finally:
+                    if ch0.stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(ch0.stream)
+                        self.end_events[s] = ev
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, who raises it
+            self.exchange.fail(e)
+        finally:
+            if not serial:
+                self.exchange.finished()
+                self.done.put(s)
+
+    def run_op(self, s: int, op) -> None:
+        t0 = time.perf_counter()
+        if op.kind == "F":
+            self.forward(s, op.chunk, op.mb)
+        else:
+            self.backward(s, op.chunk, op.mb)
+        if self.spans is not None:
+            self.spans.append((s, f"{op.kind} mb{op.mb} c{op.chunk}", t0, time.perf_counter()))
+
+    def forward(self, s: int, c: int, m: int) -> None:
+        ch = self.chunks[c]
+        if c == 0:
+            args = _move(self.inputs[m], ch.device)
+        else:
+            args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+        with ch.autocast():
+            out = ch.module(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        if c < self.last:
+            if self.train:
+                self.saved[(c, m)] = (args, outs)
+            self.exchange.put(("F", c, m), send(outs, ch.stream))
+            return
+        self.outputs[m] = _detach(out)
+        loss = None
+        if self.train and self.loss_fn is not None:
+            with ch.autocast():
+                loss = self.loss_fn(out, _move(self.targets[m], ch.device))
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                raise ValueError(
+                    "Pipeline.step: loss_fn must return a scalar tensor, got "
+                    + (
+                        f"a tensor of shape {tuple(loss.shape)}"
+                        if torch.is_tensor(loss)
+                        else type(loss).__name__
+                    )
+                )
+            self.losses[m] = loss.detach().reshape(())
+        if self.train:
+            self.saved[(c, m)] = (args, outs, loss)
+
+    def backward(self, s: int, c: int, m: int) -> None:
+        ch = self.chunks[c]
+        state = self.saved.pop((c, m))
+        args, outs = state[0], state[1]
+        if c == self.last:
+            pairs = self._last_pairs(m, ch, outs, state[2])
+        else:
+            gs = receive(self.exchange.take(("B", c, m), s), ch.device, ch.stream)
+            pairs = [(o, g) for o, g in zip(outs, gs) if g is not None and _needs_grad(o)]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del state, outs, pairs
+        if c > 0:
+            back = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
+            self.exchange.put(("B", c - 1, m), send(back, ch.stream, grads=True))
+
+    def _last_pairs(self, m, ch, outs, loss):
+        if self.grads is None:
+            if loss is None or not loss.requires_grad:
+                return []  # nothing before the loss needs a gradient
+            return [(loss.reshape(()) / self.n, None)]
+        g = self.grads[m]
+        if callable(g):
+            g = g(self.outputs[m], self.targets[m])
+        gs = g if isinstance(g, tuple) else (g,)
+        if len(gs) != len(outs):
+            raise ValueError(
+                f"Pipeline.step: grad_outputs has {len(gs)} entries for the last stage's {len(outs)} outputs"
+            )
+        pairs = []
+        for i, (o, g) in enumerate(zip(outs, gs)):
+            if g is None or not _needs_grad(o):
+                continue
+            if not torch.is_tensor(g) or g.shape != o.shape:
+                got = tuple(g.shape) if torch.is_tensor(g) else type(g).__name__
+                raise ValueError(
+                    f"Pipeline.step: grad_outputs entry {i} must be a tensor of the output's shape "
+                    f"{tuple(o.shape)}, got {got}"
+                )
+            pairs.append((o, g.to(ch.device, non_blocking=ch.device.type == "cuda")))
+        return pairs
+
+    # ---- trace -----------------------------------------------------------------------------------
+    def write_trace(self, path, t_start: float) -> None:
+        """The op spans (host time: on CUDA, when each op was queued) as a Chrome/Perfetto trace,
+        one track per stage; written to a temporary name and renamed."""
+        pid = os.getpid()
+        ev = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "ramstream pipeline"}}
+        ]
+        for s in range(len(self.ops)):
+            ev.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": s + 1, "args": {"name": f"stage {s}"}}
+            )
+        for s, name, t0, t1 in self.spans or []:
+            ts = (t0 - t_start) * 1e6
+            ev.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": s + 1,
+                    "ts": round(ts, 3),
+                    "dur": round((t1 - t0) * 1e6, 3),
+                }
+            )
+        tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": ev, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, path)
+
+
+def _needs_grad(o) -> bool:
+    return torch.is_tensor(o) and o.requires_grad
+
+
+def _detach(out):
+    if torch.is_tensor(out):
+        return out.detach()
+    if isinstance(out, tuple):
+        return tuple(_detach(o) for o in out)
+    return out

@@ -1,0 +1,416 @@
+"""Pipeline: single-process pipeline parallelism (RamTorch's Pipeline API) over one stage per
+device (several GPUs, one GPU several times, or the CPU), with persistent stage threads, per-stage
+CUDA streams and events, and all-or-nothing steps."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import weakref
+
+import torch
+
+from . import schedule as schedules
+from .checks import (
+    ISSUE,
+    check_autocast,
+    check_devices,
+    check_int,
+    check_offload,
+    dice,
+    split_batch,
+    split_tensors,
+)
+from .run import Chunk, PipelineResult, Run, cat_outputs
+from .split import Sequence, split_model
+from .stage import StageThread
+
+__all__ = ["Pipeline", "PipelineResult"]
+
+
+def _sum_loss(out, _target):
+    if not torch.is_tensor(out):
+        raise TypeError(
+            "Pipeline.step: without loss_fn the loss is output.sum(), which needs a tensor output; "
+            f"got {type(out).__name__}: pass loss_fn or grad_outputs"
+        )
+    return out.sum()
+
+
+def _stop(threads) -> None:
+    for t in threads:
+        t.stop(wait=False)
+
+
+class Pipeline:
+    """Runs a model cut into stages, one stage per device, microbatches flowing through them.
+
+    Args:
+        model, example_input, split_spec: an nn.Sequential and where to cut it: split_spec maps a
+            child's name to SplitPoint.BEGINNING (a stage starts there) or .END (one ends after
+            it), or is None (balanced by parameter count over `devices`). example_input is
+            accepted for RamTorch's signature and not needed (nothing is traced).
+        stage_modules: the stages, one nn.Module each (its forward takes the previous stage's
+            output; a tuple output becomes the next stage's positional arguments); an entry that
+            is a list of modules is a chunked stage run in sequence. With chunks_per_stage=v (an
+            int), the list holds stages*v chunks, chunk c on stage c % stages (the "interleaved"
+            schedule's placement).
+        chunk_modules: a flat list of chunks cut into consecutive stages: chunks_per_stage as a
+            list of counts, or an even split (earlier stages take the remainder); with
+            chunks_per_stage=v (an int), placed as stage_modules are.
+        devices: one per stage ("cpu", "cuda", "cuda:i"; the same GPU may appear several
+            times); None: cuda:i round-robin over the visible GPUs, or the CPU.
+        overlap: True: one persistent thread per stage, started here and reused by every step;
+            False: every op on the caller's thread, in a valid order (debugging).
+        autocast: None, torch.bfloat16 or "bf16" (each stage runs its forward and the loss under
+            torch.autocast on its device; parameters and gradients stay in their dtype), or
+            torch.float16 / "fp16" for infer() only (step() raises ValueError: fp16 gradients
+            underflow without loss scaling, which the pipeline does not do).
+        offload, offload_*: RamTorch's weight streaming of chunked stages. Checked; a chunked
+            stage with offload=True raises NotImplementedError (issue 28): pass offload=False to
+            run chunked stages resident. Plain module stages are always resident.
+
+    Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
+    (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
+    hand activations and gradients over with CUDA events, a step waits for its stages on the host
+    but never synchronizes a device: it returns once the caller's current streams are ordered after
+    the stages' work (outputs, losses and .grad are safe to use on them). Not thread-safe: one
+    step() or infer() at a time (a second one raises RuntimeError).
+    """
+
+    def __init__(
+        self,
+        model=None,
+        example_input=None,
+        split_spec=None,
+        *,
+        stage_modules=None,
+        chunk_modules=None,
+        chunks_per_stage=None,
+        devices=None,
+        overlap: bool = True,
+        autocast=None,
+        offload: bool = True,
+        offload_window: int = 2,
+        offload_pin: int = 0,
+        offload_keep_activations=True,
+        offload_grad_accum: str = "stream",
+        offload_acc_slots=None,
+        offload_activations: bool = False,
+        offload_act_slots: int = 2,
+    ) -> None:
+        self._threads: list = []
+        self._closed = False
+        if not isinstance(overlap, bool):
+            raise TypeError(f"Pipeline: overlap must be a bool, got {type(overlap).__name__}")
+        if not isinstance(offload, bool):
+            raise TypeError(f"Pipeline: offload must be a bool, got {type(offload).__name__}")
+        check_offload(
+            offload_window,
+            offload_pin,
+            offload_keep_activations,
+            offload_grad_accum,
+            offload_acc_slots,
+            offload_activations,
+            offload_act_slots,
+        )
+        self.autocast_dtype = check_autocast(autocast)
+        self.overlap, self.offload = overlap, offload
+        devs = check_devices(devices, None) if devices is not None else None
+        if model is not None:
+            if stage_modules is not None or chunk_modules is not None:
+                raise ValueError("Pipeline: give model or stage_modules/chunk_modules, not both")
+            if chunks_per_stage is not None:
+                raise ValueError("Pipeline: chunks_per_stage needs stage_modules or chunk_modules, not model")
+            if devs is None:
+                devs = check_devices(None, None)
+            stage_modules = split_model(model, split_spec, len(devs) if split_spec is None else None)
+        elif split_spec is not None or example_input is not None:
+            raise ValueError("Pipeline: split_spec and example_input go with model=")
+        elif stage_modules is None and chunk_modules is None:
+            raise ValueError("Pipeline: give stage_modules, chunk_modules, or model (an nn.Sequential)")
+        default_k = len(devs) if devs is not None else len(check_devices(None, None))
+        pieces, v = dice(stage_modules, chunk_modules, chunks_per_stage, default_k)
+        if len(pieces) % v:
+            raise ValueError(f"Pipeline: {len(pieces)} modules do not make chunks_per_stage={v} per stage")
+        n = len(pieces) // v
+        if devs is None:
+            devs = check_devices(None, n)
+        elif len(devs) != n:
+            raise ValueError(f"Pipeline: devices has {len(devs)} entries for {n} stages")
+        if offload and any(isinstance(p, list) for p in pieces):
+            raise NotImplementedError(
+                f"Pipeline: streamed (offloaded) stages are not implemented yet ({ISSUE}): chunked stages "
+                "(lists in stage_modules, or chunk_modules) with offload=True would stream their weights "
+                "from host memory; pass offload=False to run them resident on their devices"
+            )
+        self.devices = devs
+        self.num_stages = n
+        self.chunks_per_stage = v
+        streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devs]
+        self._chunks = []
+        for c, piece in enumerate(pieces):
+            s = c % n
+            mod = Sequence(piece) if isinstance(piece, list) else piece
+            mod.to(devs[s])
+            self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
+        self._params = self._check_params()
+        self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
+        self._lock = threading.Lock()
+        if overlap:
+            self._threads = [StageThread(s) for s in range(n)]
+        self._finalizer = weakref.finalize(self, _stop, list(self._threads))
+
+    def _check_params(self) -> list:
+        owner: dict = {}
+        out, seen = [], set()
+        for ch in self._chunks:
+            for p in ch.module.parameters():
+                s = owner.setdefault(id(p), ch.stage)
+                if s != ch.stage:
+                    raise ValueError(
+                        f"Pipeline: a parameter of shape {tuple(p.shape)} is shared by stages {s} and {ch.stage}; "
+                        "a parameter must belong to one stage (untie it, or keep its users in one stage)"
+                    )
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # ---- what users read ---------------------------------------------------------------------------
+    @property
+    def modules(self) -> list:
+        """The chunk modules in pipeline order (one per stage unless chunks_per_stage > 1)."""
+        return [ch.module for ch in self._chunks]
+
+    def parameters(self):
+        """Every parameter of the stages, once each, in pipeline order (for an optimizer)."""
+        return iter(self._params)
+
+    def __repr__(self) -> str:
+        devs = ", ".join(str(d) for d in self.devices)
+        return (
+            f"Pipeline(stages={self.num_stages}, chunks_per_stage={self.chunks_per_stage}, devices=[{devs}])"
+        )
+
+    # ---- running -----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Pipeline: the pipeline is closed")
+
+    def _execute(self, run: Run, ops) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "Pipeline: a step() or infer() is already running (from another thread, or from inside a stage)"
+            )
+        try:
+            run.mark_start()
+            if self.overlap:
+                for s, t in enumerate(self._threads):
+                    t.submit(functools.partial(run.run_stage, s))
+                left = len(self._threads)
+                try:
+                    while left:
+                        run.done.get()
+                        left -= 1
+                except BaseException as e:  # an interrupt: stop the stages, wait for them, re-raise
+                    run.exchange.fail(e)
+                    while left:
+                        run.done.get()
+                        left -= 1
+                    raise
+            else:
+                run.run_serial(schedules.execution_order(ops, len(self._chunks)))
+            run.join_streams()
+            if run.exchange.error is not None:
+                raise run.exchange.error
+        finally:
+            self._lock.release()
+
+    def _profiled(self, run, ops, trace_path, profile_path) -> None:
+        for name, path in (("trace_path", trace_path), ("profile_path", profile_path)):
+            if path is not None:
+                if not isinstance(path, (str, os.PathLike)):
+                    raise TypeError(f"Pipeline: {name} must be a path, got {type(path).__name__}")
+                folder = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(folder):
+                    raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")
+        t0 = time.perf_counter()
+        if profile_path is None:
+            self._execute(run, ops)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=acts) as prof:
+                self._execute(run, ops)
+            prof.export_chrome_trace(os.fspath(profile_path))
+        if trace_path is not None:
+            run.write_trace(trace_path, t0)
+
+    def step(
+        self,
+        data,
+        *,
+        targets=None,
+        schedule: str = "1f1b",
+        n_microbatches: int = 4,
+        loss_fn=None,
+        trace_path=None,
+        profile_path=None,
+        grad_outputs=None,
+    ) -> PipelineResult:
+        """One training step: forward and backward of `n_microbatches` microbatches.
+
+        data (a tensor, or a tuple: the first stage's positional arguments) and targets are cut
+        along dim 0 into n_microbatches pieces (torch.tensor_split). Per microbatch the loss is
+        loss_fn(output, target) (without loss_fn and targets: output.sum(), RamTorch's default),
+        and loss / n_microbatches is backpropagated, so the gradients are those of the mean of
+        the microbatch losses: the full-batch mean when the microbatches are equal and loss_fn
+        averages over rows. grad_outputs (instead of loss_fn) gives the gradient of the last
+        stage's output: a tensor or tuple of the full batch (cut like data; None entries for
+        outputs that get none), or a callable (output, target) -> gradient per microbatch; it
+        is backpropagated as given (not divided), so `.grad` is the gradient of the objective it
+        is the gradient of. schedule: "1f1b" (textbook one-forward-one-backward, RamTorch's
+        "staggered_1b1f"), "gpipe", "interleaved" (chunks_per_stage > 1); every schedule gives
+        the same gradients bit for bit.
+
+        Gradients: a step adds its gradients into each trained parameter's `.grad` when it
+        succeeded as a whole (after flush_grads() the next step starts a new sum instead). A
+        step that raises, in any stage, in forward, backward or the loss, stops every stage,
+        leaves every `.grad` and weight as before it, and raises the first error; the next step
+        runs normally. Buffers a forward updates (BatchNorm statistics) keep the microbatches that
+        ran. Returns a PipelineResult (outputs, losses, loss). trace_path: a Chrome/Perfetto trace
+        of the ops per stage (host times); profile_path: a torch.profiler trace of the step.
+        """
+        self._check_open()
+        if self.autocast_dtype == torch.float16:
+            raise ValueError(
+                "Pipeline.step: autocast=float16 cannot train: fp16 gradients underflow without loss "
+                "scaling (GradScaler), which the pipeline does not apply; use autocast=torch.bfloat16 "
+                "(fp16 stays available for infer())"
+            )
+        n = check_int("Pipeline.step", "n_microbatches", n_microbatches, 1)
+        if grad_outputs is not None and loss_fn is not None:
+            raise ValueError("Pipeline.step: give loss_fn or grad_outputs, not both")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"Pipeline.step: loss_fn must be callable, got {type(loss_fn).__name__}")
+        ops = schedules.build(schedule, self.num_stages, n, self.chunks_per_stage)
+        inputs, rows = split_batch(data, n)
+        tg = split_tensors("targets", targets, n, rows) if targets is not None else [None] * n
+        grads = None
+        if grad_outputs is not None:
+            if callable(grad_outputs):
+                grads = [grad_outputs] * n
+            elif torch.is_tensor(grad_outputs) or isinstance(grad_outputs, tuple):
+                grads = split_tensors("grad_outputs", grad_outputs, n, rows)
+            else:
+                raise TypeError(
+                    "Pipeline.step: grad_outputs must be a tensor, a tuple of tensors (None where an "
+                    f"output gets no gradient) or a callable, got {type(grad_outputs).__name__}"
+                )
+        elif loss_fn is None:
+            if targets is not None:
+                raise ValueError(
+                    "Pipeline.step: targets given without loss_fn; pass loss_fn=(output, target) -> loss"
+                )
+            loss_fn = _sum_loss
+        run = Run(
+            self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
+            train=True, trace=trace_path is not None,
+        )  # fmt: skip
+        stash = [(p, p.grad) for p in self._params if p.requires_grad]
+        for p, _ in stash:
+            p.grad = None  # this step's gradients accumulate apart: committed only if it all succeeds
+        ok = False
+        try:
+            self._profiled(run, ops, trace_path, profile_path)
+            ok = True
+        finally:
+            if ok:
+                self._commit(stash)
+            else:
+                for p, old in stash:
+                    p.grad = old
+        losses = [x for x in run.losses if x is not None] if grads is None else []
+        return PipelineResult(run.outputs, losses, self)
+
+    def _commit(self, stash) -> None:
+        fresh, self._flushed = self._flushed, False
+        with torch.no_grad():
+            for p, old in stash:
+                new = p.grad
+                if new is not None and new.is_cuda:
+                    new.record_stream(torch.cuda.current_stream(new.device))
+                if new is None:
+                    p.grad = None if fresh else old
+                elif old is not None and not fresh:
+                    p.grad = old.add_(new)
+
+    def infer(self, data, *, n_microbatches: int = 4, trace_path=None, profile_path=None):
+        """Forward only, under no_grad: data cut into n_microbatches along dim 0, pipelined
+        through the stages (stage s runs microbatch k while stage s+1 runs k-1); returns the last
+        stage's outputs concatenated along dim 0 (a tuple output: element-wise). Holds no
+        activations; .grad is not touched."""
+        self._check_open()
+        n = check_int("Pipeline.infer", "n_microbatches", n_microbatches, 1)
+        inputs, _ = split_batch(data, n)
+        ops = self._forward_ops(n)
+        run = Run(
+            self._chunks,
+            ops,
+            inputs,
+            [None] * n,
+            loss_fn=None,
+            grads=None,
+            train=False,
+            trace=trace_path is not None,
+        )
+        self._profiled(run, ops, trace_path, profile_path)
+        return cat_outputs(run.outputs)
+
+    def _forward_ops(self, n: int) -> list:
+        """Forwards only: every stage in the order (microbatch group, chunk, microbatch)."""
+        S = self.num_stages
+        ops = []
+        for s in range(S):
+            mine = [c for c in range(len(self._chunks)) if c % S == s]
+            keys = sorted((m // S, c, m) for c in mine for m in range(n))
+            ops.append([schedules.Op("F", m, c) for _, c, m in keys])
+        return ops
+
+    # ---- gradients and lifetime --------------------------------------------------------------------
+    def flush_grads(self, scale: float = 1.0) -> None:
+        """RamTorch's "accumulators -> .grad", with one meaning (OffloadModel's): every step()
+        since the last flush has added its gradients (each already the mean over its
+        microbatches) into `.grad`; this multiplies that sum by `scale` (k steps accumulated:
+        scale=1/k for their mean) and marks it flushed, so the next step() starts a new sum
+        instead of adding (opt.zero_grad() is then optional, as in RamTorch). A second flush
+        with no step between changes nothing. PipelineResult.flush_grads() is this method."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"Pipeline.flush_grads: scale must be a real number, got {type(scale).__name__}")
+        if scale != 1 and not self._flushed:
+            with torch.no_grad():
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        self._flushed = True
+
+    def close(self) -> None:
+        """Stops the stage threads (after the step in progress); idempotent. The modules and
+        their parameters stay where they are."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        for t in self._threads:
+            t.stop(wait=True)
+        self._threads = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

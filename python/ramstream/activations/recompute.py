@@ -175,33 +175,44 @@ class Recompute:
         self._memory = memory_fn
         self._patched: list = []
         for i in self.indices:
-            m = blocks[i]
-            had = "forward" in m.__dict__
-            orig = m.__dict__.get("forward", None)
-            fwd = m.forward
+            self._patch(blocks[i], i)
 
-            def inner(*args, _fwd=fwd, _i=i, **kwargs):
-                if self._memory is None or torch._C._current_graph_task_id() == -1:
-                    return _fwd(*args, **kwargs)
-                m0 = self._memory()  # the recompute, inside backward
-                try:
-                    return _fwd(*args, **kwargs)
-                finally:  # also when the checkpoint stops the recompute early
-                    self.kept_bytes[_i] = max(self.kept_bytes.get(_i, 0), self._memory() - m0)
+    def _patch(self, m, i: int) -> None:
+        had = "forward" in m.__dict__
+        orig = m.__dict__.get("forward", None)
+        fwd = m.forward
 
-            def run(*args, _fwd=fwd, _inner=inner, _i=i, **kwargs):
-                if not torch.is_grad_enabled() or _i not in self.active:
-                    return _fwd(*args, **kwargs)
-                out = checkpointed(_inner, *args, **_without_cache(kwargs))
-                if _autocasting():
-                    # autocast keeps the low-precision cast of every weight it casts until the
-                    # outermost region ends: for a recomputed block nothing else holds them (its
-                    # backward casts again), so they would only fill VRAM until the loss
-                    _drop_casts()
-                return out
+        def inner(*args, _fwd=fwd, _i=i, **kwargs):
+            if self._memory is None or torch._C._current_graph_task_id() == -1:
+                return _fwd(*args, **kwargs)
+            m0 = self._memory()  # the recompute, inside backward
+            try:
+                return _fwd(*args, **kwargs)
+            finally:  # also when the checkpoint stops the recompute early
+                self.kept_bytes[_i] = max(self.kept_bytes.get(_i, 0), self._memory() - m0)
 
-            m.forward = run
-            self._patched.append((m, had, orig))
+        def run(*args, _fwd=fwd, _inner=inner, _i=i, **kwargs):
+            if not torch.is_grad_enabled() or _i not in self.active:
+                return _fwd(*args, **kwargs)
+            out = checkpointed(_inner, *args, **_without_cache(kwargs))
+            if _autocasting():
+                # autocast keeps the low-precision cast of every weight it casts until the
+                # outermost region ends: for a recomputed block nothing else holds them (its
+                # backward casts again), so they would only fill VRAM until the loss
+                _drop_casts()
+            return out
+
+        m.forward = run
+        self._patched.append((m, had, orig))
+
+    def add(self, blocks, indices) -> None:
+        """These blocks recompute from the next forward on (between steps: StepCheck's re-plan),
+        patched now when they were not; kept ones recompute again. Values do not change."""
+        for i in sorted(set(indices) - set(self.indices)):
+            self._patch(blocks[i], i)
+            self.indices.append(i)
+        self.indices.sort()
+        self.active |= set(indices)
 
     def stop_measuring(self) -> None:
         self._memory = None

@@ -100,23 +100,68 @@ def plan_record(plan) -> dict:
     }
 
 
+class RecomputeLever:
+    """What a re-plan between steps may change on a wrapped model (runtime/tokens.py StepCheck):
+    which blocks recompute their activations in backward. recompute() makes more blocks' forwards
+    checkpointed (activations/recompute.py; the same forward runs again, so no value changes) and
+    records the revised plan in memory_report(model)["plan"]["planner"]."""
+
+    def __init__(self, w, blocks: list) -> None:
+        self.w, self.blocks = w, blocks
+
+    def recomputed(self) -> list[int]:
+        return self.w.recompute.recomputed() if self.w.recompute is not None else []
+
+    def recompute(self, indices: list[int], plan) -> None:
+        from ..activations.recompute import Recompute
+
+        w = self.w
+        if w.recompute is None:
+            w.recompute = Recompute(self.blocks, indices)
+        else:
+            w.recompute.add(self.blocks, indices)
+        if w.keep is not None:  # blocks the keep policy let keep their activations recompute again
+            w.keep.kept = [i for i in w.keep.kept if i not in set(indices)]
+        w.plan["recompute"] = list(w.recompute.indices)
+        w.applied_plan = plan
+        w.plan["planner"] = plan_record(plan)
+
+
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
-    """A step larger than the plan's is checked at its first forward (runtime/tokens.py)."""
+    """A step larger than the plan's is checked at its first forward (runtime/tokens.py); with
+    activation_checkpointing="auto" one that does not fit makes more blocks recompute."""
     from .tokens import StepCheck
 
     n = len(plan.activations)
+    if n == 0:
+        return
+    blocks = find_blocks_of(model, opts)  # the first block sees every step, whatever runs the model
+    hf = hf_checkpointing(blocks)
     fixed = {
         "param_offload": list(plan.weights["streamed"]),
-        "activation_checkpointing": list(w.recompute.indices) if w.recompute is not None else False,
+        # Hugging Face's gradient checkpointing recomputes every block (the plan counted it)
+        "activation_checkpointing": True
+        if hf
+        else (list(w.recompute.indices) if w.recompute is not None else False),
         "activation_offload": opts.activation_offload,
         "optimizer_mode": opts.optimizer_mode,
         "moment_dtype": plan.optimizer["moment_dtype"],
         "vram_headroom": opts.vram_headroom,
         "max_activation_slowdown": opts.max_activation_slowdown,
     }
-    if n == 0:
-        return
+    lever, why = None, ""
+    if hf:
+        why = "; every block recomputes already (Hugging Face's gradient checkpointing)"
+    elif opts.activation_checkpointing != "auto":
+        why = (
+            f"; activation_checkpointing={opts.activation_checkpointing!r} was given, so the recomputed "
+            'blocks do not change ("auto" lets a larger step make more blocks recompute)'
+        )
+    else:
+        lever = RecomputeLever(w, blocks)
     paging = opts.activation_offload is True or isinstance(opts.activation_offload, float)
-    check = StepCheck(shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging)
-    blocks = find_blocks_of(model, opts)  # the first block sees every step, whatever runs the model
-    w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True))
+    check = StepCheck(
+        shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why
+    )
+    # first of the block's pre-hooks: a refused step loads, waits for and touches nothing
+    w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True, prepend=True))

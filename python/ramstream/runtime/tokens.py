@@ -1,9 +1,12 @@
 """A step larger than the one wrap() planned for is checked against the plan before it runs: a
 forward pre-hook on the wrapped model reads the step's batch x seq, and for a size not seen yet
 re-plans with the weights where they are (planner.plan_training with the streamed blocks and the
-recomputed ones fixed). When that cannot fit, the forward raises PlanOutOfMemoryError (a
-torch.OutOfMemoryError and a MemoryError) with the arithmetic before anything ran, so nothing is
-lost: re-wrap with batch= and seq= (wrap() then streams what that step needs)."""
+recomputed ones fixed). When that cannot fit, the plan is revised before anything ran: with
+activation_checkpointing="auto", more blocks recompute (planner/replan.py; the weights stay where
+they are) and the forward raises PlanOutOfMemoryError (a torch.OutOfMemoryError and a MemoryError)
+with replanned=True, saying what changed: nothing ran, so the same step can be re-run as is
+(OffloadTrainer does it once by itself). When nothing can change, replanned=False and the error
+has the arithmetic: re-wrap with batch= and seq= (wrap() then streams what that step needs)."""
 
 from __future__ import annotations
 
@@ -11,14 +14,30 @@ import warnings
 
 import torch
 
+from ..blocks import ranges_text
 from ..planner.plan import plan_training
+from ..planner.replan import replan_recompute
 from ..planner.result import PlanError
 
 _GIB = 2**30
 
 
 class PlanOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
-    """A step does not fit the plan wrap() applied (raised before the step ran: nothing changed)."""
+    """A step does not fit the plan wrap() applied (raised before the step ran: weights, optimizer
+    state and memory are as before it). ``replanned``: True when the plan was revised for this step
+    (``change`` says how: {"recompute": blocks now, "was": blocks before}), so that re-running the
+    same step fits; False when nothing could change (re-wrap with batch= / seq=, or a smaller step)."""
+
+    def __init__(self, message: str, *, replanned: bool = False, change: dict | None = None) -> None:
+        super().__init__(message)
+        self.replanned, self.change = replanned, change
+
+    def __reduce__(self):
+        return _rebuild, (self.args[0] if self.args else "", self.replanned, self.change)
+
+
+def _rebuild(message, replanned, change):
+    return PlanOutOfMemoryError(message, replanned=replanned, change=change)
 
 
 def step_tokens(args, kwargs) -> tuple[int, int] | None:
@@ -36,43 +55,58 @@ def step_tokens(args, kwargs) -> tuple[int, int] | None:
     return None
 
 
+def _blocks_key(fixed: dict):
+    """The recomputed blocks of `fixed` as a key (a list of indices, or True / False)."""
+    v = fixed.get("activation_checkpointing")
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
 class StepCheck:
     """The pre-hook: `shape` and `profile` are what the plan was made on, `fixed` the plan options
-    that pin the applied placement (param_offload, activation_checkpointing as block lists)."""
+    that pin the applied placement (param_offload, activation_checkpointing as block lists).
+    `lever` (runtime/apply.py RecomputeLever), when given, is what may change between steps: the
+    recomputed blocks; without it nothing is re-planned."""
 
-    def __init__(self, shape, profile, fixed: dict, log, history: list, strict: bool = True) -> None:
+    def __init__(
+        self, shape, profile, fixed: dict, log, history: list, strict: bool = True, lever=None, fixed_why=""
+    ) -> None:
         self.shape, self.profile, self.fixed, self.log, self.history = shape, profile, fixed, log, history
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
         # coarse) warns and lets the step run instead of refusing it
         self.strict = strict
+        self.lever = lever
+        self.fixed_why = fixed_why  # why the recomputed blocks cannot change (without a lever)
         self.fits_up_to = shape.tokens  # the largest step known to fit
+        # refused steps' messages, by (batch, seq, blocks recomputing then): a change of the
+        # recomputed blocks (a re-plan, the watchdog) may let a refused step fit
         self.refused: dict = {}
+
+    def _now(self) -> dict:
+        """The plan options as applied now (the recomputed blocks read from the lever)."""
+        if self.lever is None:
+            return self.fixed
+        return {**self.fixed, "activation_checkpointing": self.lever.recomputed()}
 
     def __call__(self, module, args, kwargs):
         bs = step_tokens(args, kwargs)
         if bs is None or bs[0] * bs[1] <= self.fits_up_to or not torch.is_grad_enabled():
             return None
-        if bs in self.refused:
-            raise PlanOutOfMemoryError(self.refused[bs])
+        fixed = self._now()
+        key = (*bs, _blocks_key(fixed))
+        if key in self.refused:
+            raise PlanOutOfMemoryError(self.refused[key])
         shape = self.shape.with_tokens(batch=bs[0], seq=bs[1])
         try:
-            plan = plan_training(shape, self.profile, quantize="none", _suggest=False, **self.fixed)
+            plan = plan_training(shape, self.profile, quantize="none", _suggest=False, **fixed)
         except PlanError as e:
-            msg = (
-                f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied "
-                f"(made for batch {self.shape.batch} x seq {self.shape.seq}; nothing ran, nothing changed):\n"
-                f"{e}\nre-wrap with wrap(..., batch={bs[0]}, seq={bs[1]}) so that the plan streams and "
-                "recomputes what this step needs, or use a smaller step"
-            )
             if not self.strict:
+                msg = self._advice(bs, e)
                 self.fits_up_to = bs[0] * bs[1]
                 self.log("plan (not enforced with activation paging): " + msg.replace("ramstream: ", "", 1))
                 self.history.append({"step_tokens": bs[0] * bs[1], "change": "warned: may not fit the plan"})
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 return None
-            self.refused[bs] = msg
-            self.history.append({"step_tokens": bs[0] * bs[1], "change": "refused: does not fit the plan"})
-            raise PlanOutOfMemoryError(msg) from None
+            self._replan(shape, bs, fixed, e)  # raises
         self.fits_up_to = bs[0] * bs[1]
         vram = plan.memory["vram"]
         self.log(
@@ -83,3 +117,68 @@ class StepCheck:
             {"step_tokens": bs[0] * bs[1], "change": "checked: fits", "predicted_vram_bytes": vram["total"]}
         )
         return None
+
+    def _advice(self, bs, e: PlanError, why: str = "") -> str:
+        return (
+            f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied "
+            f"(made for batch {self.shape.batch} x seq {self.shape.seq}; nothing ran, nothing changed){why}:\n"
+            f"{e}\nre-wrap with wrap(..., batch={bs[0]}, seq={bs[1]}) so that the plan streams and "
+            "recomputes what this step needs, or use a smaller step"
+        )
+
+    def _replan(self, shape, bs, fixed: dict, error: PlanError) -> None:
+        """Revises the plan for this step (more blocks recompute) and raises PlanOutOfMemoryError
+        with replanned=True; with nothing to change, replanned=False and the arithmetic."""
+        tokens = bs[0] * bs[1]
+        ckpt = fixed.get("activation_checkpointing")
+        before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
+        why = ""
+        if self.lever is not None:
+            rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
+            try:
+                plan = replan_recompute(shape, self.profile, before, **rest)
+            except PlanError as e:
+                error = e
+                why = "; not even with every block recomputing its activations"
+            else:
+                after = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+                self._revised(shape, bs, plan, before, after)  # raises
+        else:
+            why = self.fixed_why
+        msg = self._advice(bs, error, why)
+        self.refused[(*bs, _blocks_key(fixed))] = msg
+        self.history.append({"step_tokens": tokens, "change": "refused: does not fit the plan"})
+        raise PlanOutOfMemoryError(msg) from None
+
+    def _revised(self, shape, bs, plan, before: list[int], after: list[int]) -> None:
+        tokens, was = bs[0] * bs[1], (self.shape.batch, self.shape.seq)
+        self.lever.recompute(after, plan)
+        self.shape, self.fits_up_to = shape, tokens
+        self.refused.clear()
+        vram = plan.memory["vram"]
+        what = f"now recomputing blocks {ranges_text(after)} (was {ranges_text(before)})"
+        self.history.append(
+            {
+                "step_tokens": tokens,
+                "change": "re-planned: " + what,
+                "recompute": after,
+                "was": before,
+                "batch": bs[0],
+                "seq": bs[1],
+                "predicted_vram_bytes": vram["total"],
+            }
+        )
+        self.log(
+            f"plan: a step of batch {bs[0]} x seq {bs[1]} did not fit the applied plan (made for batch "
+            f"{was[0]} x seq {was[1]}); revised before it ran: {what}, VRAM {vram['total'] / _GIB:.2f} of "
+            f"{vram['budget'] / _GIB:.2f} GiB predicted"
+        )
+        raise PlanOutOfMemoryError(
+            f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied (made "
+            f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}; the "
+            f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
+            "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
+            "step as is (OffloadTrainer does it by itself; see docs/guide/planning.md)",
+            replanned=True,
+            change={"recompute": list(after), "was": list(before)},
+        ) from None

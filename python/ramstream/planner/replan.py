@@ -1,0 +1,39 @@
+"""A step larger than the applied plan's (runtime/tokens.py StepCheck): the plan revised between
+steps, the weights left where they are; pure arithmetic.
+
+What can change between two steps without moving a weight is which blocks recompute their
+activations in backward (a flag on the block's forward: recomputing runs the same forward, bit for
+bit). replan_recompute keeps the blocks recomputing now and adds the fewest others, from the front
+of the stack (as the activation modes and the watchdog's lever do), that let the step fit."""
+
+from __future__ import annotations
+
+from .plan import plan_training
+from .profile import HardwareProfile
+from .result import Plan, PlanError
+from .shape import ModelShape
+
+
+def replan_recompute(shape: ModelShape, profile: HardwareProfile, recomputed, **fixed) -> Plan:
+    """The plan for `shape` with the blocks in `recomputed` and the fewest more recomputing.
+
+    fixed: plan_training's other options as the run applied them (param_offload as the streamed
+    block indices, moment_dtype, optimizer_mode, ...). Raises PlanError with the arithmetic of every
+    block recomputing when even that does not fit (PlanError too when nothing is left to add)."""
+    n = len(shape.blocks)
+    now = sorted(set(recomputed))
+    rest = [i for i in range(n) if i not in set(now)]
+    kw = dict(quantize="none", _suggest=False, **fixed)
+    full = plan_training(
+        shape, profile, activation_checkpointing=list(range(n)), **kw
+    )  # PlanError: none fits
+    if not rest:
+        return full
+    # one recomputed block more can need more room than none (its rebuilt activations join the
+    # others kept): every count is tried, the fewest that fits wins
+    for k in range(1, len(rest)):
+        try:
+            return plan_training(shape, profile, activation_checkpointing=sorted(now + rest[:k]), **kw)
+        except PlanError:
+            continue
+    return full

@@ -1,5 +1,7 @@
 """python -m ramstream.simulate offload: the predicted OffloadModel step per window (OffloadModel's
-and RamTorch's meaning: device slots for streamed chunks, the running one included)."""
+and RamTorch's meaning: device slots for streamed chunks, the running one included).
+python -m ramstream.simulate schedule | pipeline: pipeline schedules, alone or with weight
+streaming per stage (_cli_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import sys
 
 from .._paths import arg_type, check_writable, read_json
+from ._cli_pipeline import add_parsers, run_pipeline, run_schedule
 from .measure import times_from_trace
 from .offload import simulate_offload, table
 
@@ -64,11 +67,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a Gantt chart (needs matplotlib: ramstream[plot])",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_parsers(sub)
     return ap
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.what == "schedule":
+        return run_schedule(args)
+    if args.what == "pipeline":
+        return run_pipeline(args)
     times: dict = {}
     if args.measure:
         times = times_from_trace(args.measure["doc"], keep_activations=args.keep_activations)

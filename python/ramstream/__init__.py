@@ -30,6 +30,7 @@ from .ops.memory import (  # noqa: E402
     unregister_host_memory,
 )
 from .optim import OffloadAdamW  # noqa: E402
+from .pipeline import Pipeline, PipelineModel, PipelinePaddingWarning  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .quant import dequantize_model, quantize_model  # noqa: E402
 from .runtime.inspect import plan_for  # noqa: E402
@@ -51,6 +52,10 @@ __all__ = [
     "StepResult",
     "OffloadStepResult",  # RamTorch's name for StepResult
     "offload_checkpoint",
+    # single-process pipeline parallelism over devices (RamTorch's Pipeline API)
+    "Pipeline",
+    "PipelineModel",
+    "PipelinePaddingWarning",
     # Chrome/Perfetto step traces (every mode)
     "trace",
     # checkpoints (safetensors + JSON, atomic)

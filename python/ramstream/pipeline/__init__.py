@@ -2,6 +2,7 @@
 Pipeline (runtime.py: persistent stage threads running schedule.py's op orders), PipelineModel
 (model.py: an nn.Sequential split over devices, balanced by parameters)."""
 
+from .model import PipelineModel, PipelinePaddingWarning
 from .runtime import Pipeline, PipelineResult
 
-__all__ = ["Pipeline", "PipelineResult"]
+__all__ = ["Pipeline", "PipelineModel", "PipelinePaddingWarning", "PipelineResult"]

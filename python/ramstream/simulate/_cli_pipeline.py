@@ -39,10 +39,10 @@ def _time(text: str) -> float:
     return v
 
 
-def _common(p: argparse.ArgumentParser, tb: float) -> None:
+def _common(p: argparse.ArgumentParser, tb: float, of: str = "") -> None:
     p.add_argument("--stages", "--p", type=_int(1), default=4, help="pipeline stages (GPUs; default 4)")
     p.add_argument("--microbatches", "--m", type=_int(1), default=8, help="microbatches (default 8)")
-    p.add_argument("--tb", type=_time, default=tb, help=f"backward time (default {tb:g})")
+    p.add_argument("--tb", type=_time, default=tb, help=f"backward time{of} (default {tb:g})")
     p.add_argument("--comm", type=_time, default=0.0, help="time of one hop between stages (default 0)")
     p.add_argument(
         "--virtual",
@@ -104,7 +104,7 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--pin", type=_int(0), default=0, help="evenly spaced pieces per stage kept resident (default 0)"
     )
-    _common(p, tb=2.0)
+    _common(p, tb=2.0, of=" of one piece")
 
 
 def _report(pred, serial: float, gpipe: float | None) -> str:

@@ -158,7 +158,7 @@ class _Stage:
             t = cost[op.chunk * self.layers + u]
             begin = max(self.compute, ready)
             if self.stream is not None:
-                begin = max(begin, self._hook(op.kind))
+                begin = max(begin, self._hook())
             start = begin if u == 0 else start
             self.compute = begin + t
             self.busy += t
@@ -170,19 +170,21 @@ class _Stage:
                 self.pos += 1
         return start, self.compute
 
-    def _hook(self, kind: str) -> float:
+    def _hook(self) -> float:
         """Loads at the current unit's hook; returns when the unit's weights are on the device."""
         window, pinned, th2d, _, _ = self.stream
         unit = self.walk[self.pos][0]
         if unit in pinned:
             return 0.0
         want: list[tuple[int, int]] = []
-        for u, gu in self.walk[self.pos :]:
-            if u not in pinned and all(u != w for w, _ in want):
+        keep: set[int] = set()
+        for i in range(self.pos, len(self.walk)):
+            u, gu = self.walk[i]
+            if u not in pinned and u not in keep:
                 want.append((u, gu))
+                keep.add(u)
                 if len(want) == window:
                     break
-        keep = {u for u, _ in want}
         for u, gu in want:
             if u in self.loaded:
                 continue
@@ -247,7 +249,8 @@ def simulate_pipeline(
     n = chunks * layers
     what = "chunk" if layers == 1 else "layer piece"
     tf, tb = _times("tf", tf, n, what), _times("tb", tb, n, what)
-    (comm,) = _times("comm", [comm] if isinstance(comm, (int, float)) else comm, 1, "value")
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0.0 <= comm < float("inf"):
+        raise ValueError(f"simulate_pipeline: comm must be a finite time >= 0, got {comm!r}")
     stream = None
     pinned: set[int] = set()
     if window is not None:

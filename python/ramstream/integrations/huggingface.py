@@ -371,6 +371,23 @@ class OffloadTrainer(transformers.Trainer):
             loss = loss * self.accelerator.num_processes
         return loss
 
+    # -- a step larger than the plan: re-planned, then re-run once --------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """transformers.Trainer.training_step; a step refused with PlanOutOfMemoryError(replanned=
+        True) (runtime/tokens.py: the plan now recomputes more blocks; nothing ran, weights and
+        optimizer state as before) runs once more, as is; a second refusal, or one that changed
+        nothing (replanned=False), propagates."""
+        from ..runtime.tokens import PlanOutOfMemoryError
+
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except PlanOutOfMemoryError as e:
+            if not e.replanned:
+                raise
+            logger.warning("ramstream: %s; re-running the step", str(e).splitlines()[0])
+        # outside the except clause: the refused forward's frames are released before the re-run
+        return super().training_step(model, inputs, num_items_in_batch)
+
     # -- logs: ramstream's figures on every training log -----------------------------------------
     def log(self, logs: dict, start_time=None) -> None:
         from ..optim import OffloadAdamW

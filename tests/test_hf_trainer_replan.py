@@ -1,0 +1,113 @@
+"""OffloadTrainer re-runs a step that the plan refused after revising itself (issue 24, point 3):
+PlanOutOfMemoryError(replanned=True) -> the same training step once more; a second refusal, or one
+that changed nothing, propagates. On the CPU engine, with the step check wrap() installs on a GPU
+installed at train begin on an injected GPU profile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import ramstream  # noqa: E402
+from ramstream.integrations.huggingface import OffloadTrainer, find_decoder_layers  # noqa: E402
+from ramstream.planner import plan_training  # noqa: E402
+from ramstream.planner.profile import HardwareProfile  # noqa: E402
+from ramstream.runtime.apply import check_steps  # noqa: E402
+from ramstream.runtime.inspect import model_shape  # noqa: E402
+from ramstream.runtime.tokens import PlanOutOfMemoryError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+VOCAB = 128
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf") / "llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _data(n: int, t: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (t,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return rows
+
+
+def _trainer(llama_dir, out, callbacks=(), max_steps: int = 3) -> OffloadTrainer:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
+        learning_rate=3e-3, max_grad_norm=0.5, logging_steps=1, save_strategy="no", eval_strategy="no",
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, optim="adamw_torch",
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    return OffloadTrainer(
+        model=model, args=args, train_dataset=_data(4 * max_steps), callbacks=list(callbacks),
+        ramstream={"device": "cpu"},
+    )  # fmt: skip
+
+
+class _SmallPlan(transformers.TrainerCallback):
+    """At train begin, the step check wrap() installs on a GPU, for a plan made for 1 x 4 tokens on a
+    GPU with 1440 KiB free: the Trainer's 2 x 16 token steps need layers 0-1 recomputed."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        w = model._ramstream
+        layers = find_decoder_layers(model)
+        shape = model_shape(model, layers, batch=1, seq=4, loss="chunked")
+        prof = HardwareProfile(
+            device="cuda", vram_total=4 * GIB, vram_free=1440 << 10, ram_total=64 * GIB, ram_available=64 * GIB,
+            pin_budget=32 * GIB, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5, adamw_gbps=127.7,
+            matmul_tflops=790.0, source="given",
+        )  # fmt: skip
+        plan = plan_training(
+            shape, prof, quantize="none", activation_checkpointing=[], activation_offload=False
+        )
+        check_steps(model, w, plan, shape, prof, w.options, w.log)
+
+
+def test_the_trainer_re_runs_a_re_planned_step_and_trains_as_without_the_check(llama_dir, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="ramstream")
+    plain = _trainer(llama_dir, tmp_path / "plain")
+    plain.train()
+    checked = _trainer(llama_dir, tmp_path / "checked", callbacks=[_SmallPlan()])
+    checked.train()
+    reruns = [r for r in caplog.records if "re-running the step" in r.getMessage()]
+    assert len(reruns) == 1 and "now recomputing blocks 0-1 (was none)" in reruns[0].getMessage()
+    rep = ramstream.memory_report(checked.model)["plan"]
+    assert [h["change"] for h in rep["history"] if h["change"].startswith("re-planned")] == [
+        "re-planned: now recomputing blocks 0-1 (was none)"
+    ]
+    assert rep["recompute"] == [0, 1]
+    assert checked.state.global_step == plain.state.global_step == 3
+    losses = lambda t: [e["loss"] for e in t.state.log_history if "loss" in e]  # noqa: E731
+    assert losses(checked) == losses(plain)
+    for (n, a), (_, b) in zip(plain.model.named_parameters(), checked.model.named_parameters()):
+        assert torch.equal(a.detach(), b.detach()), n  # recomputing layers 0-1 is bit-exact
+
+
+@pytest.mark.parametrize("replanned", [True, False])
+def test_a_second_refusal_or_one_that_changed_nothing_propagates(llama_dir, tmp_path, monkeypatch, replanned):
+    calls = []
+
+    def refuse(self, model, inputs, num_items_in_batch=None):
+        calls.append(1)
+        raise PlanOutOfMemoryError("ramstream: refused (test)", replanned=replanned)
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", refuse)
+    t = _trainer(llama_dir, tmp_path, max_steps=1)
+    with pytest.raises(PlanOutOfMemoryError, match="refused"):
+        t.train()
+    assert len(calls) == (2 if replanned else 1)

@@ -27,6 +27,7 @@ from .. import loss as _loss
 from ..wrap import memory_report, wrap
 from .hf_checkpoints import AtomicCheckpoints
 from .hf_load import load_model
+from .hf_metrics import TrainStreamCallback, TrainStreamMetrics, ramstream_figures
 
 __all__ = [
     "OffloadTrainer",
@@ -38,6 +39,8 @@ __all__ = [
     # TrainStream's names
     "decoder_layers",
     "lm_head_of",
+    "TrainStreamMetrics",
+    "TrainStreamCallback",
 ]
 
 logger = logging.getLogger("ramstream")
@@ -182,10 +185,12 @@ def wrap_hf(model: torch.nn.Module, optimizer=None, *, return_loss: bool = False
 # ---- the Trainer ---------------------------------------------------------------------------------
 class RamstreamCallback(transformers.TrainerCallback):
     """Logs ramstream's plan and decisions once when training starts, and gives the per-log
-    memory figures (metrics()) that OffloadTrainer adds to each training log."""
+    memory figures (log_figures(): metrics() and TrainStream's ts_ keys) that OffloadTrainer adds
+    to each training log."""
 
     def __init__(self) -> None:
         self.report: dict | None = None
+        self._ts: TrainStreamMetrics | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.report is not None or model is None or getattr(_unpeft(model), "_ramstream", None) is None:
@@ -198,21 +203,17 @@ class RamstreamCallback(transformers.TrainerCallback):
 
     @staticmethod
     def metrics(model, optimizer) -> dict[str, float]:
-        """ramstream_vram_alloc_gb (device memory torch has allocated now), ramstream_host_state_gb
-        (fp32 masters, moments and accumulation sums in host RAM), ramstream_d2h_gb (gradient
-        bytes copied to the host since training began), ramstream_skipped_steps (steps skipped
-        for non-finite gradients), and TrainStream's ts_ names for them."""
-        dev = optimizer._engine.device
-        vram = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-        rep = memory_report(model)["optimizer"]
-        out = {
-            "ramstream_vram_alloc_gb": vram / 1e9,
-            "ramstream_host_state_gb": rep["host_state_bytes"] / 1e9,
-            "ramstream_d2h_gb": rep["stats"]["bytes_d2h"] / 1e9,
-            "ramstream_skipped_steps": rep["stats"]["skipped_steps"],
-        }
-        out.update({"ts_" + k[len("ramstream_") :]: v for k, v in list(out.items())})
-        return out
+        """ramstream's figures (hf_metrics.ramstream_figures): ramstream_vram_alloc_gb,
+        ramstream_vram_peak_gb, ramstream_pinned_gb, ramstream_host_state_gb, ramstream_d2h_gb,
+        ramstream_h2d_gb, ramstream_skipped_steps."""
+        return ramstream_figures(model, optimizer)
+
+    def log_figures(self, model, optimizer) -> dict[str, float]:
+        """metrics() and TrainStream's ts_ figures (TrainStreamMetrics: GiB, traffic since the
+        previous log), as OffloadTrainer adds them to each training log."""
+        if self._ts is None or self._ts.opt is not optimizer:
+            self._ts = TrainStreamMetrics(optimizer)
+        return {**self.metrics(model, optimizer), **self._ts.collect()}
 
 
 class _PlacedByWrap:
@@ -397,7 +398,7 @@ class OffloadTrainer(transformers.Trainer):
             target = (
                 self.model if getattr(self.model, "_ramstream", None) is not None else _unpeft(self.model)
             )
-            logs = {**logs, **self.ramstream_callback.metrics(target, opt)}
+            logs = {**logs, **self.ramstream_callback.log_figures(target, opt)}
         super().log(logs, start_time)
 
 

@@ -225,7 +225,9 @@ class Run:
 
     def backward(self, s: int, c: int, m: int) -> None:
         ch = self.chunks[c]
-        state = self.saved.pop((c, m))
+        state = self.saved.pop((c, m), None)
+        if state is None:
+            raise RuntimeError(f"Pipeline: the schedule runs B(mb={m}, chunk={c}) before its forward")
         args, outs = state[0], state[1]
         if c == self.last:
             pairs = self._last_pairs(m, ch, outs, state[2])

@@ -214,6 +214,12 @@ class PipelineModel(nn.Module):
         """Stops the stage threads (Pipeline.close())."""
         self._pipe.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _rows(out, rows):
     if torch.is_tensor(out):

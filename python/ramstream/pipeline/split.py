@@ -86,8 +86,8 @@ def split_model(model, split_spec, n_stages: int | None, weights=None, where: st
 
 def balance(weights, n: int, device_weights=None) -> list[int]:
     """Contiguous counts (one per stage, each >= 1) of `weights` (e.g. parameters per child) that
-    minimise the heaviest stage's load / device_weights[stage] (None: equal); ties keep the
-    earlier cut. ValueError when there are fewer weights than stages or a bad device weight."""
+    minimise the heaviest stage's load / device_weights[stage] (None: equal); among ties the
+    later stages are the smaller (a parameter-free child stays with the layer before it). ValueError when there are fewer weights than stages or a bad device weight."""
     k = len(weights)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"balance: the number of stages must be an int >= 1, got {n!r}")
@@ -120,7 +120,7 @@ def balance(weights, n: int, device_weights=None) -> list[int]:
     best[0][0] = 0.0
     for s in range(1, n + 1):
         for i in range(s, k - (n - s) + 1):
-            for j in range(s - 1, i):
+            for j in range(i - 1, s - 2, -1):  # latest cut first: ties leave later stages smaller
                 cost = max(best[s - 1][j], (pre[i] - pre[j]) / dw[s - 1])
                 if cost < best[s][i]:
                     best[s][i], cut[s][i] = cost, j

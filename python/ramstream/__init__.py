@@ -33,6 +33,7 @@ from .optim import OffloadAdamW  # noqa: E402
 from .pipeline import Pipeline, PipelineModel, PipelinePaddingWarning  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .quant import dequantize_model, quantize_model  # noqa: E402
+from .report import pinned_stats  # noqa: E402
 from .runtime.inspect import plan_for  # noqa: E402
 from .runtime.tokens import PlanOutOfMemoryError  # noqa: E402
 from .trace import trace  # noqa: E402
@@ -78,6 +79,7 @@ __all__ = [
     # pinned host memory
     "pinned_empty",
     "memory_stats",
+    "pinned_stats",  # TrainStream's names for memory_stats' counters
     "set_pin_budget",
     "pin_budget",
     "empty_cache",

@@ -44,7 +44,6 @@ def _trainstream_keys(w, stats: dict, act: dict) -> dict:
     """TrainStream 0.4.1's keys with its meanings, where ramstream's own keys differ
     (docs/compat.md): params.paged_blocks are the blocks whose weights stream from host RAM,
     params.quantize the format; transfers, pinned, gpu and resident at the top."""
-    from .ops.memory import memory_stats
     from .quant.packed import is_quantized
 
     streamer = w.streamer
@@ -64,9 +63,6 @@ def _trainstream_keys(w, stats: dict, act: dict) -> dict:
     }
     d2h = stats["bytes_d2h"] + act.get("bytes_d2h", 0)
     h2d = stats["bytes_h2d"] + act.get("bytes_h2d", 0) + stream.get("bytes_h2d", 0)
-    ms = memory_stats()
-    dev = w.optimizer._engine.device
-    cuda = dev.type == "cuda"
     return {
         "params": params,
         "activations": {
@@ -81,31 +77,60 @@ def _trainstream_keys(w, stats: dict, act: dict) -> dict:
             "copies_d2h": act.get("copies_d2h", 0),
             "copies_h2d": act.get("copies_h2d", 0) + stream.get("loads", 0),
         },
-        "pinned": {
-            "live_bytes": ms["bytes_in_use"],
-            "peak_live_bytes": ms["peak_bytes_in_use"],
-            "cached_bytes": ms["bytes_cached"],
-            "reserved_bytes": ms["bytes_pinned"],
-            "host_alloc_calls": ms["pin_calls"],
-            "host_free_calls": ms["unpin_calls"],
-            "cache_hits": ms["reuse_hits"],
-        },
-        "gpu": {
-            "allocated": torch.cuda.memory_allocated(dev) if cuda else 0,
-            "reserved": torch.cuda.memory_reserved(dev) if cuda else 0,
-            "peak_allocated": torch.cuda.max_memory_allocated(dev) if cuda else 0,
-        },
+        "pinned": trainstream_pinned(),
+        "gpu": _gpu(w.optimizer._engine.device),
         "resident": w.optimizer.resident,
     }
 
 
-def memory_report(model: torch.nn.Module) -> dict:
+def _gpu(dev: torch.device | None) -> dict:
+    cuda = dev is not None and dev.type == "cuda"
+    return {
+        "allocated": torch.cuda.memory_allocated(dev) if cuda else 0,
+        "reserved": torch.cuda.memory_reserved(dev) if cuda else 0,
+        "peak_allocated": torch.cuda.max_memory_allocated(dev) if cuda else 0,
+    }
+
+
+def trainstream_pinned() -> dict:
+    """TrainStream's names for the pinned host arena's counters (ops.memory.memory_stats):
+    live_bytes (bytes_in_use), peak_live_bytes (peak_bytes_in_use), cached_bytes (bytes_cached),
+    reserved_bytes (bytes_pinned), host_alloc_calls / host_free_calls (pin_calls / unpin_calls),
+    cache_hits (reuse_hits). Process-wide; thread-safe."""
+    from .ops.memory import memory_stats
+
+    ms = memory_stats()
+    return {
+        "live_bytes": ms["bytes_in_use"],
+        "peak_live_bytes": ms["peak_bytes_in_use"],
+        "cached_bytes": ms["bytes_cached"],
+        "reserved_bytes": ms["bytes_pinned"],
+        "host_alloc_calls": ms["pin_calls"],
+        "host_free_calls": ms["unpin_calls"],
+        "cache_hits": ms["reuse_hits"],
+    }
+
+
+def pinned_stats() -> dict:
+    """TrainStream's pinned_stats(): the pinned host arena's counters under its names
+    (trainstream_pinned) and by_tag, always {} (ramstream's arena does not tag allocations).
+    ramstream's own names and more counters: ramstream.memory_stats()."""
+    return {**trainstream_pinned(), "by_tag": {}}
+
+
+def memory_report(model: torch.nn.Module | None = None) -> dict:
     """What ramstream decided and holds for a wrapped model: events, params, activations,
     optimizer, plan; and TrainStream 0.4.1's keys with its meanings (docs/compat.md): params
     (paged_blocks: blocks whose weights stream from host RAM, loads, load_bytes, releases,
     paged_bytes, total_blocks, quantize: None, "int8" or "nf4", quantized_blocks,
     quantized_bytes), activations (offloaded_blocks, total_blocks, packed_bytes), transfers,
-    pinned, gpu, resident; empty or zero where ramstream lacks the feature."""
+    pinned, gpu, resident; empty or zero where ramstream lacks the feature.
+    Without a model (TrainStream's snapshot): {"pinned": the arena's counters under TrainStream's
+    names, "pinned_by_tag": {}, "gpu": the current CUDA device's allocated, reserved and
+    peak_allocated bytes (zeros without a GPU)}. ValueError for a model that is not wrapped."""
+    if model is None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return {"pinned": trainstream_pinned(), "pinned_by_tag": {}, "gpu": _gpu(dev)}
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")

@@ -11,6 +11,11 @@ from ..optim import OffloadAdamW
 from ..options import WrapOptions
 
 
+class UnsupportedOptimizerError(ValueError, TypeError):
+    """wrap() given an optimizer that is not Adam/AdamW: a ValueError as ramstream's other refused
+    values, and a TypeError as TrainStream raises for it."""
+
+
 def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
     """(param_groups, state_dict or None) from a torch AdamW/Adam/OffloadAdamW or None."""
     if optimizer is None:
@@ -40,7 +45,7 @@ def _convert_optimizer(optimizer, model: torch.nn.Module, opts: WrapOptions):
         sd = optimizer.state_dict() if optimizer.state else None
         # the same group dicts: what an LR scheduler of the given optimizer writes, we read
         return list(optimizer.param_groups), sd, {}
-    raise ValueError(
+    raise UnsupportedOptimizerError(
         f"wrap(): optimizer of type {type(optimizer).__name__} is not accepted; "
         "accepted: torch.optim.AdamW, torch.optim.Adam, ramstream.OffloadAdamW, None"
     )

@@ -126,7 +126,9 @@ def test_a_step_that_cannot_fit_even_recomputing_every_block_is_refused_with_the
         assert e.value.replanned is False and e.value.change is None
         msg = str(e.value)
         assert "not even with every block recomputing" in msg and "VRAM" in msg
-        assert "wrap(..., batch=512, seq=8)" in msg
+        assert "no plan fits this step on this machine with these options, not even re-wrapped with " in msg
+        assert "wrap(..., batch=512, seq=8); re-wrapped, one of these would: batch=128" in msg
+        assert "would fit:" not in msg  # the applied plan's arithmetic: no suggestions were tried there
     _assert_same(_weights(model), weights)
     rep = ramstream.memory_report(model)["plan"]
     assert rep["history"][-1]["change"] == "refused: does not fit the plan"
@@ -150,6 +152,7 @@ def test_with_activation_checkpointing_given_the_recomputed_blocks_stay_and_the_
         model(x, y)
     assert e.value.replanned is False
     assert "activation_checkpointing=False was given" in str(e.value)
+    assert "not even re-wrapped with wrap(..., batch=64, seq=8)" in str(e.value)  # without recompute
     assert model._ramstream.recompute is None
 
 
@@ -195,3 +198,22 @@ def test_the_step_check_re_plans_through_its_lever_and_clears_its_refusals():
         check(None, (ids(128),), {})
     assert e.value.change["was"] == first and set(first) < set(applied["recompute"])
     assert [h["change"].split(":")[0] for h in history] == ["refused", "re-planned", "re-planned"]
+
+
+def test_a_step_that_needs_more_streamed_blocks_is_refused_with_the_plan_a_re_wrap_would_apply():
+    """Which blocks stream is decided at wrap() only (the engine's buckets are laid out then): every
+    block recomputing already, a step that fits only with blocks streamed is refused, and the error
+    says what a plan made for it streams."""
+    ref = make_model(0, n_blocks=8, d=256)
+    model, _, plan = _wrapped(ref, _profile(48))
+    assert plan.activations == ["recompute"] * 8 and not plan.weights["streamed"]
+    x, y = batches(1, b=128, t=8, seed=5)[0]
+    with pytest.raises(PlanOutOfMemoryError) as e:
+        model(x, y)
+    assert e.value.replanned is False
+    msg = str(e.value)
+    assert "not even with every block recomputing" in msg
+    assert (
+        "re-wrap with wrap(..., batch=128, seq=8): that plan fits (streaming blocks 0-4, recomputing blocks 0-7)"
+        in msg
+    )

@@ -442,10 +442,11 @@ def _plan_training(
     ]  # fmt: skip
     options = suggestions(shape, profile, param_offload, activation_offload, optimizer_mode, moment, quantize,
                            vram_headroom, max_activation_slowdown, plan_fn=plan_training) if _suggest else []  # fmt: skip
-    lines.append(
-        "  would fit: "
-        + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq")
-    )
+    if _suggest:  # without it nothing was tried: no line rather than a wrong "none"
+        lines.append(
+            "  would fit: "
+            + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq")
+        )
     raise PlanError("\n".join(lines), arithmetic=arithmetic, options=options)
 
 

@@ -118,12 +118,41 @@ class StepCheck:
         )
         return None
 
-    def _advice(self, bs, e: PlanError, why: str = "") -> str:
+    def _advice(self, bs, e: PlanError, why: str = "", rewrap=None) -> str:
+        """The refusal's text; rewrap (_rewrap): what a plan made for this step gives, None when not
+        asked."""
+        b, s = bs
+        again = f"wrap(..., batch={b}, seq={s})"
+        if rewrap is None:
+            tail = f"re-wrap with {again} so that the plan streams and recomputes what this step needs, or use a smaller step"
+        elif isinstance(rewrap, str):
+            tail = f"re-wrap with {again}: that plan fits ({rewrap}); or use a smaller step"
+        else:
+            tail = (
+                f"no plan fits this step on this machine with these options, not even re-wrapped with {again}"
+            )
+            tail += (
+                f"; re-wrapped, one of these would: {'; '.join(rewrap)}" if rewrap else ": use a smaller step"
+            )
         return (
-            f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied "
-            f"(made for batch {self.shape.batch} x seq {self.shape.seq}; nothing ran, nothing changed){why}:\n"
-            f"{e}\nre-wrap with wrap(..., batch={bs[0]}, seq={bs[1]}) so that the plan streams and "
-            "recomputes what this step needs, or use a smaller step"
+            f"ramstream: this step's batch {b} x seq {s} does not fit the plan wrap() applied (made for "
+            f"batch {self.shape.batch} x seq {self.shape.seq}; nothing ran, nothing changed){why}:\n{e}\n{tail}"
+        )
+
+    def _rewrap(self, shape, fixed: dict):
+        """What a plan made for this step on the same machine streams and recomputes (wrap() chooses
+        the streamed blocks then, and the recomputed ones unless they were given), as text; when none
+        fits, the single changes that would (PlanError.options, maybe none)."""
+        kw = {**fixed, "param_offload": "auto"}
+        if self.lever is not None:
+            kw["activation_checkpointing"] = "auto"
+        try:
+            plan = plan_training(shape, self.profile, quantize="none", **kw)
+        except PlanError as e:
+            return list(e.options)
+        rc = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+        return (
+            f"streaming blocks {ranges_text(plan.weights['streamed'])}, recomputing blocks {ranges_text(rc)}"
         )
 
     def _replan(self, shape, bs, fixed: dict, error: PlanError) -> None:
@@ -145,7 +174,7 @@ class StepCheck:
                 self._revised(shape, bs, plan, before, after)  # raises
         else:
             why = self.fixed_why
-        msg = self._advice(bs, error, why)
+        msg = self._advice(bs, error, why, self._rewrap(shape, fixed))
         self.refused[(*bs, _blocks_key(fixed))] = msg
         self.history.append({"step_tokens": tokens, "change": "refused: does not fit the plan"})
         raise PlanOutOfMemoryError(msg) from None

@@ -1,6 +1,7 @@
 """The plan on a GPU (issue 24): under a VRAM cap, wrap()'s defaults apply what plan_for() says, a
 model whose dense loss needs most of the cap trains without running out of memory, a step larger
-than the plan is refused before it runs (weights untouched) and the planned one then trains, and
+than the plan is refused before it runs (weights untouched) and the planned one then trains, one
+that more recomputed blocks fit is re-planned and its re-run trains under the cap, and
 bf16 moments that host RAM alone forced become fp32 at the resident switch."""
 
 from __future__ import annotations
@@ -81,6 +82,54 @@ def test_a_step_larger_than_the_plan_is_refused_before_it_runs():
         assert torch.isfinite(torch.tensor(_step(model, opt, 2, 256)))
         hist = ramstream.memory_report(model)["plan"]
         assert hist["planner"]["batch"] == 2 and hist["planner"]["seq"] == 256
+        ramstream.unwrap(model)
+
+
+def test_a_larger_step_is_re_planned_then_re_run_under_the_cap():
+    """activation_checkpointing="auto": a step that fits only with more blocks recomputing makes the
+    plan recompute them before it runs (replanned=True, weights untouched), and its re-run trains
+    under the cap. The step is the first batch (seq 512) that the applied plan refuses and the
+    re-plan fits, found on the step check's own shape and profile."""
+    from ramstream.planner import PlanError, plan_training
+    from ramstream.planner.replan import replan_recompute
+    from ramstream.runtime.tokens import StepCheck
+
+    with _cap(1.5) as cap:
+        model = _model()
+        model, opt = ramstream.wrap(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4), device=DEV, batch=1, seq=64,
+            optimizer_mode="cpu",  # the full fine-tuning rule would make every block recompute
+        )  # fmt: skip
+        check = next(h for h in model.blocks[0]._forward_pre_hooks.values() if isinstance(h, StepCheck))
+        fixed = check._now()
+        rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
+        b = None
+        for cand in range(2, 9):
+            shape = check.shape.with_tokens(batch=cand, seq=512)
+            try:
+                plan_training(shape, check.profile, quantize="none", _suggest=False, **fixed)
+                continue
+            except PlanError:
+                pass
+            try:
+                replan_recompute(shape, check.profile, fixed["activation_checkpointing"] or [], **rest)
+            except PlanError:
+                break
+            b = cand
+            break
+        assert b is not None, "no batch at seq 512 that only a re-plan fits"
+        before = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        with pytest.raises(PlanOutOfMemoryError) as e:
+            _step(model, opt, b, 512)
+        assert e.value.replanned and e.value.change["recompute"]
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k].cpu()) for k in before)
+        rep = ramstream.memory_report(model)["plan"]
+        assert rep["recompute"] == e.value.change["recompute"] == rep["planner"]["recompute"]
+        assert rep["history"][-1]["change"].startswith("re-planned: now recomputing blocks")
+        torch.cuda.reset_peak_memory_stats(DEV)
+        assert torch.isfinite(torch.tensor(_step(model, opt, b, 512)))  # the same step, as is
+        assert torch.cuda.max_memory_allocated(DEV) <= cap
         ramstream.unwrap(model)
 
 

@@ -18,6 +18,8 @@ from .weights.setup import (
     agree_streamed,
     build_streamer,
     choose_streamed,
+    devices_of,
+    move_back,
     move_resident,
     streamed_bytes,
     streamed_ids,
@@ -170,6 +172,71 @@ def _use_data_parallel(option) -> bool:
     return bool(option)
 
 
+def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed):
+    """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers)."""
+    return OffloadAdamW(
+        groups,
+        lr=g0.get("lr", opts.lr),
+        betas=g0.get("betas", (0.9, 0.999)),
+        eps=g0.get("eps", 1e-8),
+        weight_decay=g0.get("weight_decay", 1e-2),
+        max_grad_norm=opts.max_grad_norm,
+        accumulation_steps=opts.accumulation_steps,
+        moment_dtype=moment_dtype,
+        threads=opts.threads,
+        device=device,
+        guard_params=opts.guard_params,
+        bucket_bytes=opts.bucket_bytes,
+        mode=opts.optimizer_mode,
+        offload=opts.offload,
+        vram_headroom=opts.vram_headroom,
+        max_inflight_bytes=opts.max_inflight_bytes,
+        distributed=use_dp,
+        eager_updates=opts.eager_updates,
+        skip_nonfinite=opts.skip_nonfinite,
+        _order=_forward_order(model),
+        _log=log,
+        _streamed=streamed,
+    )
+
+
+def _oom_or_none(fn, *args) -> str | None:
+    """fn(*args); torch's out-of-memory message when it ran out of device memory, else None. The
+    exception (and with it the frames holding half-made device buffers) is gone when this returns."""
+    try:
+        fn(*args)
+    except torch.OutOfMemoryError as e:
+        return str(e).splitlines()[0][:200]
+    return None
+
+
+def _oom_at_wrap(model, homes: dict, device: torch.device, doing: str, said: str) -> MemoryError:
+    """The model back where it came from, the device's cache released, and a MemoryError with the
+    arithmetic (the allocator's fragments can refuse what the byte count allowed)."""
+    import gc
+
+    from .hardware import allocatable, gpu_memory
+
+    move_back(model, homes)
+    gc.collect()  # a half-made engine's buffers
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    gib = 2**30
+    room = ""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        mem = gpu_memory(device)
+        room = (
+            f", the process may allocate {allocatable(mem) / gib:.2f} GiB more there now (cap "
+            f"{mem['cap'] / gib:.2f} of {mem['total'] / gib:.2f} GiB, {mem['reserved'] / gib:.2f} GiB reserved)"
+        )
+    return MemoryError(
+        f"wrap(): out of memory on {device} while {doing}: the model's weights and buffers take "
+        f"{nbytes / gib:.2f} GiB on {device}{room}; the weights are back where they were and nothing was kept "
+        "on the device. Pass param_offload=True (blocks' weights stream from host memory), free "
+        f"device memory, or raise the cap (torch said: {said})"
+    )
+
+
 def wrap(model: torch.nn.Module, optimizer=None, **options):
     """Offloads optimizer state and gradients of `model` to host RAM.
 
@@ -245,13 +312,16 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         log=log,
         ram=_ram_with_model(model, device, streamed),
     )
+    homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):
         if device.type == "cuda" and opts.check_memory:
             from .hardware import gpu_memory
 
             check_weights_fit(_bytes_to_move(model, device, streamed), gpu_memory(device), device)
         log(f"moving the model to {device}" + (" (streamed blocks stay in host memory)" if streamed else ""))
-        move_resident(model, device, streamed)
+        failed = _oom_or_none(move_resident, model, device, streamed)
+        if failed is not None:
+            raise _oom_at_wrap(model, homes, device, "moving the weights", failed)
     if use_dp:
         from .engine.distributed import broadcast_model
 
@@ -275,30 +345,15 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "requires_grad on the parameters to train before wrap()"
         )
     g0 = groups[0]
-    opt = OffloadAdamW(
-        groups,
-        lr=g0.get("lr", opts.lr),
-        betas=g0.get("betas", (0.9, 0.999)),
-        eps=g0.get("eps", 1e-8),
-        weight_decay=g0.get("weight_decay", 1e-2),
-        max_grad_norm=opts.max_grad_norm,
-        accumulation_steps=opts.accumulation_steps,
-        moment_dtype=moment_dtype,
-        threads=opts.threads,
-        device=device,
-        guard_params=opts.guard_params,
-        bucket_bytes=opts.bucket_bytes,
-        mode=opts.optimizer_mode,
-        offload=opts.offload,
-        vram_headroom=opts.vram_headroom,
-        max_inflight_bytes=opts.max_inflight_bytes,
-        distributed=use_dp,
-        eager_updates=opts.eager_updates,
-        skip_nonfinite=opts.skip_nonfinite,
-        _order=_forward_order(model),
-        _log=log,
-        _streamed=streamed,
+    made: list = []
+    failed = _oom_or_none(
+        lambda: made.append(
+            _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed)
+        )
     )
+    if failed is not None:
+        raise _oom_at_wrap(model, homes, device, "laying out the weights and optimizer buffers", failed)
+    opt = made[0]
     # bf16 moments chosen only for host RAM (moment_dtype="auto"): a resident switch makes them fp32
     opt._moments_for_ram = opts.moment_dtype == "auto" and moment_dtype == torch.bfloat16
     if old_state is not None:

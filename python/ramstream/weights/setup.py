@@ -147,6 +147,33 @@ def move_resident(model, device: torch.device, streamed: dict) -> None:
                     m._buffers[name] = buf.to(device)
 
 
+def devices_of(model) -> dict:
+    """{(module id, kind, name): device} of every parameter and buffer: where move_back returns them."""
+    out = {}
+    for m in model.modules():
+        for kind, items in (("p", m._parameters), ("b", m._buffers)):
+            for name, t in items.items():
+                if t is not None:
+                    out[(id(m), kind, name)] = t.device
+    return out
+
+
+def move_back(model, homes: dict) -> None:
+    """Returns every parameter and buffer to the device devices_of recorded (a wrap() that ran out
+    of device memory half way gives the model back as it came)."""
+    with torch.no_grad():
+        for m in model.modules():
+            for kind, items in (("p", m._parameters), ("b", m._buffers)):
+                for name, t in list(items.items()):
+                    home = homes.get((id(m), kind, name))
+                    if t is None or home is None or t.device == home:
+                        continue
+                    if kind == "p":
+                        t.data = t.data.to(home)
+                    else:
+                        items[name] = t.to(home)
+
+
 def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: int, log) -> WeightStreamer:
     """The streamer over the streamed blocks: the engine's slabs of trained parameters, and slabs
     made here for the frozen ones."""

@@ -18,6 +18,7 @@ import ramstream
 from ramstream import Pipeline
 
 WIDTH = 12
+CPU2 = ["cpu", "cpu"]
 
 
 def blocks(n=8, seed=0):
@@ -497,3 +498,29 @@ def test_two_stages_on_one_gpu_equal_the_unsplit_model():
             assert torch.equal(
                 pipe.infer(x, n_microbatches=4), torch.cat([ref(p) for p in x.tensor_split(4)])
             )
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["threads", "serial"])
+def test_infer_on_interleaved_chunks(overlap):
+    model = blocks()
+    with Pipeline(stage_modules=groups(model, 8), chunks_per_stage=4, devices=CPU2, overlap=overlap) as pipe:
+        x, _ = batch(9)
+        with torch.no_grad():
+            want = torch.cat([model(p) for p in x.tensor_split(5)])
+        assert torch.equal(run_with_timeout(lambda: pipe.infer(x, n_microbatches=5)), want)
+
+
+def test_a_step_from_inside_a_stage_is_refused_and_changes_nothing():
+    model = blocks(4)
+    pipe = Pipeline(stage_modules=groups(model, 2), devices=CPU2)
+    x, y = batch()
+
+    def reentrant(out, t):
+        pipe.step(x, targets=y, loss_fn=F.mse_loss)
+        return F.mse_loss(out, t)
+
+    with pytest.raises(RuntimeError, match="already running"):
+        run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=reentrant, n_microbatches=2))
+    assert all(p.grad is None for p in model.parameters())
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2)
+    pipe.close()

@@ -275,7 +275,8 @@ class Pipeline:
         is backpropagated as given (not divided), so `.grad` is the gradient of the objective it
         is the gradient of. schedule: "1f1b" (textbook one-forward-one-backward, RamTorch's
         "staggered_1b1f"), "gpipe", "interleaved" (chunks_per_stage > 1); every schedule gives
-        the same gradients bit for bit.
+        the same gradients bit for bit. A stage's input arrives as a fresh leaf tensor: a stage
+        must not begin with an in-place op on it (nn.ReLU(inplace=True)).
 
         Gradients: a step adds its gradients into each trained parameter's `.grad` when it
         succeeded as a whole (after flush_grads() the next step starts a new sum instead). A

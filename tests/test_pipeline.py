@@ -524,3 +524,25 @@ def test_a_step_from_inside_a_stage_is_refused_and_changes_nothing():
     assert all(p.grad is None for p in model.parameters())
     pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2)
     pipe.close()
+
+
+@pytest.mark.cuda
+def test_two_gpus_and_a_failure_on_the_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ref = blocks().cuda()
+    ref[5].append(Boom())
+    mine = copy.deepcopy(ref)
+    boom = mine[5][2]
+    x, y = (t.cuda() for t in batch())
+    with Pipeline(stage_modules=groups(mine, 4), devices=["cuda:0", "cuda:1", "cuda:1", "cuda:0"]) as pipe:
+        boom.backward_armed = True
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4))
+        assert all(p.grad is None for p in mine.parameters())
+        boom.backward_armed = False
+        reference_grads(ref, x, y, 4)
+        r = pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+        assert r.loss.device == torch.device("cuda", 0)
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            assert torch.equal(p.grad.cpu(), q.grad.cpu())

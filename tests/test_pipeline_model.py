@@ -150,3 +150,12 @@ def test_bad_arguments():
         PipelineModel(mlp(), None, devices=CPU2, split_spec={"2": "beginning", "4": "beginning"})
     with PipelineModel(mlp(), None, devices=CPU2) as pm, pytest.raises(TypeError, match="data"):
         pm((torch.zeros(2, 6),))
+
+
+def test_a_module_list_of_blocks_is_run_in_order():
+    model = mlp()
+    blocks = nn.ModuleList(list(model))
+    x = torch.randn(4, 6)
+    with PipelineModel(blocks, torch.zeros(2, 6), devices=CPU2) as pm, torch.no_grad():
+        assert pm.counts == [2, 5]
+        assert torch.equal(pm(x), torch.cat([model(p) for p in x.split(2)]))

@@ -30,7 +30,8 @@ class PipelineModel(nn.Module):
     """`model` (an nn.Sequential) cut into contiguous stages, one per device, run as a Pipeline.
 
     Args:
-        model: an nn.Sequential; its children are cut into stages (the modules are shared: the
+        model: an nn.Sequential (or an nn.ModuleList of blocks run in order); its children are
+            cut into stages (the modules are shared: the
             model's parameters are the pipeline's, and an optimizer over model.parameters() or
             this module's parameters() sees the gradients).
         example_input: one microbatch (a tensor): forward() runs microbatches of its rows. None:

@@ -48,7 +48,8 @@ class Pipeline:
     """Runs a model cut into stages, one stage per device, microbatches flowing through them.
 
     Args:
-        model, example_input, split_spec: an nn.Sequential and where to cut it: split_spec maps a
+        model, example_input, split_spec: an nn.Sequential (or an nn.ModuleList of blocks, run in
+            order) and where to cut it: split_spec maps a
             child's name to SplitPoint.BEGINNING (a stage starts there) or .END (one ends after
             it), or is None (balanced by parameter count over `devices`). example_input is
             accepted for RamTorch's signature and not needed (nothing is traced).

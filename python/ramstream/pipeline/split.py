@@ -26,12 +26,14 @@ class Sequence(nn.Module):
 
 def children_of(model, where: str = "Pipeline") -> list[tuple[str, nn.Module]]:
     """The named children of an nn.Sequential (its forward runs them in order, so any contiguous
-    cut of them is a pipeline). Other models: TypeError saying what to pass instead."""
-    if not isinstance(model, nn.Sequential):
+    cut of them is a pipeline) or of an nn.ModuleList (a list of blocks, run in order: a tuple
+    output is the next block's arguments). Other models: TypeError saying what to pass instead."""
+    if not isinstance(model, (nn.Sequential, nn.ModuleList)):
         raise TypeError(
-            f"{where}: model must be an nn.Sequential (its children run in order, so ramstream can cut "
-            f"it without tracing), got {type(model).__name__}; cut other models yourself and pass "
-            "stage_modules=[...] (modules run in order, a tuple output is the next one's arguments)"
+            f"{where}: model must be an nn.Sequential or an nn.ModuleList of blocks (run in order, so "
+            f"ramstream can cut it without tracing), got {type(model).__name__}; cut other models "
+            "yourself and pass stage_modules=[...] (modules run in order, a tuple output is the next "
+            "one's arguments)"
         )
     kids = list(model.named_children())
     if not kids:
@@ -49,7 +51,7 @@ def _point(v) -> str:
 
 
 def split_model(model, split_spec, n_stages: int | None, weights=None, where: str = "Pipeline") -> list:
-    """The stage modules of an nn.Sequential: split_spec {child name: SplitPoint.BEGINNING (a new
+    """The stage modules of an nn.Sequential (or nn.ModuleList): split_spec {child name: SplitPoint.BEGINNING (a new
     stage starts at the child) or .END (a stage ends after it)}, or None (balanced by parameter
     count over n_stages, or by `weights` when given). A piece of several children is a Sequence
     of them (the same module objects: the model's parameters are the pipeline's)."""

@@ -48,10 +48,19 @@ def series(runs: list[dict]) -> tuple[dict, list[tuple[str, float, str]]]:
     failed: list[tuple[str, float, str]] = []
     for (row, variant, cap), r in sorted(last.items()):
         if r.get("status") == "ok" and r.get("s_per_step"):
-            ok[(row, variant)].append((cap, float(r["s_per_step"])))
+            ok[(f"{row} {describe(r)}" if "model" in r else row, variant)].append(
+                (cap, float(r["s_per_step"]))
+            )
         else:
             failed.append((f"{row} {variant}", cap, str(r.get("status", "?"))))
     return dict(ok), failed
+
+
+def describe(r: dict) -> str:
+    """A row's workload in words, from its record: "gpt1.8b full FT fp32 8x512"."""
+    kind = "LoRA" if r.get("trained_params", 0) * 2 < r.get("params", 0) else "full FT"
+    parts = [r.get("model", "?"), kind, r.get("dtype", ""), f"{r.get('batch', '?')}x{r.get('seq', '?')}"]
+    return " ".join(str(p) for p in parts if p)
 
 
 def plot(runs: list[dict], out: str, title: str | None = None) -> str:

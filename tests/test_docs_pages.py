@@ -136,6 +136,9 @@ def test_plot_script_reads_the_benchmark_json(tmp_path):
     ok, failed = mod.series(mod.read_runs([str(f)]))
     assert ok == {("R1", "defaults"): [(8.0, 3.0), (24.0, 1.0)]}  # the later run of a cell wins
     assert failed == [("R5 sized", 24.0, "oom")]
+    rec = {"model": "qwen7b", "dtype": "bf16", "batch": 4, "seq": 512, "params": 100, "trained_params": 1}
+    assert mod.describe(rec) == "qwen7b LoRA bf16 4x512"
+    assert mod.describe({**rec, "trained_params": 100}) == "qwen7b full FT bf16 4x512"
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed")
     out = tmp_path / "p.png"

@@ -5,6 +5,8 @@ memory_report, ramstream.memory_stats) and the bytes the gradients and weights m
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,7 +135,7 @@ def test_trainstream_callback_prints_the_figures_on_the_main_process_only(capsys
         args = None
         cb.on_log(args, state, control, logs={"loss": 1.0})
         printed = capsys.readouterr().out
-        assert set(eval(printed)) == KEYS  # a dict of the figures, as TrainStream prints it
+        assert set(ast.literal_eval(printed)) == KEYS  # a dict of the figures, as TrainStream prints it
         state.is_world_process_zero = False
         cb.on_log(args, state, control, logs={"loss": 1.0})
         assert capsys.readouterr().out == ""
@@ -155,12 +157,17 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def test_trainer_logs_carry_trainstreams_keys_beside_ramstreams(tmp_path):
+def _rows():
     g = torch.Generator().manual_seed(1)
     rows = []
     for _ in range(8):
         ids = torch.randint(0, 128, (12,), generator=g)
         rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return rows
+
+
+def test_trainer_logs_carry_trainstreams_keys_beside_ramstreams(tmp_path):
+    rows = _rows()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
@@ -193,3 +200,62 @@ def test_trainer_logs_carry_trainstreams_keys_beside_ramstreams(tmp_path):
     assert [e["ts_d2h_gb"] for e in logs[1:]] == pytest.approx(
         [(b - a) * 1e9 / GIB for a, b in zip(d2h, d2h[1:])], abs=1e-3
     )
+
+
+def test_stock_trainer_driving_an_offload_adamw_with_trainstream_callback(tmp_path, capsys):
+    """TrainStream's use of TrainStreamCallback: a stock Trainer, an OffloadAdamW attached by hand.
+    The stock Trainer clips (max_grad_norm=1.0) by torch.nn.utils.clip_grad_norm_ before step(),
+    so the updates must wait for step(): eager=False (TrainStream's name for eager_updates)."""
+    rows = _rows()
+
+    def args(out):
+        return transformers.TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            logging_steps=1,
+            learning_rate=3e-3,
+            max_grad_norm=1.0,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        )
+
+    ref = _llama()
+    t_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0, foreach=False)
+    stock = transformers.Trainer(
+        model=ref, args=args(tmp_path / "a"), train_dataset=rows, optimizers=(t_opt, None)
+    )
+    stock.train()
+    model = _llama()
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.0, eager=False).attach(model)
+    try:
+        trainer = transformers.Trainer(
+            model=model,
+            args=args(tmp_path / "b"),
+            train_dataset=rows,
+            optimizers=(opt, None),
+            callbacks=[TrainStreamCallback(opt)],
+        )
+        capsys.readouterr()
+        trainer.train()
+        printed = [
+            ast.literal_eval(line)
+            for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{'ts_")
+        ]
+        opt.synchronize()
+        want = [(e["loss"], e["grad_norm"]) for e in stock.state.log_history if "loss" in e]
+        got = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-6)
+        assert [g[1] for g in got] == pytest.approx([w[1] for w in want], rel=1e-5)
+        diff = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(), model.parameters()))
+        assert diff < 1e-6
+        # printed at every log (3 training logs and the final summary), not added to the history
+        assert len(printed) == 4 and set(printed[0]) == KEYS
+        assert all(KEYS | {"ts_d2h_gb", "ts_h2d_gb"} == set(p) for p in printed[1:])
+        assert not any(k.startswith("ts_") for e in trainer.state.log_history for k in e)
+    finally:
+        trainstream.unwrap(model)

@@ -279,8 +279,7 @@ def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap) -> No
             torch.cuda.reset_peak_memory_stats(dev)
         sync()
         t0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda and spec["autocast"]):
-            loss = loss_fn(x)
+        loss = _forward(loss_fn, x, dev, cuda and spec["autocast"], out)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -297,6 +296,24 @@ def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap) -> No
                peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None)  # fmt: skip
     if row in FULL_FT:
         out["model_tflops"] = 6 * out["params"] * batch * seq / settled / 1e12
+
+
+def _forward(loss_fn, x, dev, autocast: bool, out: dict):
+    """The step's loss; a step the plan was revised for (PlanOutOfMemoryError, replanned=True) is
+    run again as docs/planning.md tells a user to (counted in out["replanned"])."""
+    import torch
+
+    import ramstream
+
+    for attempt in (0, 1):
+        try:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                return loss_fn(x)
+        except ramstream.PlanOutOfMemoryError as e:
+            if not e.replanned or attempt:
+                raise
+            out.setdefault("replanned", []).append(str(e).splitlines()[0][:300])
+    raise AssertionError("unreachable")
 
 
 def _record(rs, model, out: dict) -> None:

@@ -26,15 +26,25 @@ def _setup(how: str, model, device: str):
     )
 
 
+def _max_diff(a, b) -> float:
+    return max(
+        float((p.detach().cpu() - q.detach().cpu()).abs().max())
+        for p, q in zip(a.parameters(), b.parameters())
+    )
+
+
 def _detach_then_torch(how: str, device: str) -> None:
-    ref = make_model(0, n_blocks=4).to(device)
-    model = clone(ref)
+    ref = make_model(0, n_blocks=4)
+    model = clone(ref)  # streamed: built on the CPU, wrap(device=) places it (TrainStream's README)
+    ref.to(device)
+    if how != "wrap_streamed":
+        model.to(device)
     data = batches(8, device=device)
     train_torch(ref, torch.optim.AdamW(ref.parameters(), foreach=False, **HP), data[:4])
     model, opt = _setup(how, model, device)
     train_torch(model, opt, data[:4])
     opt.synchronize()
-    assert max_diff(ref, model) < 1e-5  # trained like torch
+    assert _max_diff(ref, model) < 1e-5  # trained like torch
     trained = [p.detach().to(device, copy=True) for p in model.parameters()]
 
     got = opt.detach()
@@ -52,8 +62,11 @@ def _detach_then_torch(how: str, device: str) -> None:
     fresh.load_state_dict(model.state_dict())
     a = train_torch(model, torch.optim.AdamW(model.parameters(), foreach=False, **HP), data[4:])
     b = train_torch(fresh, torch.optim.AdamW(fresh.parameters(), foreach=False, **HP), data[4:])
-    assert a == b
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    if device == "cpu":  # the same kernels on the same numbers
+        assert a == b
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    else:  # CUDA reductions may order sums differently from run to run
+        assert a == pytest.approx(b, abs=1e-6) and _max_diff(model, fresh) < 1e-6
     assert max(float((p.detach() - t).abs().max()) for p, t in zip(model.parameters(), trained)) > 0
 
 

@@ -26,6 +26,7 @@ from .checks import (
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
+from .streamed import StreamedStage
 
 __all__ = ["Pipeline", "PipelineResult"]
 
@@ -69,9 +70,17 @@ class Pipeline:
             torch.autocast on its device; parameters and gradients stay in their dtype), or
             torch.float16 / "fp16" for infer() only (step() raises ValueError: fp16 gradients
             underflow without loss scaling, which the pipeline does not do).
-        offload, offload_*: RamTorch's weight streaming of chunked stages. Checked; a chunked
-            stage with offload=True raises NotImplementedError (issue 28): pass offload=False to
-            run chunked stages resident. Plain module stages are always resident.
+        offload: True (RamTorch's default): a chunked stage (a list in stage_modules, or
+            chunk_modules) streams its weights from host RAM (pinned on a GPU) through
+            ramstream's weight streamer, chunk by chunk (StreamedStage: OffloadModel's
+            machinery); its parameters and their `.grad` live in host memory between steps.
+            False: chunked stages run resident. Plain module stages are always resident.
+        offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
+            (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
+            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
+        offload_grad_accum, offload_acc_slots, offload_act_slots: checked and accepted; they
+            change nothing (gradients always go home as they are produced, summed there).
+            offload_activations=True raises NotImplementedError (issue 28).
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -141,11 +150,10 @@ class Pipeline:
             devs = check_devices(None, n)
         elif len(devs) != n:
             raise ValueError(f"Pipeline: devices has {len(devs)} entries for {n} stages")
-        if offload and any(isinstance(p, list) for p in pieces):
+        if offload and offload_activations and any(isinstance(p, list) for p in pieces):
             raise NotImplementedError(
-                f"Pipeline: streamed (offloaded) stages are not implemented yet ({ISSUE}): chunked stages "
-                "(lists in stage_modules, or chunk_modules) with offload=True would stream their weights "
-                "from host memory; pass offload=False to run them resident on their devices"
+                f"Pipeline: offload_activations=True (paging a streamed stage's activations to host "
+                f"memory) is not implemented yet ({ISSUE}); pass offload_activations=False"
             )
         self.devices = devs
         self.num_stages = n
@@ -154,9 +162,19 @@ class Pipeline:
         self._chunks = []
         for c, piece in enumerate(pieces):
             s = c % n
-            mod = Sequence(piece) if isinstance(piece, list) else piece
-            mod.to(devs[s])
+            if isinstance(piece, list) and offload:
+                mod = StreamedStage(
+                    piece,
+                    devs[s],
+                    window=offload_window,
+                    pin=offload_pin,
+                    keep_activations=offload_keep_activations,
+                )
+            else:
+                mod = Sequence(piece) if isinstance(piece, list) else piece
+                mod.to(devs[s])
             self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
+        self._streamed = [ch.module for ch in self._chunks if isinstance(ch.module, StreamedStage)]
         self._params = self._check_params()
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
@@ -327,15 +345,21 @@ class Pipeline:
         for p, _ in stash:
             p.grad = None  # this step's gradients accumulate apart: committed only if it all succeeds
         ok = False
+        for st in self._streamed:
+            st.begin()
         try:
             self._profiled(run, ops, trace_path, profile_path)
             ok = True
         finally:
-            if ok:
-                self._commit(stash)
-            else:
-                for p, old in stash:
-                    p.grad = old
+            try:
+                for st in self._streamed:
+                    st.end(ok)  # streamed gradients (landed at home) into .grad, or dropped
+            finally:
+                if ok:
+                    self._commit(stash)
+                else:
+                    for p, old in stash:
+                        p.grad = old
         losses = [x for x in run.losses if x is not None] if grads is None else []
         return PipelineResult(run.outputs, losses, self)
 
@@ -370,7 +394,11 @@ class Pipeline:
             train=False,
             trace=trace_path is not None,
         )
-        self._profiled(run, ops, trace_path, profile_path)
+        try:
+            self._profiled(run, ops, trace_path, profile_path)
+        finally:
+            for st in self._streamed:
+                st.streamer.evict_all()
         return cat_outputs(run.outputs)
 
     def _forward_ops(self, n: int) -> list:
@@ -410,6 +438,8 @@ class Pipeline:
         for t in self._threads:
             t.stop(wait=True)
         self._threads = []
+        for st in self._streamed:
+            st.close()
 
     def __enter__(self):
         return self

@@ -1,0 +1,110 @@
+"""A streamed pipeline stage (RamTorch's offloaded stage, `offload=True`): a list of chunks run in
+sequence whose weights live in host RAM (pinned on a GPU) and visit the stage's device only while
+a chunk runs, through ramstream's one weight streamer (weights/: Slab, WeightStreamer), the one
+OffloadModel uses; gradients of streamed parameters go home as autograd produces them
+(OffloadModel's GradWriteback) and become `.grad` when the step succeeds.
+
+Threads: a stage's forwards run on its stage thread, its backwards' hooks on the autograd thread
+of its device; the streamer and the write-back are only ever used by one of them at a time.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from ..activations.recompute import Recompute
+from ..frontends.offload_model.checks import spaced
+from ..frontends.offload_model.grads import GradWriteback
+from ..weights.slab import make_copier
+from ..weights.streamer import Block, WeightStreamer, frozen_slabs
+
+__all__ = ["StreamedStage"]
+
+
+def _land(ref, p) -> None:
+    stage = ref()
+    if stage is not None and stage.in_step:
+        g = p.grad
+        p.grad = None
+        stage.grads.land(p, g)
+
+
+class StreamedStage(nn.Module):
+    """`chunks` (nn.Modules run in sequence; a tuple output is the next one's arguments) on
+    `device`, every chunk but the `pin` evenly spaced pinned ones streamed: at most `window`
+    streamed chunks on the device at once (OffloadModel's `window`, RamTorch's meaning).
+    keep_activations: True keeps each chunk's graph (weights reloaded for its backward);
+    "checkpoint" or False recompute each chunk's forward in its backward (after the reload).
+
+    Between steps the streamed parameters are views of their home copies in host memory and their
+    `.grad` lives there too, so a torch optimizer over them updates the home copies; the next load
+    copies the new weights to the device. .to() raises (the stage places itself)."""
+
+    def __init__(self, chunks, device: torch.device, *, window: int, pin: int, keep_activations) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(chunks)
+        n = len(chunks)
+        pinned = spaced(min(pin, n), n) if pin else set()
+        self.device = device
+        self.copier = make_copier(device)
+        self.grads = GradWriteback(device)
+        self.in_step = False
+        blocks = []
+        with torch.no_grad():
+            for i, c in enumerate(chunks):
+                for m in c.modules():  # buffers always live on the device
+                    for name, buf in list(m._buffers.items()):
+                        if buf is not None and buf.device != device:
+                            m._buffers[name] = buf.to(device)
+                if i in pinned:
+                    for p in c.parameters():
+                        p.data = p.data.to(device)
+                        if p.grad is not None:
+                            p.grad = p.grad.to(device)
+                else:
+                    blocks.append(Block(i, c, frozen_slabs(c, set(), self.copier), []))
+        self.pinned = sorted(pinned)
+        self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=window - 1)
+        self.recompute = Recompute(list(chunks), list(range(n))) if keep_activations is not True else None
+        ref = weakref.ref(self)
+        streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
+        self._handles = [p.register_post_accumulate_grad_hook(lambda p, r=ref: _land(r, p)) for p in streamed]
+
+    def forward(self, *args):
+        x = args
+        for m in self.parts:
+            x = m(*x) if isinstance(x, tuple) else m(x)
+        return x
+
+    def begin(self) -> None:
+        """A pipeline step starts: streamed gradients go home through the write-back."""
+        self.in_step = True
+
+    def end(self, ok: bool) -> None:
+        """The step ended (every op of every stage done): weights home, and the landed gradients
+        become `.grad` (ok) or are dropped. Waits for this stage's copy and D2H streams."""
+        self.in_step = False
+        self.streamer.evict_all()
+        self.copier.synchronize()
+        if ok:
+            self.grads.commit({})
+        else:
+            self.grads.discard()
+
+    def _apply(self, fn, recurse=True):
+        raise TypeError(
+            "Pipeline: a streamed stage cannot be moved or converted (.to()/.half()): it places itself"
+        )
+
+    def close(self) -> None:
+        """Removes the hooks; the streamed parameters stay views of their home copies."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.streamer.close()
+        if self.recompute is not None:
+            self.recompute.close()
+            self.recompute = None

@@ -400,6 +400,10 @@ def test_trace_path_writes_a_track_per_stage(tmp_path):
     with Pipeline(stage_modules=groups(blocks(4), 2), devices=["cpu", "cpu"]) as pipe:
         x, y = batch()
         pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2, trace_path=tmp_path / "t.json")
+        pipe.infer(x, profile_path=tmp_path / "p.json")  # torch.profiler's trace
+        with pytest.raises(FileNotFoundError, match="trace_path"):
+            pipe.step(x, targets=y, loss_fn=F.mse_loss, trace_path=tmp_path / "no" / "t.json")
+    assert json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     spans = [e for e in ev if e["ph"] == "X"]
     assert len(spans) == 8 and {e["tid"] for e in spans} == {1, 2}

@@ -125,3 +125,21 @@ def test_a_streamed_stage_on_the_gpu():
         for p, q in zip(mine.parameters(), ref.parameters()):
             assert torch.equal(p.detach().cpu(), q.detach().cpu())
             assert torch.equal(p.grad.cpu(), q.grad.cpu())
+
+
+def test_a_module_list_stage_and_collection_unhooks_the_streamer():
+    import gc
+
+    ref = blocks(4)
+    mine = copy.deepcopy(ref)
+    pipe = Pipeline(
+        stage_modules=[nn.ModuleList(list(mine)[:2]), nn.Sequential(*list(mine)[2:])], devices=["cpu"] * 2
+    )
+    assert isinstance(pipe.modules[0], StreamedStage)
+    x, y = batch()
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2)
+    del pipe
+    gc.collect()
+    assert not mine[0]._forward_pre_hooks and not mine[1]._forward_pre_hooks
+    with torch.no_grad():
+        assert torch.equal(mine(x), ref(x))

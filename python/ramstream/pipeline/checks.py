@@ -150,7 +150,7 @@ def dice(stage_modules, chunk_modules, chunks_per_stage, n_devices):
         raise ValueError("Pipeline: chunks_per_stage as a list of counts needs chunk_modules")
     items = _modules("stage_modules", stage_modules)
     for i, m in enumerate(items):
-        if isinstance(m, (list, tuple)):
+        if isinstance(m, (list, tuple, nn.ModuleList)):  # a chunked stage
             if not m or not all(isinstance(x, nn.Module) for x in m):
                 raise TypeError(
                     f"Pipeline: stage_modules[{i}] must be an nn.Module or a non-empty list of them"

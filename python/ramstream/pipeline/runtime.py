@@ -40,9 +40,12 @@ def _sum_loss(out, _target):
     return out.sum()
 
 
-def _stop(threads) -> None:
+def _stop(threads, streamed) -> None:
+    """The pipeline was collected without close(): its threads end, its streamed stages unhook."""
     for t in threads:
         t.stop(wait=False)
+    for st in streamed:
+        st.close()
 
 
 class Pipeline:
@@ -56,7 +59,7 @@ class Pipeline:
             accepted for RamTorch's signature and not needed (nothing is traced).
         stage_modules: the stages, one nn.Module each (its forward takes the previous stage's
             output; a tuple output becomes the next stage's positional arguments); an entry that
-            is a list of modules is a chunked stage run in sequence. With chunks_per_stage=v (an
+            is a list of modules (or an nn.ModuleList) is a chunked stage run in sequence. With chunks_per_stage=v (an
             int), the list holds stages*v chunks, chunk c on stage c % stages (the "interleaved"
             schedule's placement).
         chunk_modules: a flat list of chunks cut into consecutive stages: chunks_per_stage as a
@@ -180,7 +183,7 @@ class Pipeline:
         self._lock = threading.Lock()
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
-        self._finalizer = weakref.finalize(self, _stop, list(self._threads))
+        self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
 
     def _check_params(self) -> list:
         owner: dict = {}

@@ -548,3 +548,14 @@ def test_two_gpus_and_a_failure_on_the_gpu():
         assert r.loss.device == torch.device("cuda", 0)
         for p, q in zip(mine.parameters(), ref.parameters()):
             assert torch.equal(p.grad.cpu(), q.grad.cpu())
+
+
+def test_an_in_place_op_on_a_stage_input_is_explained():
+    model = blocks(2)
+    with Pipeline(
+        stage_modules=[model[0], nn.Sequential(nn.ReLU(inplace=True), model[1])], devices=CPU2
+    ) as pipe:
+        x, y = batch()
+        with pytest.raises(RuntimeError, match="modifies its input in place"):
+            run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2))
+        assert all(p.grad is None for p in model.parameters())

@@ -197,8 +197,17 @@ class Run:
             args = _move(self.inputs[m], ch.device)
         else:
             args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
-        with ch.autocast():
-            out = ch.module(*args)
+        try:
+            with ch.autocast():
+                out = ch.module(*args)
+        except RuntimeError as e:
+            if c > 0 and "leaf Variable that requires grad" in str(e):
+                raise RuntimeError(
+                    f"Pipeline: chunk {c} modifies its input in place (such as nn.ReLU(inplace=True) "
+                    "first); a stage's input is a leaf tensor that carries its gradient back: start the "
+                    "stage with an out-of-place op"
+                ) from e
+            raise
         outs = out if isinstance(out, tuple) else (out,)
         if c < self.last:
             if self.train:

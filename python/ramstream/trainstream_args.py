@@ -78,7 +78,7 @@ class TrainStreamMethods:
         Differs from TrainStream: the optimizer is closed afterwards (unwrap closes it), where
         TrainStream's keeps training the parameters standalone; build a torch optimizer for the
         detached model, or attach a new OffloadAdamW. Idempotent. Main thread, no GIL release."""
-        from .wrap import unwrap
+        from .runtime.attach import unwrap
 
         ref = getattr(self, "_attached_model", None)
         model = ref() if ref is not None else None

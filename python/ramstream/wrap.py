@@ -12,7 +12,7 @@ from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record
-from .runtime.attach import _Wrapped, attach_model  # noqa: F401  (attach_model: wrap's name too)
+from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
 from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
     agree_streamed,
@@ -399,31 +399,3 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         f"max_grad_norm={opts.max_grad_norm}; accumulation_steps={opts.accumulation_steps}"
     )
     return model, opt
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Waits for pending updates and returns the model as a plain module: current weights on
-    its device, no hooks, plain nn.Parameters. The optimizer returned by wrap() is closed."""
-    w = getattr(model, "_ramstream", None)
-    if w is None:
-        raise ValueError("unwrap(): this model is not wrapped by ramstream")
-    w.optimizer.close()
-    if w.streamer is not None:
-        w.streamer.close()  # streamed weights stay in (pinned) host memory
-    if w.activations is not None:
-        w.activations.close()
-    if w.recompute is not None:
-        w.recompute.close()
-    for h in w.handles:
-        h.remove()
-    if "_apply" in model.__dict__:
-        del model._apply
-    if w.orig_apply is not None:
-        model._apply = w.orig_apply
-    del model._ramstream
-    from .quant import dequantize_model
-    from .quant.lora_fused import unfuse_lora_
-
-    unfuse_lora_(model)  # peft's own forward again
-    dequantize_model(model)  # quantized weights become permanent (dequantized) parameters
-    return model

@@ -138,3 +138,31 @@ def attach_model(
     model._ramstream = w
     opt._attached_model = weakref.ref(model)  # OffloadAdamW.detach() (TrainStream's) finds it
     return w
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Waits for pending updates and returns the model as a plain module: current weights on
+    its device, no hooks, plain nn.Parameters. The optimizer returned by wrap() is closed."""
+    w = getattr(model, "_ramstream", None)
+    if w is None:
+        raise ValueError("unwrap(): this model is not wrapped by ramstream")
+    w.optimizer.close()
+    if w.streamer is not None:
+        w.streamer.close()  # streamed weights stay in (pinned) host memory
+    if w.activations is not None:
+        w.activations.close()
+    if w.recompute is not None:
+        w.recompute.close()
+    for h in w.handles:
+        h.remove()
+    if "_apply" in model.__dict__:
+        del model._apply
+    if w.orig_apply is not None:
+        model._apply = w.orig_apply
+    del model._ramstream
+    from ..quant import dequantize_model
+    from ..quant.lora_fused import unfuse_lora_
+
+    unfuse_lora_(model)  # peft's own forward again
+    dequantize_model(model)  # quantized weights become permanent (dequantized) parameters
+    return model

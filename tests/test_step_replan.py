@@ -1,10 +1,13 @@
 """A step larger than the plan is re-planned, not only refused (issue 24, point 3): with
-activation_checkpointing="auto" the step check makes more blocks recompute before anything ran,
-records the change in the plan history and raises PlanOutOfMemoryError(replanned=True); the
-weights and the optimizer state are untouched, and re-running the same step trains exactly as torch
-does. A step that cannot fit even with every block recomputing is refused with replanned=False and
-the arithmetic. On the CPU engine, with the plan made on an injected GPU profile and the check
-installed as wrap() installs it on a GPU (runtime/apply.py check_steps)."""
+activation_checkpointing="auto" the step check, the first block's forward pre-hook, makes the fewest
+more blocks recompute before any block ran, taken from the back of the stack, and records the change
+in the plan history; the blocks after the first recompute from that very step, so the step goes on
+and trains exactly as torch does. Only when the first block must recompute too (every block must)
+does the step raise PlanOutOfMemoryError(replanned=True): weights and optimizer state untouched,
+and re-running the same step trains as torch does. A step that cannot fit even with every block
+recomputing is refused with replanned=False and the arithmetic. On the CPU engine, with the plan
+made on an injected GPU profile and the check installed as wrap() installs it on a GPU
+(runtime/apply.py check_steps)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import pytest
 import torch
 
 import ramstream
+from ramstream.blocks import ranges_text
+from ramstream.planner import PlanError, plan_training
 from ramstream.planner.profile import HardwareProfile
 from ramstream.planner.replan import replan_recompute
 from ramstream.runtime.apply import check_steps
@@ -28,8 +33,9 @@ LR = 3e-3
 
 def _profile(free_mib: int) -> HardwareProfile:
     """A GPU with `free_mib` MiB free (the H200's rates): the 8-block d=128 model's plan for
-    2 x 8 tokens keeps every activation at 32 MiB; 64 x 8 needs blocks 0-4 recomputed, 512 x 8
-    does not fit even with every block recomputing."""
+    2 x 8 tokens keeps every activation at 32 MiB; 64 x 8 needs 5 blocks recomputed, a batch
+    between 128 and 512 every block (found by _every_block_batch), 512 x 8 does not fit even with
+    every block recomputing."""
     return HardwareProfile(
         device="cuda", vram_total=4 * GIB, vram_free=free_mib << 20, ram_total=64 * GIB,
         ram_available=64 * GIB, pin_budget=32 * GIB, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5,
@@ -51,6 +57,42 @@ def _wrapped(ref, prof, **options):
     w = model._ramstream
     check_steps(model, w, plan, shape, prof, w.options, w.log)
     return model, opt, plan
+
+
+def _check(model) -> StepCheck:
+    return next(h for h in model.blocks[0]._forward_pre_hooks.values() if isinstance(h, StepCheck))
+
+
+def _revision(check: StepCheck, b: int, t: int = 8) -> list[int]:
+    """The blocks the step check's re-plan for a b x t step recomputes (the planner's answer, from
+    the back of the stack, for the check's own shape, profile and fixed options)."""
+    fixed = check._now()
+    rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
+    shape = check.shape.with_tokens(batch=b, seq=t)
+    plan = replan_recompute(
+        shape, check.profile, fixed["activation_checkpointing"] or [], order="back", **rest
+    )
+    return [i for i, m in enumerate(plan.activations) if m == "recompute"]
+
+
+def _every_block_batch(check: StepCheck, t: int = 8) -> int:
+    """The smallest batch that the applied plan refuses and that fits only with every block
+    recomputing (the first block too), found with the planner on the check's shape and profile."""
+    fixed = check._now()
+    n = len(check.shape.blocks)
+    for b in range(65, 512):
+        try:
+            plan_training(check.shape.with_tokens(batch=b, seq=t), check.profile, quantize="none",
+                          _suggest=False, **fixed)  # fmt: skip
+            continue
+        except PlanError:
+            pass
+        try:
+            if _revision(check, b, t) == list(range(n)):
+                return b
+        except PlanError:
+            break
+    raise AssertionError("no batch between 65 and 511 that fits only with every block recomputing")
 
 
 def _weights(model) -> dict:
@@ -75,13 +117,68 @@ def _assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+def _fc1_calls(model) -> list[int]:
+    """Per block, calls of its first linear layer (twice in a step when the block recomputes)."""
+    calls = [0] * len(model.blocks)
+
+    def hook(i):
+        def count(*_):
+            calls[i] += 1
+
+        return count
+
+    for i, b in enumerate(model.blocks):
+        b.fc1.register_forward_hook(hook(i))
+    return calls
+
+
 @pytest.mark.parametrize("param_offload", ["auto", [0, 1]], ids=["resident", "streamed"])
-def test_a_larger_step_recomputes_more_blocks_and_its_rerun_trains_as_torch(param_offload):
+def test_a_larger_step_recomputes_more_blocks_from_the_back_and_goes_on_as_torch(param_offload):
     ref = make_model(0, n_blocks=8, d=128)
     prof = _profile(32)
     model, opt, plan = _wrapped(ref, prof, param_offload=param_offload)
     assert "recompute" not in plan.activations, "the plan for 2 x 8 tokens keeps every activation"
     small, big = batches(2, b=2, t=8), batches(1, b=64, t=8, seed=2)
+    want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True), small + big)
+    got = train_torch(model, opt, small)
+    rc = _revision(_check(model), 64)
+    assert rc == [3, 4, 5, 6, 7] and 0 not in rc  # the planner's 5 blocks of 8, from the back
+    calls = _fc1_calls(model)
+    got += train_torch(model, opt, big)  # no re-run: the step goes on under the revised plan
+    assert calls == [1 if i not in rc else 2 for i in range(8)]  # recomputed in that very step
+    assert got == want
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.detach(), b.detach())  # recompute is bit-exact on the CPU
+    rep = ramstream.memory_report(model)["plan"]
+    last = rep["history"][-1]
+    what = f"now recomputing blocks {ranges_text(rc)} (was none)"
+    assert what == "now recomputing blocks 3-7 (was none)"
+    assert last["change"] == "re-planned: " + what
+    assert last["recompute"] == rc and last["was"] == [] and last["step_tokens"] == 64 * 8
+    assert rep["recompute"] == rc == rep["planner"]["recompute"]
+    assert ["forward" in b.__dict__ for b in model.blocks] == [i in rc for i in range(8)]  # checkpointed
+    assert rep["planner"]["batch"] == 64 and rep["planner"]["streamed"] == plan.weights["streamed"]
+    events = ramstream.memory_report(model)["events"]
+    assert any("revised before it ran: " + what in e and e.endswith("the step goes on") for e in events)
+    if param_offload != "auto":  # the streamed blocks stay streamed: only the recompute changed
+        assert plan.weights["streamed"] == [0, 1]
+        assert ramstream.memory_report(model)["plan"]["weights"]["streamed"] == [0, 1]
+    calls[:] = [0] * 8
+    train_torch(model, opt, big)  # the same size again: checked already, nothing more changes
+    assert calls == [1 if i not in rc else 2 for i in range(8)]
+    assert ramstream.memory_report(model)["plan"]["history"][-1] == last
+    ramstream.unwrap(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)  # the added recomputes are undone too
+
+
+def test_a_step_that_needs_every_block_recomputed_is_refused_replanned_and_its_rerun_trains_as_torch():
+    """The first block must recompute too: its forward was read before the check ran, so the step
+    raises replanned=True before anything ran and the re-run (docs/planning.md's loop) recomputes
+    every block."""
+    ref = make_model(0, n_blocks=8, d=128)
+    model, opt, _ = _wrapped(ref, _profile(32))
+    b = _every_block_batch(_check(model))
+    small, big = batches(2, b=2, t=8), batches(1, b=b, t=8, seed=6)
     want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True), small + big)
     got = train_torch(model, opt, small)
     weights, state = _weights(model), _state(opt)
@@ -91,28 +188,26 @@ def test_a_larger_step_recomputes_more_blocks_and_its_rerun_trains_as_torch(para
     err = e.value
     assert isinstance(err, torch.OutOfMemoryError) and isinstance(err, MemoryError)
     assert err.replanned is True
-    assert err.change == {"recompute": [0, 1, 2, 3, 4], "was": []}
-    assert "now recomputing blocks 0-4 (was none)" in str(err) and "re-run the same step" in str(err)
+    assert err.change == {"recompute": list(range(8)), "was": []}
+    msg = str(err)
+    assert "now recomputing blocks 0-7 (was none)" in msg and "re-run the same step" in msg
+    assert "Every block must recompute, the first too" in msg
     assert pickle.loads(pickle.dumps(err)).replanned is True
     _assert_same(_weights(model), weights)  # nothing ran: weights and optimizer state as before
     _assert_same(_state(opt), state)
     rep = ramstream.memory_report(model)["plan"]
-    last = rep["history"][-1]
-    assert last["change"] == "re-planned: now recomputing blocks 0-4 (was none)"
-    assert last["recompute"] == [0, 1, 2, 3, 4] and last["was"] == [] and last["step_tokens"] == 64 * 8
-    assert rep["recompute"] == [0, 1, 2, 3, 4] == rep["planner"]["recompute"]
-    assert ["forward" in b.__dict__ for b in model.blocks] == [True] * 5 + [False] * 3  # checkpointed
-    assert rep["planner"]["batch"] == 64 and rep["planner"]["streamed"] == plan.weights["streamed"]
-    assert any("revised before it ran" in line for line in ramstream.memory_report(model)["events"])
+    assert rep["history"][-1]["change"] == "re-planned: now recomputing blocks 0-7 (was none)"
+    assert rep["history"][-1]["step_tokens"] == b * 8
+    assert rep["recompute"] == list(range(8)) == rep["planner"]["recompute"]
+    events = ramstream.memory_report(model)["events"]
+    assert not any(e.endswith("the step goes on") for e in events)
+    calls = _fc1_calls(model)
+    del e, err
     got += train_torch(model, opt, big)  # the same step, as is
+    assert calls == [2] * 8  # every block recomputes, the first too
     assert got == want
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a.detach(), b.detach())  # recompute is bit-exact on the CPU
-    if param_offload != "auto":  # the streamed blocks stay streamed: only the recompute changed
-        assert plan.weights["streamed"] == [0, 1]
-        assert ramstream.memory_report(model)["plan"]["weights"]["streamed"] == [0, 1]
-    ramstream.unwrap(model)
-    assert all("forward" not in b.__dict__ for b in model.blocks)  # the added recomputes are undone too
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
 
 
 def test_a_step_that_cannot_fit_even_recomputing_every_block_is_refused_with_the_arithmetic():
@@ -133,15 +228,14 @@ def test_a_step_that_cannot_fit_even_recomputing_every_block_is_refused_with_the
     rep = ramstream.memory_report(model)["plan"]
     assert rep["history"][-1]["change"] == "refused: does not fit the plan"
     assert "recompute" not in rep or rep["recompute"] == []  # nothing changed
-    # a smaller step still re-plans, after which the refused one is checked again, not cached
+    # a smaller step still re-plans and goes on, after which the refused one is checked again
     xs, ys = batches(1, b=64, t=8, seed=4)[0]
-    with pytest.raises(PlanOutOfMemoryError) as e:
-        model(xs, ys)
-    assert e.value.replanned
+    train_torch(model, opt, [(xs, ys)])
+    assert ramstream.memory_report(model)["plan"]["history"][-1]["change"].startswith("re-planned")
     with pytest.raises(PlanOutOfMemoryError) as e:
         model(x, y)
     assert not e.value.replanned and "not even with every block recomputing" in str(e.value)
-    train_torch(model, opt, [(xs, ys)])  # the re-run fits
+    train_torch(model, opt, [(xs, ys)])  # the smaller step still fits
 
 
 def test_with_activation_checkpointing_given_the_recomputed_blocks_stay_and_the_step_is_refused():
@@ -158,7 +252,8 @@ def test_with_activation_checkpointing_given_the_recomputed_blocks_stay_and_the_
 
 def test_the_step_check_re_plans_through_its_lever_and_clears_its_refusals():
     """StepCheck alone, with a stand-in lever: the re-plan asks the planner for the fewest blocks
-    more, hands them to the lever, and a later step is checked against the revised plan."""
+    more from the back, hands them to the lever and lets the step go on; a later step is checked
+    against the revised plan; one that needs the first block too raises replanned=True."""
     ref = make_model(0, n_blocks=8, d=128)
     prof = _profile(32)
     shape = model_shape(ref, list(ref.blocks), batch=2, seq=8, loss="dense")
@@ -183,21 +278,25 @@ def test_the_step_check_re_plans_through_its_lever_and_clears_its_refusals():
     with pytest.raises(PlanOutOfMemoryError):
         check(None, (ids(512),), {})
     assert check.refused and applied["recompute"] == []
-    with pytest.raises(PlanOutOfMemoryError) as e:
-        check(None, (ids(96),), {})
-    assert e.value.replanned and applied["recompute"] == e.value.change["recompute"]
+    assert check(None, (ids(96),), {}) is None  # revised: the step goes on
     want = replan_recompute(
-        shape.with_tokens(batch=96, seq=8), prof, [], param_offload=[], moment_dtype="float32"
+        shape.with_tokens(batch=96, seq=8), prof, [], order="back", param_offload=[], moment_dtype="float32"
     )
-    assert applied["recompute"] == [i for i, m in enumerate(want.activations) if m == "recompute"]
+    first = [i for i, m in enumerate(want.activations) if m == "recompute"]
+    assert applied["recompute"] == first and first[-1] == 7 and 0 not in first
     assert applied["plan"].to_dict() == want.to_dict()
     assert not check.refused  # a step refused before the change is checked again
     assert check(None, (ids(96),), {}) is None and check(None, (ids(64),), {}) is None
-    first = list(applied["recompute"])
-    with pytest.raises(PlanOutOfMemoryError) as e:  # larger still: more blocks again
-        check(None, (ids(128),), {})
-    assert e.value.change["was"] == first and set(first) < set(applied["recompute"])
-    assert [h["change"].split(":")[0] for h in history] == ["refused", "re-planned", "re-planned"]
+    assert check(None, (ids(128),), {}) is None  # larger still: more blocks again, from the back
+    second = list(applied["recompute"])
+    assert history[-1]["was"] == first and set(first) < set(second) and 0 not in second
+    b = _every_block_batch(check)  # from here only the first block is left: every block must
+    with pytest.raises(PlanOutOfMemoryError) as e:
+        check(None, (ids(b),), {})
+    assert e.value.replanned and e.value.change == {"recompute": list(range(8)), "was": second}
+    assert applied["recompute"] == list(range(8))
+    assert [h["change"].split(":")[0] for h in history] == ["refused"] + ["re-planned"] * 3
+    assert sum("the step goes on" in line for line in logs) == 2
 
 
 def test_a_step_that_needs_more_streamed_blocks_is_refused_with_the_plan_a_re_wrap_would_apply():

@@ -3,8 +3,14 @@ steps, the weights left where they are; pure arithmetic.
 
 What can change between two steps without moving a weight is which blocks recompute their
 activations in backward (a flag on the block's forward: recomputing runs the same forward, bit for
-bit). replan_recompute keeps the blocks recomputing now and adds the fewest others, from the front
-of the stack (as the activation modes and the watchdog's lever do), that let the step fit."""
+bit). replan_recompute keeps the blocks recomputing now and adds the fewest others that let the
+step fit: from the front of the stack by default (as the activation modes and the watchdog's lever
+do), or from the back (order="back": StepCheck, whose step is already in the first block's call,
+so the blocks after it can still change for this very step). The planner counts each block's kept
+activations, and its input when it recomputes, at the peak whatever its place in the stack
+(planner/act_modes.py cost), so in a stack of equal blocks the same number fits from either end;
+a stack whose blocks differ in size is walked the same way from the chosen end, the fewest that fit
+winning."""
 
 from __future__ import annotations
 
@@ -14,15 +20,23 @@ from .result import Plan, PlanError
 from .shape import ModelShape
 
 
-def replan_recompute(shape: ModelShape, profile: HardwareProfile, recomputed, **fixed) -> Plan:
+def replan_recompute(
+    shape: ModelShape, profile: HardwareProfile, recomputed, *, order: str = "front", **fixed
+) -> Plan:
     """The plan for `shape` with the blocks in `recomputed` and the fewest more recomputing.
 
+    order: "front" adds blocks from the start of the stack (0, 1, ...), "back" from its end
+    (n-1, n-2, ...); the first block is then added only when every block must recompute.
     fixed: plan_training's other options as the run applied them (param_offload as the streamed
     block indices, moment_dtype, optimizer_mode, ...). Raises PlanError with the arithmetic of every
     block recomputing when even that does not fit (PlanError too when nothing is left to add)."""
+    if order not in ("front", "back"):
+        raise ValueError(f"replan_recompute: order must be 'front' or 'back', got {order!r}")
     n = len(shape.blocks)
     now = sorted(set(recomputed))
     rest = [i for i in range(n) if i not in set(now)]
+    if order == "back":
+        rest.reverse()
     kw = dict(quantize="none", _suggest=False, **fixed)
     full = plan_training(
         shape, profile, activation_checkpointing=list(range(n)), **kw

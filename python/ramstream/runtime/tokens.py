@@ -1,12 +1,16 @@
 """A step larger than the one wrap() planned for is checked against the plan before it runs: a
 forward pre-hook on the wrapped model reads the step's batch x seq, and for a size not seen yet
 re-plans with the weights where they are (planner.plan_training with the streamed blocks and the
-recomputed ones fixed). When that cannot fit, the plan is revised before anything ran: with
-activation_checkpointing="auto", more blocks recompute (planner/replan.py; the weights stay where
-they are) and the forward raises PlanOutOfMemoryError (a torch.OutOfMemoryError and a MemoryError)
-with replanned=True, saying what changed: nothing ran, so the same step can be re-run as is
-(OffloadTrainer does it once by itself). When nothing can change, replanned=False and the error
-has the arithmetic: re-wrap with batch= and seq= (wrap() then streams what that step needs)."""
+recomputed ones fixed). When that cannot fit, the plan is revised before any block ran: with
+activation_checkpointing="auto", the fewest more blocks recompute, taken from the back of the stack
+(planner/replan.py order="back"; the weights stay where they are). The check runs in the first
+block's call, whose forward torch read before its pre-hooks (Module._call_impl), so the blocks
+after it recompute from this very step: the step goes on under the revised plan (logged, in the
+plan history). Only when the first block must recompute too (every block must) does the forward
+raise PlanOutOfMemoryError (a torch.OutOfMemoryError and a MemoryError) with replanned=True,
+saying what changed: nothing ran, so the same step can be re-run as is (OffloadTrainer does it once
+by itself). When nothing can change, replanned=False and the error has the arithmetic: re-wrap with
+batch= and seq= (wrap() then streams what that step needs)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from ..planner.replan import replan_recompute
 from ..planner.result import PlanError
 
 _GIB = 2**30
+# the block the check is the forward pre-hook of (runtime/apply.py check_steps: the first)
+HOOKED = 0
 
 
 class PlanOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
@@ -106,7 +112,8 @@ class StepCheck:
                 self.history.append({"step_tokens": bs[0] * bs[1], "change": "warned: may not fit the plan"})
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 return None
-            self._replan(shape, bs, fixed, e)  # raises
+            self._replan(shape, bs, fixed, e)  # raises, or returns when the step goes on revised
+            return None
         self.fits_up_to = bs[0] * bs[1]
         vram = plan.memory["vram"]
         self.log(
@@ -156,8 +163,9 @@ class StepCheck:
         )
 
     def _replan(self, shape, bs, fixed: dict, error: PlanError) -> None:
-        """Revises the plan for this step (more blocks recompute) and raises PlanOutOfMemoryError
-        with replanned=True; with nothing to change, replanned=False and the arithmetic."""
+        """Revises the plan for this step (more blocks recompute, from the back) and returns, the
+        step going on; raises PlanOutOfMemoryError with replanned=True when the first block must
+        recompute too, and with replanned=False and the arithmetic when nothing can change."""
         tokens = bs[0] * bs[1]
         ckpt = fixed.get("activation_checkpointing")
         before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
@@ -165,13 +173,13 @@ class StepCheck:
         if self.lever is not None:
             rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
             try:
-                plan = replan_recompute(shape, self.profile, before, **rest)
+                plan = replan_recompute(shape, self.profile, before, order="back", **rest)
             except PlanError as e:
                 error = e
                 why = "; not even with every block recomputing its activations"
             else:
                 after = [i for i, m in enumerate(plan.activations) if m == "recompute"]
-                self._revised(shape, bs, plan, before, after)  # raises
+                return self._revised(shape, bs, plan, before, after)  # or raises
         else:
             why = self.fixed_why
         msg = self._advice(bs, error, why, self._rewrap(shape, fixed))
@@ -180,7 +188,12 @@ class StepCheck:
         raise PlanOutOfMemoryError(msg) from None
 
     def _revised(self, shape, bs, plan, before: list[int], after: list[int]) -> None:
+        """Applies the revised plan. The step goes on (None) unless the block this check is the
+        pre-hook of, the first (HOOKED), is among the blocks that now recompute: torch read its
+        forward before the pre-hooks ran, so it would keep its activations in this call; then
+        PlanOutOfMemoryError(replanned=True), before anything ran, and the re-run recomputes it."""
         tokens, was = bs[0] * bs[1], (self.shape.batch, self.shape.seq)
+        goes_on = HOOKED not in set(after) - set(before)
         self.lever.recompute(after, plan)
         self.shape, self.fits_up_to = shape, tokens
         self.refused.clear()
@@ -200,14 +213,17 @@ class StepCheck:
         self.log(
             f"plan: a step of batch {bs[0]} x seq {bs[1]} did not fit the applied plan (made for batch "
             f"{was[0]} x seq {was[1]}); revised before it ran: {what}, VRAM {vram['total'] / _GIB:.2f} of "
-            f"{vram['budget'] / _GIB:.2f} GiB predicted"
+            f"{vram['budget'] / _GIB:.2f} GiB predicted" + ("; the step goes on" if goes_on else "")
         )
+        if goes_on:
+            return None
         raise PlanOutOfMemoryError(
             f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied (made "
-            f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}; the "
+            f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}. "
+            "Every block must recompute, the first too, and this forward had entered it already. The "
             f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
             "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
-            "step as is (OffloadTrainer does it by itself; see docs/guide/planning.md)",
+            "step as is (OffloadTrainer does it by itself; see docs/planning.md)",
             replanned=True,
             change={"recompute": list(after), "was": list(before)},
         ) from None

@@ -1,7 +1,9 @@
-"""OffloadTrainer re-runs a step that the plan refused after revising itself (issue 24, point 3):
-PlanOutOfMemoryError(replanned=True) -> the same training step once more; a second refusal, or one
-that changed nothing, propagates. On the CPU engine, with the step check wrap() installs on a GPU
-installed at train begin on an injected GPU profile."""
+"""OffloadTrainer and a step larger than the plan (issue 24, point 3): when the plan can fit it by
+making layers after the first recompute, the step goes on under the revised plan (no re-run);
+when every layer must recompute (the first too), PlanOutOfMemoryError(replanned=True) -> the
+Trainer runs the same training step once more; a second refusal, or one that changed nothing,
+propagates. On the CPU engine, with the step check wrap() installs on a GPU installed at train
+begin on an injected GPU profile."""
 
 from __future__ import annotations
 
@@ -59,43 +61,98 @@ def _trainer(llama_dir, out, callbacks=(), max_steps: int = 3) -> OffloadTrainer
     )  # fmt: skip
 
 
+def _revision(check, batch: int, seq: int) -> list[int] | None:
+    """The layers the check's re-plan for a batch x seq step recomputes; None when the applied plan
+    fits it or nothing does."""
+    from ramstream.planner import PlanError
+    from ramstream.planner.replan import replan_recompute
+
+    fixed = check._now()
+    shape = check.shape.with_tokens(batch=batch, seq=seq)
+    try:
+        plan_training(shape, check.profile, quantize="none", _suggest=False, **fixed)
+        return None
+    except PlanError:
+        pass
+    rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
+    try:
+        plan = replan_recompute(shape, check.profile, [], order="back", **rest)
+    except PlanError:
+        return None
+    return [i for i, m in enumerate(plan.activations) if m == "recompute"]
+
+
 class _SmallPlan(transformers.TrainerCallback):
     """At train begin, the step check wrap() installs on a GPU, for a plan made for 1 x 4 tokens on a
-    GPU with 1440 KiB free: the Trainer's 2 x 16 token steps need layers 0-1 recomputed."""
+    GPU with a few MiB free, the first (from 1440 KiB down) on which the Trainer's 2 x 16 token steps
+    need `want` layers recomputed (the planner's answer, from the back)."""
+
+    def __init__(self, want: list[int]) -> None:
+        self.want, self.free_kib = want, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from ramstream.runtime.tokens import StepCheck
+
         w = model._ramstream
         layers = find_decoder_layers(model)
         shape = model_shape(model, layers, batch=1, seq=4, loss="chunked")
-        prof = HardwareProfile(
-            device="cuda", vram_total=4 * GIB, vram_free=1440 << 10, ram_total=64 * GIB, ram_available=64 * GIB,
-            pin_budget=32 * GIB, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5, adamw_gbps=127.7,
-            matmul_tflops=790.0, source="given",
-        )  # fmt: skip
-        plan = plan_training(
-            shape, prof, quantize="none", activation_checkpointing=[], activation_offload=False
-        )
-        check_steps(model, w, plan, shape, prof, w.options, w.log)
+        for kib in range(1440, 1200, -10):
+            prof = HardwareProfile(
+                device="cuda", vram_total=4 * GIB, vram_free=kib << 10, ram_total=64 * GIB,
+                ram_available=64 * GIB, pin_budget=32 * GIB, h2d_gbps=54.9, d2h_gbps=55.0,
+                duplex_gbps=49.5, adamw_gbps=127.7, matmul_tflops=790.0, source="given",
+            )  # fmt: skip
+            plan = plan_training(
+                shape, prof, quantize="none", activation_checkpointing=[], activation_offload=False
+            )
+            check_steps(model, w, plan, shape, prof, w.options, w.log)
+            check = next(h for h in layers[0]._forward_pre_hooks.values() if isinstance(h, StepCheck))
+            if _revision(check, 2, 16) == self.want:
+                self.free_kib = kib
+                return
+            w.handles.pop().remove()
+        raise AssertionError(f"no GPU size on which 2 x 16 tokens need layers {self.want} recomputed")
 
 
-def test_the_trainer_re_runs_a_re_planned_step_and_trains_as_without_the_check(llama_dir, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="ramstream")
-    plain = _trainer(llama_dir, tmp_path / "plain")
-    plain.train()
-    checked = _trainer(llama_dir, tmp_path / "checked", callbacks=[_SmallPlan()])
+def _losses(t) -> list:
+    return [e["loss"] for e in t.state.log_history if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir, tmp_path_factory):
+    t = _trainer(llama_dir, tmp_path_factory.mktemp("plain"))
+    t.train()
+    return t
+
+
+@pytest.mark.parametrize(
+    "want,rerun", [([1, 2], False), ([0, 1, 2], True)], ids=["goes-on", "every-layer-re-run"]
+)
+def test_a_larger_step_is_re_planned_and_trains_as_without_the_check(
+    llama_dir, tmp_path, caplog, plain, want, rerun
+):
+    caplog.set_level(logging.INFO, logger="ramstream")
+    small = _SmallPlan(want)
+    checked = _trainer(llama_dir, tmp_path / "checked", callbacks=[small])
     checked.train()
+    assert small.free_kib is not None
+    what = f"now recomputing blocks {'0-2' if rerun else '1-2'} (was none)"
     reruns = [r for r in caplog.records if "re-running the step" in r.getMessage()]
-    assert len(reruns) == 1 and "now recomputing blocks 0-1 (was none)" in reruns[0].getMessage()
+    if rerun:  # the first layer must recompute too: refused before anything ran, run once more
+        assert len(reruns) == 1 and what in reruns[0].getMessage()
+    else:  # the layers after the first recompute from that very step: it goes on
+        assert reruns == []
     rep = ramstream.memory_report(checked.model)["plan"]
     assert [h["change"] for h in rep["history"] if h["change"].startswith("re-planned")] == [
-        "re-planned: now recomputing blocks 0-1 (was none)"
+        "re-planned: " + what
     ]
-    assert rep["recompute"] == [0, 1]
+    assert rep["recompute"] == want
+    events = ramstream.memory_report(checked.model)["events"]
+    assert any(what in e and e.endswith("the step goes on") for e in events) is not rerun
     assert checked.state.global_step == plain.state.global_step == 3
-    losses = lambda t: [e["loss"] for e in t.state.log_history if "loss" in e]  # noqa: E731
-    assert losses(checked) == losses(plain)
+    assert _losses(checked) == _losses(plain)
     for (n, a), (_, b) in zip(plain.model.named_parameters(), checked.model.named_parameters()):
-        assert torch.equal(a.detach(), b.detach()), n  # recomputing layers 0-1 is bit-exact
+        assert torch.equal(a.detach(), b.detach()), n  # recomputing layers is bit-exact
 
 
 @pytest.mark.parametrize("replanned", [True, False])

@@ -30,9 +30,12 @@ HOOKED = 0
 
 class PlanOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
     """A step does not fit the plan wrap() applied (raised before the step ran: weights, optimizer
-    state and memory are as before it). ``replanned``: True when the plan was revised for this step
-    (``change`` says how: {"recompute": blocks now, "was": blocks before}), so that re-running the
-    same step fits; False when nothing could change (re-wrap with batch= / seq=, or a smaller step)."""
+    state and memory are as before it). A step that more blocks recomputing fit, the first block
+    keeping its activations, is not refused: the plan is revised and the step goes on.
+    ``replanned``: True when the plan was revised for this step and every block, the first too, now
+    recomputes (``change`` says how: {"recompute": blocks now, "was": blocks before}), so that
+    re-running the same step fits; False when nothing could change (re-wrap with batch= / seq=, or a
+    smaller step)."""
 
     def __init__(self, message: str, *, replanned: bool = False, change: dict | None = None) -> None:
         super().__init__(message)

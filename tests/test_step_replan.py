@@ -299,6 +299,27 @@ def test_the_step_check_re_plans_through_its_lever_and_clears_its_refusals():
     assert sum("the step goes on" in line for line in logs) == 2
 
 
+def test_replan_recompute_adds_blocks_from_the_front_by_default_and_from_the_back_when_asked():
+    """The same fewest count from either end (the planner counts every block's activations the same
+    at the peak, whatever its place); the first block only when every block must recompute."""
+    ref = make_model(0, n_blocks=8, d=128)
+    prof = _profile(32)
+    shape = model_shape(ref, list(ref.blocks), batch=2, seq=8, loss="dense")
+    kw = dict(param_offload=[], moment_dtype="float32")
+
+    def rc(b, was=(), **order):
+        plan = replan_recompute(shape.with_tokens(batch=b, seq=8), prof, list(was), **order, **kw)
+        return [i for i, m in enumerate(plan.activations) if m == "recompute"]
+
+    assert rc(64) == rc(64, order="front") == [0, 1, 2, 3, 4]
+    assert rc(64, order="back") == [3, 4, 5, 6, 7]
+    assert rc(64, was=[7], order="back") == [3, 4, 5, 6, 7]  # the ones recomputing already stay
+    assert rc(64, was=[0], order="back") == [0, 4, 5, 6, 7]
+    assert 0 not in rc(128, order="back") and rc(128, order="back")[-1] == 7
+    with pytest.raises(ValueError, match="order must be"):
+        rc(64, order="middle")
+
+
 def test_a_step_that_needs_more_streamed_blocks_is_refused_with_the_plan_a_re_wrap_would_apply():
     """Which blocks stream is decided at wrap() only (the engine's buckets are laid out then): every
     block recomputing already, a step that fits only with blocks streamed is refused, and the error

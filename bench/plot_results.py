@@ -52,8 +52,17 @@ def series(runs: list[dict]) -> tuple[dict, list[tuple[str, float, str]]]:
                 (cap, float(r["s_per_step"]))
             )
         else:
-            failed.append((f"{row} {variant}", cap, str(r.get("status", "?"))))
+            failed.append((f"{row} {variant}", cap, status_text(r)))
     return dict(ok), failed
+
+
+def status_text(r: dict) -> str:
+    """A run that did not finish, in words: a step the plan check refused (ramstream's
+    PlanOutOfMemoryError, nothing ran) is told apart from an out-of-memory that happened."""
+    status = str(r.get("status", "?"))
+    if status == "oom" and "does not fit the plan" in str(r.get("error", "")):
+        return f"refused at step {r.get('step', '?')} (plan check)"
+    return status
 
 
 def describe(r: dict) -> str:
@@ -63,7 +72,7 @@ def describe(r: dict) -> str:
     return " ".join(str(p) for p in parts if p)
 
 
-def plot(runs: list[dict], out: str, title: str | None = None) -> str:
+def plot(runs: list[dict], out: str, title: str | None = None, rows: list[str] | None = None) -> str:
     try:
         import matplotlib
 
@@ -71,6 +80,8 @@ def plot(runs: list[dict], out: str, title: str | None = None) -> str:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit("plot_results.py needs matplotlib: pip install matplotlib") from exc
+    if rows:
+        runs = [r for r in runs if r.get("row") in rows]
     ok, failed = series(runs)
     if not ok and not failed:
         raise SystemExit("no capped runs in the input (cap_gib > 0): nothing to plot")
@@ -84,9 +95,10 @@ def plot(runs: list[dict], out: str, title: str | None = None) -> str:
     ax.set_xlabel("VRAM cap (GiB, set_per_process_memory_fraction)")
     ax.set_ylabel("s/step (median of the settled steps)")
     ax.set_title(title or "ramstream defaults: step time against the VRAM cap")
-    ax.set_ylim(bottom=0)
+    top = max((sec for pts in ok.values() for _, sec in pts), default=1.0)
+    ax.set_ylim(0, top * 1.45)  # room above the lines for the legend
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out)
@@ -99,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="+", help="bench_defaults.py --out files (JSON lines)")
     ap.add_argument("--out", default=OUT, help="the PNG to write (default docs/img/step_time_vs_cap.png)")
     ap.add_argument("--title")
+    ap.add_argument("--rows", help="comma-separated rows to draw (default: every row in the input)")
     args = ap.parse_args(argv)
-    print(plot(read_runs(args.inputs), args.out, args.title))
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
+    print(plot(read_runs(args.inputs), args.out, args.title, rows))
     return 0
 
 

@@ -139,6 +139,13 @@ def test_plot_script_reads_the_benchmark_json(tmp_path):
     rec = {"model": "qwen7b", "dtype": "bf16", "batch": 4, "seq": 512, "params": 100, "trained_params": 1}
     assert mod.describe(rec) == "qwen7b LoRA bf16 4x512"
     assert mod.describe({**rec, "trained_params": 100}) == "qwen7b full FT bf16 4x512"
+    refused = {
+        "status": "oom",
+        "step": 0,
+        "error": "torch.OutOfMemoryError: ramstream: ... does not fit the plan",
+    }
+    assert mod.status_text(refused) == "refused at step 0 (plan check)"
+    assert mod.status_text({"status": "oom", "error": "CUDA out of memory"}) == "oom"
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed")
     out = tmp_path / "p.png"

@@ -416,7 +416,8 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole matrix (0: none)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny models of the same kinds (smoke run)")
-    ap.add_argument("--out", help="JSON lines, appended run by run")
+    ap.add_argument("--out", help="JSON lines, written run by run (emptied first unless --append)")
+    ap.add_argument("--append", action="store_true", help="add to --out instead of starting it anew")
     ap.add_argument("--summarize", metavar="JSONL", help="print the table of an earlier --out file")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -439,7 +440,7 @@ def main() -> int:
         ap.error(f"unknown rows/variants {bad}; rows: {', '.join(ROWS)}; variants: defaults, hand, stock")
     signal.signal(signal.SIGTERM, _on_term)
     t_run, results = time.perf_counter(), []
-    if args.out:
+    if args.out and not args.append:
         open(args.out, "w").close()
     try:
         for row, cap in order(rows, caps):

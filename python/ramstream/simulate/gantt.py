@@ -14,8 +14,8 @@ _COLOURS = {
 }
 
 
-def plot_gantt(prediction, path) -> None:
-    """Writes the lanes of `prediction` (a simulate_offload Prediction) as an image to `path`."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or ImportError naming the install."""
     try:
         import matplotlib
 
@@ -25,6 +25,12 @@ def plot_gantt(prediction, path) -> None:
         raise ImportError(
             "ramstream.simulate --plot needs matplotlib: pip install 'ramstream[plot]' (or pip install matplotlib)"
         ) from e
+    return plt
+
+
+def plot_gantt(prediction, path) -> None:
+    """Writes the lanes of `prediction` (a simulate_offload Prediction) as an image to `path`."""
+    plt = pyplot()
     lanes = ["h2d", "compute", "d2h"]
     fig, ax = plt.subplots(figsize=(12, 3))
     for sp in prediction.spans:

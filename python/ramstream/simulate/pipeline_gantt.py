@@ -44,16 +44,9 @@ def ascii_gantt(prediction, width: int = 100) -> str:
 
 
 def _pyplot():
-    try:
-        import matplotlib
+    from .gantt import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "ramstream.simulate --plot needs matplotlib: pip install 'ramstream[plot]' (or pip install matplotlib)"
-        ) from e
-    return plt
+    return pyplot()
 
 
 def plot_pipeline(predictions, path) -> None:

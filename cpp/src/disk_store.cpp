@@ -243,8 +243,12 @@ bool DiskStore::unlinked() const {
 
 Status DiskStore::close() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     if (closed_) return Status::ok();
+    if (stopping_) {  // another thread is closing: wait for it to finish
+      done_cv_.wait(lock, [&] { return closed_; });
+      return Status::ok();
+    }
     stopping_ = true;
   }
   work_cv_.notify_all();
@@ -260,6 +264,7 @@ Status DiskStore::close() {
     name_removed_ = true;
   }
   closed_ = true;
+  done_cv_.notify_all();
   return s;
 }
 

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checks.h"
@@ -260,6 +262,35 @@ void test_file_size_limit(const std::string& dir) {
   CHECK(count_files(dir) == 0);
 }
 
+// Requests from several threads, then close() from several threads at once (one closes, the
+// others wait for it); requests after close are refused.
+void test_concurrent_close(const std::string& dir) {
+  std::unique_ptr<DiskStore> s;
+  DiskStoreOptions o;
+  o.unlink_on_open = false;
+  o.chunk_bytes = 4096;
+  CHECK_OK(DiskStore::open(dir, std::vector<std::uint64_t>(8, 256 << 10), o, &s));
+  if (!s) return;
+  std::vector<std::unique_ptr<Buf>> bufs;
+  for (int i = 0; i < 8; ++i) bufs.push_back(std::make_unique<Buf>(256 << 10));
+  std::vector<std::thread> th;
+  std::atomic<int> bad{0};
+  for (int i = 0; i < 8; ++i)
+    th.emplace_back([&, i] {
+      DiskStore::Ticket t = 0;
+      std::memset(bufs[i]->p, i, bufs[i]->n);
+      if (!s->write(i, bufs[i]->p, bufs[i]->n, &t).is_ok()) ++bad;
+      s->discard(t);  // not waited: close() still waits for it
+    });
+  for (auto& t : th) t.join();
+  th.clear();
+  for (int i = 0; i < 4; ++i) th.emplace_back([&] { if (!s->close().is_ok()) ++bad; });
+  for (auto& t : th) t.join();
+  CHECK(bad.load() == 0);
+  CHECK(!s->is_open() && !exists(s->path()));
+  CHECK(s->stats().writes == 8 && s->stats().errors == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -277,6 +308,7 @@ int main() {
   test_file_lifecycle(dir);
   test_bad_arguments(dir);
   test_file_size_limit(dir);
+  test_concurrent_close(dir);
   CHECK(count_files(dir) == 0);
   CHECK(errno_name(ENOSPC) == "ENOSPC" && errno_name(EFBIG) == "EFBIG");
   ::rmdir(dir.c_str());

@@ -11,6 +11,13 @@ void raise_status(const Status& s) {
     case StatusCode::kOutOfMemory:
       PyErr_SetString(PyExc_MemoryError, s.message().c_str());
       throw nb::python_error();
+    case StatusCode::kIoError: {
+      // OSError(errno, message): Python picks the subclass (FileNotFoundError for ENOENT, ...).
+      PyObject* args = Py_BuildValue("(is)", s.sys_errno(), s.message().c_str());
+      PyErr_SetObject(PyExc_OSError, args);
+      Py_XDECREF(args);
+      throw nb::python_error();
+    }
     default: throw std::runtime_error(s.message());
   }
 }

@@ -17,7 +17,8 @@ namespace ramstream::py {
 
 using Array = nb::ndarray<>;  // any DLPack tensor; dtype, device and layout are checked by hand
 
-// kInvalidArgument -> ValueError, kOutOfMemory -> MemoryError, anything else -> RuntimeError.
+// kInvalidArgument -> ValueError, kOutOfMemory -> MemoryError, kIoError -> OSError(errno, message),
+// anything else -> RuntimeError.
 [[noreturn]] void raise_status(const Status& s);
 inline void check(const Status& s) {
   if (!s.is_ok()) raise_status(s);
@@ -58,5 +59,6 @@ void bind_memory(nb::module_& m);
 void bind_adamw(nb::module_& m);
 void bind_quant(nb::module_& m);
 void bind_cuda(nb::module_& m);
+void bind_disk(nb::module_& m);
 
 }  // namespace ramstream::py

@@ -8,4 +8,5 @@ NB_MODULE(_C, m) {
   ramstream::py::bind_adamw(m);
   ramstream::py::bind_quant(m);
   ramstream::py::bind_cuda(m);
+  ramstream::py::bind_disk(m);
 }

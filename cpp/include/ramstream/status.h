@@ -12,6 +12,7 @@ enum class StatusCode {
   kCudaError,        // a CUDA runtime call failed (-> RuntimeError)
   kUnsupported,      // not available in this build or on this machine (-> RuntimeError)
   kInternal,         // a bug (-> RuntimeError)
+  kIoError,          // a system call on a file failed; errno() says which (-> OSError)
 };
 
 class Status {
@@ -24,14 +25,22 @@ class Status {
   static Status cuda(std::string m) { return {StatusCode::kCudaError, std::move(m)}; }
   static Status unsupported(std::string m) { return {StatusCode::kUnsupported, std::move(m)}; }
   static Status internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  // A failed file operation: `err` is the errno value (ENOSPC, EFBIG, EIO, ...).
+  static Status io(int err, std::string m) {
+    Status s(StatusCode::kIoError, std::move(m));
+    s.errno_ = err;
+    return s;
+  }
 
   bool is_ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
+  int sys_errno() const { return errno_; }  // the errno of a kIoError, else 0
 
  private:
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
+  int errno_ = 0;
 };
 
 }  // namespace ramstream

@@ -73,12 +73,15 @@ def update(
     accumulate: bool,
     out: torch.Tensor,
     seed: int,
+    grad: torch.Tensor | None = None,
 ) -> list[tuple[int, int]]:
     """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
     to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
     are written to `out` in the same pass (none when `out` is the master itself). Returns the
-    updated ranges, merged."""
-    grad = b.acc if accumulate else b.landing
+    updated ranges, merged. grad: the gradients (default: b.acc with accumulation, else b.landing;
+    a delayed update passes the buffer it was queued with)."""
+    if grad is None:
+        grad = b.acc if accumulate else b.landing
     ordered = sorted(pieces, key=lambda p: p.offset)
     in_place = out.data_ptr() == b.master.data_ptr()  # a streamed fp32 bucket: home is the master
     for p in ordered:

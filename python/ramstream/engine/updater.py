@@ -115,6 +115,7 @@ class Updater:
         want_norm = final and self.max_grad_norm is not None
         hypers = self.pass_hypers() if eager else None
         scale = 1.0 / self.parallel.world
+        src, acc = b.landing, b.acc  # as now: a delayed step() may swap them before the job runs
         if eager:
             self.stats["eager_updates"] += 1  # a bucket's share updated during backward
             for s in slots:
@@ -125,7 +126,7 @@ class Updater:
         def job() -> None:
             self.dev.host_wait(ev)
             t0 = time.perf_counter()
-            land(b, pieces, accumulate, want_norm)
+            land(b, pieces, accumulate, want_norm, src, acc)
             t1 = time.perf_counter()
             self.stats["host_land_s"] += t1 - t0
             tr = _trace_current()

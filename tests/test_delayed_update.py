@@ -369,7 +369,7 @@ def test_bad_values_and_unsupported_combinations():
         _wrapped(optimizer_mode="gpu")
     with pytest.raises(ValueError, match="delayed_update.*mode='gpu'"):
         ramstream.OffloadAdamW(make_model(0).parameters(), mode="gpu", delayed_update=True)
-    with pytest.raises(NotImplementedError, match="delayed_update"):
+    with pytest.raises(ValueError, match="delayed_update.*distributed=True"):
         _wrapped(distributed=True)
     # "auto" keeps the state on the host with delayed_update (no mapped share, no resident switch)
     _, opt, _ = _wrapped(optimizer_mode="auto", offload="auto")

@@ -157,7 +157,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
                     "where the update cannot be delayed; pass mode='cpu' or 'auto'"
                 )
             if distributed:
-                raise NotImplementedError(
+                raise ValueError(
                     "OffloadAdamW: delayed_update is not supported with distributed=True (the owners' "
                     "broadcast of the new weights is not delayed)"
                 )

@@ -179,7 +179,7 @@ class WrapOptions:
                 "updates on the host with delayed_update)"
             )
         if o.delayed_update is not False and o.distributed is True:
-            raise NotImplementedError(
+            raise ValueError(
                 "wrap(): option delayed_update is not supported with distributed=True (the owners' "
                 "broadcast of the new weights is not delayed); pass delayed_update=False"
             )

@@ -18,7 +18,6 @@ from .engine.nonfinite import NonFiniteGradientError
 from .ops import _adamw_rules as _rules
 from .options import (
     parse_accumulation_steps,
-    parse_delayed_update,
     parse_device,
     parse_max_grad_norm,
     parse_moment_dtype,
@@ -149,19 +148,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
-        self._delayed_update = parse_delayed_update(delayed_update, "OffloadAdamW:")
-        if self._delayed_update is not None:
-            if mode == "gpu":
-                raise ValueError(
-                    "OffloadAdamW: delayed_update needs the host AdamW; mode='gpu' updates on the GPU, "
-                    "where the update cannot be delayed; pass mode='cpu' or 'auto'"
-                )
-            if distributed:
-                raise ValueError(
-                    "OffloadAdamW: delayed_update is not supported with distributed=True (the owners' "
-                    "broadcast of the new weights is not delayed)"
-                )
-            mode, offload = "cpu", True  # the state stays on the host: no mapped share, no switch
+        self._delayed_update, mode, offload = _checks.check_delayed(
+            delayed_update, mode, offload, distributed
+        )
         device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None

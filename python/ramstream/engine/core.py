@@ -271,7 +271,8 @@ class Engine:
 
     def step(self) -> bool:
         """Queues every update not yet queued; returns without waiting for host updates. False
-        when the step was skipped (non-finite gradients, skip_nonfinite)."""
+        when the step was skipped (non-finite gradients, skip_nonfinite). With delayed_update the
+        previous step's delayed update is installed first (delayed.py)."""
         self.recover_if_abandoned()
         if self.intake.in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")

@@ -79,6 +79,14 @@ class Delayed:
         the device buffer (CPU engine: copied; GPU: H2D, which the next forward waits for on the
         device), or a streamed block's home (its next load copies it)."""
         pending, self.pending = self.pending, []
+        if pending and self.dev.type == "cuda":
+            compute = torch.cuda.current_stream(self.dev.device)
+            if any(b.streamed for b in pending):
+                # a streamed block's last load (a DMA out of its home) was consumed by compute
+                # queued before this call: done once that compute is
+                compute.synchronize()
+            # the copies into device_flat come after the kernels already queued that read it
+            self.dev.h2d.wait_stream(compute)
         for b in pending:
             self.worker.wait(b.dpu_seq)
             ranges, b.dpu_ranges = b.dpu_ranges, None

@@ -375,3 +375,24 @@ def test_bad_values_and_unsupported_combinations():
     _, opt, _ = _wrapped(optimizer_mode="auto", offload="auto")
     assert opt.mode == "cpu" and opt.offload is True
     assert all(b.placement == "host" for b in opt._engine.buckets)
+
+
+def test_lr_scheduler_read_when_the_update_is_queued():
+    """An LR scheduler stepped after each optimizer.step(): the delayed update of step t uses the
+    learning rate of step t (read by step() when it queues the update), as torch does."""
+    model, opt, ref_model = _wrapped(warmup=1)
+    ref = DelayedReference(ref_model, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.opt, lambda s: 1.0 / (1 + s))
+    losses, ref_losses = [], []
+    for x, y in batches(8):
+        for m, out in ((model, losses), (ref.model, ref_losses)):
+            loss = m(x, y)
+            loss.backward()
+            out.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    _assert_equal(model, opt, ref, losses, ref_losses)

@@ -396,3 +396,32 @@ def test_lr_scheduler_read_when_the_update_is_queued():
         sched.step()
         ref_sched.step()
     _assert_equal(model, opt, ref, losses, ref_losses)
+
+
+def test_host_memory_check_counts_the_delayed_buffers():
+    """moment_dtype="auto": the pending weights and the second landing buffer (working dtype) and,
+    with accumulation, the second accumulator count in the host budget."""
+    from ramstream.host_fit import pick_moment_dtype
+
+    n = 1_000_000_000
+    fp32 = n * (4 + 8 + 2)  # master, two fp32 moments, bf16 landing buffer
+    lines = []
+
+    def pick(delayed, accumulate=False, extra=0):
+        return pick_moment_dtype(
+            "auto",
+            numel=n,
+            working_bytes=2,
+            accumulate=accumulate,
+            streamed=0,
+            check=True,
+            log=lines.append,
+            ram={"available": int((fp32 + extra) / 0.9) + 1, "cgroup_limit": None},
+            delayed=delayed,
+        )
+
+    assert pick(False) == torch.float32
+    assert pick(True) == torch.bfloat16 and "delayed update buffers" in lines[-1]
+    assert pick(True, extra=4 * n) == torch.float32
+    assert pick(True, accumulate=True, extra=12 * n) == torch.float32
+    assert pick(True, accumulate=True, extra=12 * n - 4096) == torch.bfloat16

@@ -317,6 +317,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         check=opts.check_memory,
         log=log,
         ram=_ram_with_model(model, device, streamed),
+        delayed=opts.delayed_update is not False,
     )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):

@@ -81,6 +81,7 @@ VALID = {
     "max_inflight_bytes": st.one_of(st.none(), st.integers(1 << 20, 1 << 40)),
     "eager_updates": st.booleans(),
     "skip_nonfinite": st.booleans(),
+    "delayed_update": st.one_of(st.booleans(), st.integers(0, 3)),
     "activation_offload": st.one_of(st.booleans(), st.just("auto"), st.floats(0, 1)),
     "prefetch_depth": st.integers(1, 8),
     "min_offload_bytes": st.integers(0, 1 << 30),

@@ -11,11 +11,12 @@ GIB = 2**30
 
 
 def host_components(
-    numel: int, working_bytes: int, moment_bytes: int, accumulate: bool, streamed: int
+    numel: int, working_bytes: int, moment_bytes: int, accumulate: bool, streamed: int, delayed: bool = False
 ) -> dict:
     """Host bytes by component for `numel` trained elements: fp32 master, two moments, the
     pinned landing buffer (working dtype), the fp32 accumulator (accumulation_steps > 1) and the
-    streamed blocks' weights at home in pinned memory."""
+    streamed blocks' weights at home in pinned memory; with `delayed` (delayed_update) the
+    pending weights and a second landing buffer (working dtype) and a second accumulator."""
     out = {
         "fp32 master": numel * 4,
         "moments": numel * 2 * moment_bytes,
@@ -24,6 +25,8 @@ def host_components(
     }
     if accumulate:
         out["accumulator"] = numel * 4
+    if delayed:
+        out["delayed update buffers"] = numel * (2 * working_bytes + (4 if accumulate else 0))
     return out
 
 
@@ -44,19 +47,21 @@ def pick_moment_dtype(
     check: bool,
     log,
     ram: dict | None = None,
+    delayed: bool = False,
 ) -> torch.dtype:
     """float32 or bfloat16 for moment_dtype=`option` ("auto", "float32", "bfloat16"): "auto" takes
     fp32 unless the host memory (host_components) would exceed 90 % of the available RAM (cgroup
     limit included), then bf16; MemoryError (when `check`) if the chosen dtype does not fit, with
-    each component and what would fit. `ram`: planner.profile.available_ram() (tests inject it)."""
+    each component and what would fit. `ram`: planner.profile.available_ram() (tests inject it);
+    `delayed`: delayed_update's buffers count too."""
     if ram is None:
         from .planner.profile import available_ram
 
         ram = available_ram()
     avail = ram["available"]
     budget = SHARE * avail
-    fp32 = host_components(numel, working_bytes, 4, accumulate, streamed)
-    bf16 = host_components(numel, working_bytes, 2, accumulate, streamed)
+    fp32 = host_components(numel, working_bytes, 4, accumulate, streamed, delayed)
+    bf16 = host_components(numel, working_bytes, 2, accumulate, streamed, delayed)
     where = f"{SHARE:.0%} of {avail / GIB:.2f} GiB available RAM" + (
         f" (cgroup limit {ram['cgroup_limit'] / GIB:.2f} GiB)" if ram.get("cgroup_limit") else ""
     )

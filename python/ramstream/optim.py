@@ -78,6 +78,14 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             Without a norm (no max_grad_norm, no clip_grad_norm_) gradients are not checked and,
             as with torch.optim.AdamW, a NaN gradient makes NaN weights; max_grad_norm=
             float("inf") checks every step without clipping.
+        delayed_update: False (default) or ZeRO-Offload's one-step delayed parameter update: True
+            (the first 40 steps undelayed) or an integer >= 0 (that many undelayed warm-up steps).
+            A delayed step() queues the host AdamW and returns; the next forward and backward run
+            on the weights before it, and the next step() installs it first: w[t+1] =
+            AdamW(w[t], g(w[t-1])). It changes the numbers (docs/guide/delayed_update.md). Every
+            bucket is then updated on the host (mode "auto" acts as "cpu", offload "auto" as
+            True; mode "gpu" is a ValueError) and eager updates are off after the warm-up; not
+            with `distributed` (NotImplementedError).
     """
 
     def __init__(
@@ -103,6 +111,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         seed: int = 0,
         eager_updates: bool = True,
         skip_nonfinite: bool = False,
+        delayed_update=False,
         eager=None,  # TrainStream's names (trainstream_args.py)
         compute_grad_norm: bool = False,
         chunk_elems=None,
@@ -139,6 +148,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         md = parse_moment_dtype(moment_dtype, allow_auto=False, where="OffloadAdamW:")
         self._moment_dtype = torch.float32 if md == "float32" else torch.bfloat16
         self._threads = parse_threads(threads, "OffloadAdamW:")
+        self._delayed_update, mode, offload = _checks.check_delayed(
+            delayed_update, mode, offload, distributed
+        )
         device = parse_device(device, "OffloadAdamW:")
         self._engine = None
         self._resident = None
@@ -193,6 +205,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             eager_updates=eager_updates,
             streamed=_streamed,
             skip_nonfinite=skip_nonfinite,
+            delayed_update=self._delayed_update,
         )
         from .engine.refine import make_refiner
 

@@ -1,6 +1,7 @@
 """Checks of a torch-format AdamW state dict before OffloadAdamW.load_state_dict changes anything:
 its structure, each group's hyper-parameters (the kernels' rules, ops/_adamw_rules.py) and each
-parameter's step and second moment; ValueError naming the entry and what is accepted."""
+parameter's step and second moment; ValueError naming the entry and what is accepted. Also
+OffloadAdamW's own arguments (check_args, check_delayed)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,25 @@ def check_hyper(lr, betas, eps, weight_decay) -> None:
         names={"beta1": "betas[0]", "beta2": "betas[1]"},
         type_error=ValueError,
     )
+
+
+def check_delayed(value, mode: str, offload, distributed) -> tuple:
+    """OffloadAdamW's delayed_update: (warm-up steps or None, mode, offload). With it the state
+    stays on the host (mode "cpu", offload True: no mapped share, no resident switch); mode "gpu"
+    and distributed are refused (ValueError naming delayed_update)."""
+    from .options import parse_delayed_update
+
+    warmup = parse_delayed_update(value, "OffloadAdamW:")
+    if warmup is None:
+        return None, mode, offload
+    if mode == "gpu":
+        raise ValueError(
+            "OffloadAdamW: delayed_update needs the host AdamW; mode='gpu' updates on the GPU, "
+            "where the update cannot be delayed; pass mode='cpu' or 'auto'"
+        )
+    if distributed:
+        raise ValueError(
+            "OffloadAdamW: delayed_update is not supported with distributed=True (the owners' "
+            "broadcast of the new weights is not delayed)"
+        )
+    return warmup, "cpu", True

@@ -71,6 +71,24 @@ def parse_threads(value: Any, where: str = "wrap(): option") -> int | None:
     return int(value)
 
 
+DELAYED_UPDATE_WARMUP = 40  # delayed_update=True: ZeRO-Offload's DPU starts after 40 iterations
+
+
+def parse_delayed_update(value: Any, where: str = "wrap(): option") -> int | None:
+    """delayed_update: False (off: None), True (DELAYED_UPDATE_WARMUP undelayed warm-up steps)
+    or an integer >= 0 (that many undelayed warm-up steps); ValueError otherwise."""
+    if value is False:
+        return None
+    if value is True:
+        return DELAYED_UPDATE_WARMUP
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ValueError(
+        f"{where} delayed_update={value!r} is not accepted; accepted: False (off), True "
+        f"({DELAYED_UPDATE_WARMUP} undelayed warm-up steps) or an integer >= 0 (that many warm-up steps)"
+    )
+
+
 def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
     if not isinstance(value, str) or value not in ("cpu", "gpu", "auto"):
         raise ValueError(f"{where}={value!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
@@ -98,6 +116,7 @@ class WrapOptions:
     max_inflight_bytes: int | None = None
     eager_updates: bool = True
     skip_nonfinite: bool = False
+    delayed_update: Any = False
     activation_offload: Any = False
     prefetch_depth: int = 1
     min_offload_bytes: int = 1 << 20
@@ -152,6 +171,20 @@ class WrapOptions:
             if not isinstance(getattr(o, name), bool):
                 raise _fail(name, getattr(o, name), "True, False")
         o.max_grad_norm = parse_max_grad_norm(o.max_grad_norm)
+        parse_delayed_update(o.delayed_update)  # kept as given: OffloadAdamW takes the same values
+        if o.delayed_update is not False and o.optimizer_mode == "gpu":
+            raise ValueError(
+                "wrap(): option delayed_update needs the host AdamW: optimizer_mode='gpu' updates on the "
+                "GPU, where the update cannot be delayed; pass optimizer_mode='cpu' or 'auto' (which "
+                "updates on the host with delayed_update)"
+            )
+        if o.delayed_update is not False and o.distributed is True:
+            raise ValueError(
+                "wrap(): option delayed_update is not supported with distributed=True (the owners' "
+                "broadcast of the new weights is not delayed); pass delayed_update=False"
+            )
+        if o.delayed_update is not False:  # the state stays on the host: no mapped share, no switch
+            o.optimizer_mode, o.offload = "cpu", True
         o.accumulation_steps = parse_accumulation_steps(o.accumulation_steps)
         o.moment_dtype = parse_moment_dtype(o.moment_dtype)
         o.threads = parse_threads(o.threads)

@@ -194,6 +194,7 @@ def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, 
         distributed=use_dp,
         eager_updates=opts.eager_updates,
         skip_nonfinite=opts.skip_nonfinite,
+        delayed_update=opts.delayed_update,
         _order=_forward_order(model),
         _log=log,
         _streamed=streamed,
@@ -270,6 +271,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if device.type == "cuda":
         _check_cuda_device(device, opts.optimizer_mode)
     use_dp = _use_data_parallel(opts.distributed)
+    if use_dp and opts.delayed_update is not False:
+        raise NotImplementedError(
+            "wrap(): option delayed_update is not supported under data parallel (the owners' broadcast "
+            "of the new weights is not delayed); pass delayed_update=False"
+        )
     # --- quantize (issue 11): pack frozen block weights before any streaming decision ---
     from .quant.plan import apply_quantize
 
@@ -311,6 +317,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         check=opts.check_memory,
         log=log,
         ram=_ram_with_model(model, device, streamed),
+        delayed=opts.delayed_update is not False,
     )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):

@@ -51,11 +51,14 @@ class Engine:
         eager_updates: bool = True,
         streamed: dict | None = None,
         skip_nonfinite: bool = False,
+        delayed_update: int | None = None,
     ) -> None:
         """streamed: {id(parameter): block index} of the parameters whose weights live in
         pinned host memory and visit the device only while their block runs (weights/).
         skip_nonfinite: a step whose global gradient norm is not finite is skipped with a
-        warning (True) or raises NonFiniteGradientError (False); both apply no update."""
+        warning (True) or raises NonFiniteGradientError (False); both apply no update.
+        delayed_update: None (off) or the number of undelayed warm-up steps (delayed.py); every
+        bucket is then updated on the host, and data parallel is refused."""
         self.param_groups = param_groups
         self.skip_nonfinite = skip_nonfinite
         self.eager_updates = eager_updates
@@ -101,6 +104,15 @@ class Engine:
             layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
         self.mapped_numel = mapped
+        self.delayed = None
+        if delayed_update is not None:
+            if distributed:
+                raise NotImplementedError("ramstream: delayed_update is not supported under data parallel")
+            from .delayed import Delayed
+
+            self.delayed = Delayed(delayed_update, dev=self.dev, worker=self.worker, weights=None, stats=None)
+            for b in self.buckets:
+                self.delayed.allocate(b)
         if max_inflight_bytes is None and self.dev.type == "cuda":
             from ..hardware import gpu_memory
 
@@ -121,6 +133,8 @@ class Engine:
             "grad_hook_calls": 0,
             "eager_updates": 0,
             "skipped_steps": 0,  # steps whose gradients were not finite (no update applied)
+            "delayed_steps": 0,  # steps whose update the next step's forward did not wait for
+            "delayed_installs": 0,  # times delayed updates were installed (step(), synchronize())
         }
         # the parts, in the order a gradient meets them (each one's state is its own); none
         # holds the engine: hooks reach it weakly, so a dropped optimizer is freed
@@ -147,6 +161,9 @@ class Engine:
             max_grad_norm=max_grad_norm,
             eager_updates=eager_updates,
         )
+        if self.delayed is not None:
+            self.delayed.weights, self.delayed.stats = self.weights, self.stats
+            self.updater.delay = self.delayed
         self.intake = GradientIntake(
             slots=self.slots,
             frozen=self.frozen,
@@ -254,16 +271,20 @@ class Engine:
 
     def step(self) -> bool:
         """Queues every update not yet queued; returns without waiting for host updates. False
-        when the step was skipped (non-finite gradients, skip_nonfinite)."""
+        when the step was skipped (non-finite gradients, skip_nonfinite). With delayed_update the
+        previous step's delayed update is installed first (delayed.py)."""
         self.recover_if_abandoned()
         if self.intake.in_backward:
             raise RuntimeError("ramstream: optimizer.step() called during backward")
         fault_point("step.begin")
         self.updater.raise_if_failed()
+        if self.delayed is not None:
+            self.delayed.install()  # update t-1's weights, before update t is queued
         for s in self.slots:
             if not s.streamed:
                 self.check_param(s.param)
         todo = [s for s in self.slots if s.arrivals > 0 and not s.updated]
+        delayed = self.updater.delaying()
         stepped = sorted({s.bucket.index for s in self.slots if s.arrivals > 0})
         if todo:
             try:
@@ -274,6 +295,7 @@ class Engine:
         self.intake.end_step()
         self.updater.clip_now = None
         self.stats["steps"] += 1
+        self.stats["delayed_steps"] += bool(delayed and todo)
         return True
 
     def _skip_nonfinite(self, nf: NonFinite, todo: list) -> bool:
@@ -317,6 +339,8 @@ class Engine:
         """Waits for every queued job and copy; afterwards the model's weights are current."""
         self.recover_if_abandoned()
         self.updater.drain()
+        if self.delayed is not None:
+            self.delayed.install()
         for b in self.buckets:
             self.weights.wait(b)
         self.dev.synchronize()

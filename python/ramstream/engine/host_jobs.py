@@ -42,22 +42,24 @@ def _ptr(t: torch.Tensor, offset: int) -> int:
     return t.data_ptr() + offset * t.element_size()
 
 
-def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool) -> None:
+def land(b: Bucket, pieces: list[Piece], accumulate: bool, want_norm: bool, src=None, acc=None) -> None:
     """Gradients are in b.landing: fold them into b.acc (accumulation) and add their squared
-    norm to b.sq_norm (clipping)."""
-    src = b.landing
+    norm to b.sq_norm (clipping). src, acc: the buffers when the job was queued (a delayed update
+    swaps b's buffers at step(), maybe before this job ran)."""
+    src = b.landing if src is None else src
+    acc = b.acc if acc is None else acc
     if accumulate:
         for p in pieces:
-            dst = b.acc[p.offset : p.offset + p.numel]
+            dst = acc[p.offset : p.offset + p.numel]
             piece = src[p.offset : p.offset + p.numel]
             if p.first:
                 dst.copy_(piece)
             else:
                 _raw.accumulate_ptr(
-                    dst=_ptr(b.acc, p.offset), src=_ptr(src, p.offset), src_dtype=src.dtype, n=p.numel
+                    dst=_ptr(acc, p.offset), src=_ptr(src, p.offset), src_dtype=src.dtype, n=p.numel
                 )
     if want_norm:
-        add_sq_norm(b, pieces, b.acc if accumulate else src)
+        add_sq_norm(b, pieces, acc if accumulate else src)
 
 
 def add_sq_norm(b: Bucket, pieces: list[Piece], g: torch.Tensor) -> None:
@@ -73,12 +75,15 @@ def update(
     accumulate: bool,
     out: torch.Tensor,
     seed: int,
+    grad: torch.Tensor | None = None,
 ) -> list[tuple[int, int]]:
     """AdamW over the pieces, one call per parameter (so each parameter's result is bit-identical
     to torch.optim.AdamW(fused=True) on that tensor); the new weights, cast to the working dtype,
     are written to `out` in the same pass (none when `out` is the master itself). Returns the
-    updated ranges, merged."""
-    grad = b.acc if accumulate else b.landing
+    updated ranges, merged. grad: the gradients (default: b.acc with accumulation, else b.landing;
+    a delayed update passes the buffer it was queued with)."""
+    if grad is None:
+        grad = b.acc if accumulate else b.landing
     ordered = sorted(pieces, key=lambda p: p.offset)
     in_place = out.data_ptr() == b.master.data_ptr()  # a streamed fp32 bucket: home is the master
     for p in ordered:

@@ -66,6 +66,11 @@ class Updater:
         self.bad_buckets: set[int] = set()  # host buckets whose squared norm was not finite
         self.clip_now = None  # (max_norm, norm, micro): clip_grad_norm_ for this step
         self._pass_hypers = None
+        self.delay = None  # delayed.Delayed with delayed_update (Engine sets it)
+
+    def delaying(self) -> bool:
+        """Whether the step being gathered (the next step() to be taken) is delayed."""
+        return self.delay is not None and self.delay.delays(self.stats["steps"] + 1)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def wait_job(self, seq: int) -> None:
@@ -106,10 +111,11 @@ class Updater:
         last micro-batch without clipping, updates the bucket."""
         accumulate = self.accumulation_steps > 1
         pieces = [Piece(s.offset, s.numel, s.group, s.step + 1, s.arrivals == 1) for s in slots]
-        eager = final and self.max_grad_norm is None and self.eager_updates
+        eager = final and self.max_grad_norm is None and self.eager_updates and not self.delaying()
         want_norm = final and self.max_grad_norm is not None
         hypers = self.pass_hypers() if eager else None
         scale = 1.0 / self.parallel.world
+        src, acc = b.landing, b.acc  # as now: a delayed step() may swap them before the job runs
         if eager:
             self.stats["eager_updates"] += 1  # a bucket's share updated during backward
             for s in slots:
@@ -120,7 +126,7 @@ class Updater:
         def job() -> None:
             self.dev.host_wait(ev)
             t0 = time.perf_counter()
-            land(b, pieces, accumulate, want_norm)
+            land(b, pieces, accumulate, want_norm, src, acc)
             t1 = time.perf_counter()
             self.stats["host_land_s"] += t1 - t0
             tr = _trace_current()
@@ -169,6 +175,7 @@ class Updater:
         max_norm = clip[0] if clip is not None else self.max_grad_norm
         grad_scale = (1.0 if norm is None else clip_coefficient(max_norm, norm)) / self.parallel.world
         accumulate = self.accumulation_steps > 1
+        delayed = self.delaying()
         fault_point("step.updates")  # the last point before the first update is queued
         by_bucket: dict[int, list] = {}
         for s in todo:
@@ -183,6 +190,16 @@ class Updater:
                 self.mapped.launch(b, slots, hyper_of=lambda g: hypers[g], grad_scale=grad_scale)
                 continue
             pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
+            if delayed:  # the next forward reads the weights as they are (delayed.py)
+                self.delay.queue(
+                    b,
+                    lambda grad, b=b, pieces=pieces: (
+                        lambda: self.delay.run_update(
+                            b, pieces, hypers, grad_scale, accumulate, grad, self.seed
+                        )
+                    ),
+                )
+                continue
             self.weights.mark_pending(b)
             seq = self.worker.submit(
                 lambda b=b, pieces=pieces: self._update_and_send(b, pieces, hypers, grad_scale, accumulate),

@@ -283,6 +283,11 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
                 opt.step() only closes the step; False: they run at opt.step() (queued in forward
                 order; the next forward waits for each chunk's), so a backward that raises
                 leaves weights and optimizer state exactly as before it.
+            delayed_update: False (default), True (40 undelayed warm-up steps) or an integer >= 0
+                of warm-up steps: ZeRO-Offload's one-step delayed parameter update (opt.step()
+                returns before the host AdamW ran; the next model.step() reads the weights before
+                it; the next opt.step() installs it). Changes the numbers: see
+                docs/guide/delayed_update.md.
             threads: host threads of the update (None: RAMSTREAM_NUM_THREADS or all cores).
             bucket_bytes: gradients land and are updated in buckets of about this size (a bucket
                 never spans two chunks).

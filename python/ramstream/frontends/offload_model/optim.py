@@ -26,6 +26,7 @@ _OPTIONS = (
     "max_grad_norm",
     "skip_nonfinite",
     "eager_updates",
+    "delayed_update",
     "threads",
     "bucket_bytes",
 )

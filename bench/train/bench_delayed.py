@@ -1,0 +1,230 @@
+"""Delayed parameter update (wrap(delayed_update=...), issue 29 part 2): the same run with and
+without it, loss curves and s/step side by side, each variant in its own process (the VRAM cap is
+per process; the host state of the first is gone before the second starts).
+
+The data is learnable (tokens from a fixed random Markov chain: each token has 4 equally likely
+successors, so the loss can fall to ln 4 = 1.386), the same batches in both runs, so the curves
+show what one step of staleness costs. Baseline: the undelayed run of the same process layout.
+
+    python bench/train/bench_delayed.py --model 6.85b --batch 8 --seq 512 --cap-gib 24 \
+        --steps 200 --out delayed.json --plot delayed.png          # the H200 run
+    python bench/train/bench_delayed.py --device cpu --tiny        # the CPU, seconds: a smoke test
+    python bench/train/bench_delayed.py --device cpu --tiny --steps 200 --warmup 40 \
+        --out docs/img/delayed_update_cpu.json --plot docs/img/delayed_update_cpu.png   # the docs' toy run
+
+Reports per variant: losses (one per step), s/step (median over the steps after --skip), the
+host AdamW time per step, the engine's delayed_steps; and the ratio delayed/plain of s/step and
+the mean loss over the last 20 steps of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def markov_batches(vocab: int, batch: int, seq: int, steps: int, seed: int = 0):
+    """`steps` batches of (batch, seq + 1) tokens from a fixed random 4-successor Markov chain."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, 4), generator=g)
+    out = []
+    for _ in range(steps):
+        x = torch.empty(batch, seq + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        pick = torch.randint(0, 4, (batch, seq), generator=g)
+        for t in range(seq):
+            x[:, t + 1] = succ[x[:, t], pick[:, t]]
+        out.append(x)
+    return out
+
+
+def run_variant(args, delayed) -> dict:
+    """One training run in this process; delayed: False or the delayed_update value."""
+    import torch
+
+    import ramstream
+
+    sys.path.insert(0, HERE)
+    from stream_models import build_gpt
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda and args.cap_gib:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+    key = "gpt_tiny" if args.tiny else f"gpt{args.model}"
+    torch.manual_seed(0)
+    model, vocab = build_gpt(key, args.seq, torch.device("cpu"))
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    options = dict(device=str(dev), delayed_update=delayed)
+    if cuda:
+        options.update(loss="chunked", batch=args.batch, seq=args.seq)
+    model, opt = ramstream.wrap(model, opt, **options)
+    data = markov_batches(vocab, args.batch, args.seq, args.steps)
+
+    def loss_fn(x):
+        if cuda:
+            return ramstream.chunked_cross_entropy(model.hidden(x[:, :-1]), model.head.weight, x[:, 1:])
+        return model(x[:, :-1], x[:, 1:])
+
+    losses, times = [], []
+    for x in data:
+        t0 = time.perf_counter()
+        x = x.to(dev, non_blocking=True)
+        loss = loss_fn(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())  # the device's work for this step is done
+        times.append(time.perf_counter() - t0)
+    opt.synchronize()
+    st = opt.stats()
+    timed = times[args.skip :] or times
+    out = dict(
+        delayed_update=delayed,
+        losses=losses,
+        step_s=statistics.median(timed),
+        host_update_s_per_step=st["host_update_s"] / max(1, st["steps"]),
+        delayed_steps=st["delayed_steps"],
+        steps=st["steps"],
+        wait_s_per_step=st["wait_s"] / max(1, st["steps"]),
+    )
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return out
+
+
+def _child(args, name: str) -> dict:
+    """One variant in its own process (the VRAM cap and the host state are per process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "r.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+            "--variant",
+            name,
+            "--variant-out",
+            path,
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            print(p.stdout[-4000:], p.stderr[-4000:], file=sys.stderr)
+            return dict(error=p.stderr[-2000:])
+        with open(path) as f:
+            return json.load(f)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="6.85b", choices=["6.85b", "1.8b"])
+    ap.add_argument("--tiny", action="store_true", help="the tiny GPT, few steps (a smoke test)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--cap-gib", type=float, default=24.0)
+    ap.add_argument("--steps", type=int, default=None, help="default 200 (--tiny: 12)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="delayed_update's undelayed warm-up steps (default 40; --tiny: 2)",
+    )
+    ap.add_argument("--skip", type=int, default=45, help="steps left out of s/step (warm-up, plan)")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--plot", default=None, help="a PNG of both loss curves (matplotlib)")
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child process's run
+    ap.add_argument("--variant-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:  # the tiny GPT in fp32; a smoke test unless --steps/--warmup are given
+        args.batch, args.seq, args.cap_gib, args.dtype = min(args.batch, 8), min(args.seq, 64), 0, "fp32"
+        args.steps = 12 if args.steps is None else args.steps
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.skip = min(args.skip, args.steps // 4)
+    args.steps = 200 if args.steps is None else args.steps
+    args.warmup = 40 if args.warmup is None else args.warmup
+    if args.variant is not None:
+        res = run_variant(args, False if args.variant == "plain" else args.warmup)
+        with open(args.variant_out, "w") as f:
+            json.dump(res, f)
+        return 0
+    results = {}
+    for name in ("plain", "delayed"):
+        if args.device == "cpu":  # no per-process cap to keep apart: both runs in this process
+            results[name] = run_variant(args, False if name == "plain" else args.warmup)
+        else:
+            results[name] = _child(args, name)
+        r = results[name]
+        if "error" in r:
+            continue
+        print(
+            f"{name:8s} s/step {r['step_s']:.4f}  host AdamW/step {r['host_update_s_per_step']:.4f} s  "
+            f"last loss {r['losses'][-1]:.4f}  delayed steps {r['delayed_steps']}"
+        )
+    ok = all("error" not in r for r in results.values())
+    if ok:
+        p, d = results["plain"], results["delayed"]
+        tail = min(20, len(p["losses"]))
+        results["ratio_step_s"] = d["step_s"] / p["step_s"]
+        results["tail_mean_loss"] = {
+            k: statistics.fmean(results[k]["losses"][-tail:]) for k in ("plain", "delayed")
+        }
+        print(
+            f"delayed/plain s/step {results['ratio_step_s']:.3f}; mean loss of the last {tail} steps: "
+            f"plain {results['tail_mean_loss']['plain']:.4f}, delayed {results['tail_mean_loss']['delayed']:.4f}"
+        )
+    results["config"] = {
+        k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out", "plot")
+    }
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, args.out)
+    if args.plot and ok:
+        plot(results, args.plot)
+    return 0 if ok else 1
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = results["config"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("plain", "delayed"):
+        r = results[name]
+        label = "no delay" if name == "plain" else f"delayed_update={cfg['warmup']} (warm-up steps)"
+        if cfg["device"] != "cpu":  # on the CPU engine compute and host AdamW share the cores
+            label += f": {r['step_s']:.3f} s/step"
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, lw=1)
+    ax.axvline(cfg["warmup"], color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    model = "tiny GPT" if cfg["tiny"] else f"GPT {cfg['model']}"
+    ax.set_title(f"{model}, {cfg['batch']}x{cfg['seq']}, {cfg['device']}: delayed vs plain")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

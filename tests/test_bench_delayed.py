@@ -1,0 +1,40 @@
+"""bench/train/bench_delayed.py's CPU smoke (--device cpu --tiny): both runs train, the delayed one
+delays every step after its warm-up, the losses agree through the warm-up and differ after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train", "bench_delayed.py")
+
+
+def test_bench_delayed_cpu_smoke(tmp_path, monkeypatch):
+    out, png = tmp_path / "delayed.json", tmp_path / "delayed.png"
+    argv = [
+        SCRIPT,
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "8",
+        "--warmup",
+        "2",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    main = runpy.run_path(SCRIPT)["main"]  # on the CPU both variants run in this process
+    assert main() == 0
+    r = json.loads(out.read_text())
+    plain, delayed = r["plain"], r["delayed"]
+    assert plain["delayed_steps"] == 0 and delayed["delayed_steps"] == 6
+    assert len(plain["losses"]) == len(delayed["losses"]) == 8
+    # steps 1-3 read the same weights (step 3 reads update 2, the last undelayed one)
+    assert plain["losses"][:3] == delayed["losses"][:3]
+    assert plain["losses"][3:] != delayed["losses"][3:]
+    assert r["ratio_step_s"] > 0 and png.stat().st_size > 0

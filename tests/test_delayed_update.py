@@ -1,0 +1,427 @@
+"""Delayed parameter update (wrap(delayed_update=...), engine/delayed.py) equals its plain-torch
+reference bit for bit: after the warm-up, step t's forward and backward run on the weights of
+update t-2 (the update of step t-1 is still pending) and w[t] = AdamW(w[t-1], g(w[t-2])). With
+clipping, accumulation, bf16 moments, streamed blocks, OffloadModel's host optimizer, skipped
+non-finite steps and a failed backward; step() returns before the host update ran."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import ramstream
+from ramstream.ops import _raw
+
+from _models import Boom, batches, clone, make_model
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+LR, WD = 3e-3, 0.05
+
+
+class DelayedReference:
+    """The rule in plain torch: `model` is what the forward reads; fp32 masters (torch's
+    AdamW(fused=True) on the host, or the host kernel with the engine's rounding stream for bf16
+    moments) are updated at every step; the first `warmup` steps copy them into the model at
+    once, later steps leave them pending until the next step() installs them first."""
+
+    def __init__(self, model, warmup, *, max_grad_norm=None, bf16_offsets=None, groups=None, **hyper):
+        self.model, self.warmup, self.max_grad_norm = model, warmup, max_grad_norm
+        self.params = list(model.parameters())
+        self.masters = [p.detach().cpu().float().clone().requires_grad_(p.requires_grad) for p in self.params]
+        hyper = hyper or dict(lr=LR, weight_decay=WD)
+        self.opt = torch.optim.AdamW(groups(self.masters) if groups else self.masters, fused=True, **hyper)
+        self.hyper = hyper
+        self.bf16_offsets = bf16_offsets  # per parameter: its element offset in the engine's state
+        if bf16_offsets is not None:
+            self.moments = [
+                (torch.zeros(m.numel(), dtype=torch.bfloat16), torch.zeros(m.numel(), dtype=torch.bfloat16))
+                for m in self.masters
+            ]
+        self.taken, self.pending = 0, False
+
+    def install(self):
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def step(self):
+        if self.pending:
+            self.install()
+        grads = [None if p.grad is None else p.grad.detach().cpu().float().clone() for p in self.params]
+        for p in self.params:
+            p.grad = None
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads if g is not None]))
+        if norm is not None and not torch.isfinite(norm):  # skipped: nothing applied
+            self.pending = False
+            return False
+        self.taken += 1
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        if self.max_grad_norm is not None:  # torch's coefficient on the norm summed in double
+            coef = torch.clamp(
+                torch.tensor(self.max_grad_norm, dtype=torch.float32) / (norm.float() + 1e-6), max=1.0
+            )
+            for m in self.masters:
+                if m.grad is not None and coef < 1:
+                    m.grad.mul_(coef)
+        if self.bf16_offsets is None:
+            self.opt.step()
+        else:
+            self._bf16_step()
+        self.opt.zero_grad()
+        self.pending = self.taken > self.warmup
+        if not self.pending:
+            self.install()
+        return True
+
+    def _bf16_step(self):
+        """The host kernel (ramstream's AdamW, fp32 masters, bf16 moments rounded stochastically
+        keyed by (seed 0, step, element index in the whole state)), parameter by parameter."""
+        for m, (ea, eas), off in zip(self.masters, self.moments, self.bf16_offsets):
+            g = m.grad.reshape(-1).contiguous()
+            flat = m.data.reshape(-1)
+            _raw.adamw_ptr(
+                param=flat.data_ptr(),
+                grad=g.data_ptr(),
+                grad_dtype=torch.float32,
+                exp_avg=ea.data_ptr(),
+                exp_avg_sq=eas.data_ptr(),
+                moment_dtype=torch.bfloat16,
+                n=m.numel(),
+                step=self.taken,
+                lr=self.hyper["lr"],
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=self.hyper["weight_decay"],
+                offset=off,
+            )
+
+
+class Poison:
+    """Turns one weight's gradient into NaN while armed (a tensor hook: the engine takes .grad)."""
+
+    def __init__(self, model):
+        self.armed = False
+        model.blocks[1].fc1.weight.register_hook(
+            lambda g: torch.full_like(g, float("nan")) if self.armed else g
+        )
+
+
+def _train(model, opt, ref, data, accumulation=1):
+    """The same loop on both; returns (losses, reference losses)."""
+    losses, ref_losses = [], []
+    for i in range(0, len(data), accumulation):
+        for x, y in data[i : i + accumulation]:
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            rl = ref.model(x, y)
+            rl.backward()
+            ref_losses.append(rl.item())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    return losses, ref_losses
+
+
+def _assert_equal(model, opt, ref, losses, ref_losses):
+    assert losses == ref_losses  # every forward read the same (stale) weights
+    opt.synchronize()  # installs the last pending update
+    ref.install()
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.params)):
+        assert torch.equal(a.detach().cpu(), b.detach().cpu()), f"parameter {i} differs"
+
+
+def _wrapped(device="cpu", warmup=2, **options):
+    ref_model = make_model(0).to(device)
+    model = clone(ref_model)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        device=device,
+        delayed_update=warmup,
+        **options,
+    )
+    return model, opt, ref_model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_update_equals_its_plain_torch_reference(device):
+    model, opt, ref_model = _wrapped(device)
+    ref = DelayedReference(ref_model, 2)
+    losses, ref_losses = _train(model, opt, ref, batches(10, device=device))
+    st = opt.stats()
+    assert st["steps"] == 10 and st["delayed_steps"] == 8 and st["eager_updates"] > 0  # warm-up: eager
+    _assert_equal(model, opt, ref, losses, ref_losses)
+    # and it is not plain AdamW: the same run undelayed ends elsewhere
+    plain = DelayedReference(make_model(0).to(device), 10**9)
+    for x, y in batches(10, device=device):
+        plain.model(x, y).backward()
+        plain.step()
+    assert not all(torch.equal(a, b) for a, b in zip(plain.params, ref.params))
+
+
+def test_no_warmup_and_the_default_warmup():
+    model, opt, ref_model = _wrapped(warmup=0)
+    ref = DelayedReference(ref_model, 0)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(6)))
+    assert opt.stats()["delayed_steps"] == 6
+    model, opt, ref_model = _wrapped(warmup=True)  # ZeRO-Offload's 40 undelayed steps
+    assert opt._delayed_update == 40
+    ref = DelayedReference(ref_model, 40)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(5)))
+    assert opt.stats()["delayed_steps"] == 0
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+def test_with_clipping_the_norm_of_the_stale_gradients(max_norm):
+    model, opt, ref_model = _wrapped(max_grad_norm=max_norm)
+    ref = DelayedReference(ref_model, 2, max_grad_norm=max_norm)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(10)))
+
+
+def test_with_accumulation():
+    model, opt, ref_model = _wrapped(accumulation_steps=2)
+    ref = DelayedReference(ref_model, 2)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(20), accumulation=2))
+    assert opt.stats()["delayed_steps"] == 8
+
+
+def test_with_bf16_moments():
+    model, opt, ref_model = _wrapped(moment_dtype="bfloat16")
+    offsets = [p._ramstream_slot.bucket.state_offset + p._ramstream_slot.offset for p in model.parameters()]
+    ref = DelayedReference(ref_model, 2, bf16_offsets=offsets)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(10)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_streamed_blocks(dtype):
+    ref_model = make_model(0, dtype=dtype, n_blocks=4)
+    model = clone(ref_model)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        device="cpu",
+        param_offload=True,
+        delayed_update=1,
+        bucket_bytes=1 << 14,
+    )
+    streamed = [b for b in opt._engine.buckets if b.streamed]
+    assert streamed
+    # an fp32 block's home is no longer its master: loads must read the weights before the update
+    assert all(b.master.data_ptr() != b.slab.home.data_ptr() for b in streamed)
+    ref = DelayedReference(ref_model, 1)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(8)))
+    assert opt.stats()["delayed_steps"] == 7
+
+
+def test_offload_model_host_optimizer():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from _offload_optim_ref import make_chunks, make_data, two_groups
+
+    chunks = make_chunks()
+    ref_model = nn.Sequential(*[clone(c) for c in chunks])
+    model = ramstream.OffloadModel(chunks, device="cpu", window=2, pin_layers=[0, 3])
+    opt = model.optimizer(two_groups(list(model.parameters())), lr=1e-2, delayed_update=1)
+    ref = DelayedReference(ref_model, 1, groups=two_groups, lr=1e-2)
+    for x, y in make_data(6):
+        model.step(x, targets=y)
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref.model(x), y).backward()
+        ref.step()
+    opt.synchronize()
+    ref.install()
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.params)):
+        assert torch.equal(a.detach(), b.detach()), f"parameter {i} differs"
+    assert opt.stats()["delayed_steps"] == 5
+    model.close()
+
+
+def test_step_returns_before_the_host_update_ran():
+    """The engine thread is held by a job that waits for an event: a step() that waited for its
+    update would not return before the event is set (a timer sets it after 5 s)."""
+    model, opt, _ = _wrapped(warmup=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    gate = threading.Event()
+    timer = threading.Timer(5.0, gate.set)
+    timer.start()
+    try:
+        x, y = batches(1)[0]
+        model(x, y).backward()
+        opt._engine.worker.submit(gate.wait, priority=-1)
+        t0 = time.perf_counter()
+        opt.step()
+        returned = time.perf_counter() - t0
+        assert returned < 2.0 and not gate.is_set()  # step() did not wait for the AdamW
+        e = opt._engine
+        assert e.delayed.pending and not any(e.worker._finished(b.dpu_seq) for b in e.buckets)
+        # the next forward reads the weights as they were, without waiting
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+        opt.zero_grad()  # called every step: it does not install (nor wait)
+        assert e.delayed.pending and not gate.is_set()
+        model(x, y).backward()  # the backward lands in the other gradient buffers, no wait either
+        assert not gate.is_set()
+    finally:
+        gate.set()
+        timer.cancel()
+    opt.step()  # installs update 1 (waits for it), queues update 2
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_synchronize_and_state_dict_install_the_pending_update():
+    model, opt, ref_model = _wrapped(warmup=0)
+    ref = DelayedReference(ref_model, 0)
+    _train(model, opt, ref, batches(3))
+    assert opt._engine.delayed.pending
+    sd = opt.state_dict()  # waits and installs: nothing is lost
+    assert not opt._engine.delayed.pending
+    ref.install()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params))
+    masters = opt.master_weights()
+    assert all(torch.equal(a, b) for a, b in zip(masters, ref.masters))
+    assert sd["state"][0]["step"] == 3
+    ramstream.unwrap(model)  # closing after another delayed step installs it too
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.params))
+
+
+def test_skipped_nonfinite_step_installs_the_pending_update_and_queues_none():
+    model, opt, ref_model = _wrapped(warmup=1, max_grad_norm=float("inf"), skip_nonfinite=True)
+    ref = DelayedReference(ref_model, 1, max_grad_norm=float("inf"))
+    poison = [Poison(model), Poison(ref.model)]
+    losses, ref_losses = [], []
+    for i, (x, y) in enumerate(batches(8)):
+        for h in poison:
+            h.armed = i == 4
+        for m, out in ((model, losses), (ref.model, ref_losses)):
+            loss = m(x, y)
+            loss.backward()
+            out.append(loss.item())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+        opt.zero_grad()
+        assert ref.step() == (i != 4)
+    assert opt.stats()["skipped_steps"] == 1
+    _assert_equal(model, opt, ref, losses, ref_losses)
+
+
+def test_failed_backward_keeps_the_pending_update():
+    """A backward that raises drops its gradients (as without delay); update t stays pending and
+    the next step() installs it."""
+    import torch.nn as nn
+
+    class WithBoom(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            return Boom.apply(self.inner(x, y))
+
+    ref_model = make_model(0)
+    model = WithBoom(clone(ref_model))
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), device="cpu", delayed_update=1
+    )
+    ref = DelayedReference(WithBoom(ref_model), 1)
+    data = batches(7)
+    losses, ref_losses = [], []
+    for i, (x, y) in enumerate(data):
+        if i == 3:  # the failed step: nothing gathered survives, the pending update stays
+            Boom.armed = True
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    model(x, y).backward()
+            finally:
+                Boom.armed = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.zero_grad()
+            assert opt._engine.delayed.pending
+            continue
+        for m, out in ((model, losses), (ref.model, ref_losses)):
+            loss = m(x, y)
+            loss.backward()
+            out.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    _assert_equal(model, opt, ref, losses, ref_losses)
+
+
+def test_bad_values_and_unsupported_combinations():
+    for bad in (-1, 1.5, "yes", None):
+        with pytest.raises(ValueError, match="delayed_update"):
+            _wrapped(warmup=bad)
+        with pytest.raises(ValueError, match="delayed_update"):
+            ramstream.OffloadAdamW(make_model(0).parameters(), delayed_update=bad)
+    with pytest.raises(ValueError, match="delayed_update.*optimizer_mode='gpu'"):
+        _wrapped(optimizer_mode="gpu")
+    with pytest.raises(ValueError, match="delayed_update.*mode='gpu'"):
+        ramstream.OffloadAdamW(make_model(0).parameters(), mode="gpu", delayed_update=True)
+    with pytest.raises(ValueError, match="delayed_update.*distributed=True"):
+        _wrapped(distributed=True)
+    # "auto" keeps the state on the host with delayed_update (no mapped share, no resident switch)
+    _, opt, _ = _wrapped(optimizer_mode="auto", offload="auto")
+    assert opt.mode == "cpu" and opt.offload is True
+    assert all(b.placement == "host" for b in opt._engine.buckets)
+
+
+def test_lr_scheduler_read_when_the_update_is_queued():
+    """An LR scheduler stepped after each optimizer.step(): the delayed update of step t uses the
+    learning rate of step t (read by step() when it queues the update), as torch does."""
+    model, opt, ref_model = _wrapped(warmup=1)
+    ref = DelayedReference(ref_model, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.opt, lambda s: 1.0 / (1 + s))
+    losses, ref_losses = [], []
+    for x, y in batches(8):
+        for m, out in ((model, losses), (ref.model, ref_losses)):
+            loss = m(x, y)
+            loss.backward()
+            out.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    _assert_equal(model, opt, ref, losses, ref_losses)
+
+
+def test_host_memory_check_counts_the_delayed_buffers():
+    """moment_dtype="auto": the pending weights and the second landing buffer (working dtype) and,
+    with accumulation, the second accumulator count in the host budget."""
+    from ramstream.host_fit import pick_moment_dtype
+
+    n = 1_000_000_000
+    fp32 = n * (4 + 8 + 2)  # master, two fp32 moments, bf16 landing buffer
+    lines = []
+
+    def pick(delayed, accumulate=False, extra=0):
+        return pick_moment_dtype(
+            "auto",
+            numel=n,
+            working_bytes=2,
+            accumulate=accumulate,
+            streamed=0,
+            check=True,
+            log=lines.append,
+            ram={"available": int((fp32 + extra) / 0.9) + 1, "cgroup_limit": None},
+            delayed=delayed,
+        )
+
+    assert pick(False) == torch.float32
+    assert pick(True) == torch.bfloat16 and "delayed update buffers" in lines[-1]
+    assert pick(True, extra=4 * n) == torch.float32
+    assert pick(True, accumulate=True, extra=12 * n) == torch.float32
+    assert pick(True, accumulate=True, extra=12 * n - 4096) == torch.bfloat16

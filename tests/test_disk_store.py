@@ -152,13 +152,10 @@ def test_removed_when_garbage_collected(tmp_path):
 
 
 def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    prelude = (
-        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]\n"
-    )
+    """`code` in a fresh interpreter that imports the same ramstream as this one (source install,
+    editable install or wheel)."""
     return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        env=env,
+        [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -44,6 +44,7 @@ SLOW = {
     "test_bench_defaults.py": 15,
     "test_bench_trainer.py": 14,
     "test_bench_offload_model.py": 12,
+    "test_bench_pipeline.py": 32,
     "test_bench_dp.py": 12,
     "test_examples.py": 46,
     # processes killed part-way, exits, data-parallel process groups, soaks, memory probes

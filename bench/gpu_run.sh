@@ -115,16 +115,16 @@ for stage in $STAGES; do
     pipeline)  # issue 28: Pipeline, 1.8B GPT one chunk per block, 8x512, 8 microbatches, 24 GiB:
                # P2 (2 streamed stages on cuda:0 vs OffloadModel and RamTorch 1.11's Pipeline from
                # .whl/ramtorch-*.whl), P4 (4 stages, gpipe/1f1b/interleaved vs the simulator),
-               # P2GPU (cuda:0 + cuda:1 vs 1 GPU; skipped on one GPU); ~8 builds in PIPELINE_DEADLINE;
+               # P2GPU (cuda:0 + cuda:1 vs 1 GPU; skipped on one GPU); ~6 builds in PIPELINE_DEADLINE (480 s);
                # PIPELINE_ARGS="--rows P2" picks rows
       if ls .whl/ramtorch-*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site .whl/ramtorch-*.whl > "$OUT/pipeline_pip.log" 2>&1 \
           && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
       fi
-      timeout $(( ${PIPELINE_DEADLINE:-560} + 30 )) python3 bench/train/bench_pipeline.py \
+      timeout $(( ${PIPELINE_DEADLINE:-480} + 30 )) python3 bench/train/bench_pipeline.py \
         --model "${MODEL:-1.8b}" --batch 8 --seq 512 --microbatches 8 --cap-gib 24 --window 2 --pin 0 \
-        --deadline "${PIPELINE_DEADLINE:-560}" --out "$OUT/pipeline.json" ${PIPELINE_ARGS:-} \
+        --deadline "${PIPELINE_DEADLINE:-480}" --out "$OUT/pipeline.json" ${PIPELINE_ARGS:-} \
         > "$OUT/pipeline.log" 2>&1
       summary "pipeline rc=$?"; sed -n '/^config /,$p' "$OUT/pipeline.log" | tee -a "$OUT/summary.txt" ;;
     trainer)  # issue 12: Qwen2-1.5B shape, stock Trainer vs OffloadTrainer, uncapped and at 12 GiB

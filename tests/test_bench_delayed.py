@@ -3,6 +3,7 @@ delays every step after its warm-up, the losses agree through the warm-up and di
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import runpy
@@ -24,9 +25,10 @@ def test_bench_delayed_cpu_smoke(tmp_path, monkeypatch):
         "2",
         "--out",
         str(out),
-        "--plot",
-        str(png),
     ]
+    plots = importlib.util.find_spec("matplotlib") is not None  # an optional extra: not in CI
+    if plots:
+        argv += ["--plot", str(png)]
     monkeypatch.setattr(sys, "argv", argv)
     main = runpy.run_path(SCRIPT)["main"]  # on the CPU both variants run in this process
     assert main() == 0
@@ -37,4 +39,5 @@ def test_bench_delayed_cpu_smoke(tmp_path, monkeypatch):
     # steps 1-3 read the same weights (step 3 reads update 2, the last undelayed one)
     assert plain["losses"][:3] == delayed["losses"][:3]
     assert plain["losses"][3:] != delayed["losses"][3:]
-    assert r["ratio_step_s"] > 0 and png.stat().st_size > 0
+    assert r["ratio_step_s"] > 0
+    assert not plots or png.stat().st_size > 0

@@ -119,3 +119,16 @@ def train_master_reference(model, data, lr=1e-3, weight_decay=1e-2, betas=(0.9, 
             for m, p in zip(masters, model.parameters()):
                 p.copy_(m)
     return masters
+
+
+def gpu_profile(free_mib: int):
+    """An injected GPU profile with `free_mib` MiB free and the H200 machine's rates (plans made on
+    it are applied by the CPU engine in tests)."""
+    from ramstream.planner.profile import HardwareProfile
+
+    gib = 2**30
+    return HardwareProfile(
+        device="cuda", vram_total=4 * gib, vram_free=free_mib << 20, ram_total=64 * gib,
+        ram_available=64 * gib, pin_budget=32 * gib, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5,
+        adamw_gbps=127.7, matmul_tflops=790.0, source="given",
+    )  # fmt: skip

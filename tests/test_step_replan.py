@@ -19,28 +19,23 @@ import torch
 import ramstream
 from ramstream.blocks import ranges_text
 from ramstream.planner import PlanError, plan_training
-from ramstream.planner.profile import HardwareProfile
-from ramstream.planner.replan import replan_recompute
+from ramstream.planner.replan import replan_recompute, replan_stream
 from ramstream.runtime.apply import check_steps
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError, StepCheck
 
-from _models import batches, clone, make_model, train_torch
+from _models import batches, clone, gpu_profile, make_model, train_torch
 
 GIB = 2**30
 LR = 3e-3
 
 
-def _profile(free_mib: int) -> HardwareProfile:
+def _profile(free_mib: int):
     """A GPU with `free_mib` MiB free (the H200's rates): the 8-block d=128 model's plan for
     2 x 8 tokens keeps every activation at 32 MiB; 64 x 8 needs 5 blocks recomputed, a batch
     between 128 and 512 every block (found by _every_block_batch), 512 x 8 does not fit even with
     every block recomputing."""
-    return HardwareProfile(
-        device="cuda", vram_total=4 * GIB, vram_free=free_mib << 20, ram_total=64 * GIB,
-        ram_available=64 * GIB, pin_budget=32 * GIB, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5,
-        adamw_gbps=127.7, matmul_tflops=790.0, source="given",
-    )  # fmt: skip
+    return gpu_profile(free_mib)
 
 
 def _wrapped(ref, prof, **options):
@@ -172,9 +167,10 @@ def test_a_larger_step_recomputes_more_blocks_from_the_back_and_goes_on_as_torch
 
 
 def test_a_step_that_needs_every_block_recomputed_is_refused_replanned_and_its_rerun_trains_as_torch():
-    """The first block must recompute too: its forward was read before the check ran, so the step
-    raises replanned=True before anything ran and the re-run (docs/planning.md's loop) recomputes
-    every block."""
+    """The first block must recompute too: when the model's forward is run directly (as peft's
+    LoraModel runs its base model's), only the first block's check sees the step, and that block's
+    forward was read before the check ran, so the step raises replanned=True before anything ran and
+    the re-run (docs/planning.md's loop) recomputes every block."""
     ref = make_model(0, n_blocks=8, d=128)
     model, opt, _ = _wrapped(ref, _profile(32))
     b = _every_block_batch(_check(model))
@@ -184,7 +180,7 @@ def test_a_step_that_needs_every_block_recomputed_is_refused_replanned_and_its_r
     weights, state = _weights(model), _state(opt)
     x, y = big[0]
     with pytest.raises(PlanOutOfMemoryError) as e:
-        model(x, y)
+        model.forward(x, y)  # not model(...): the model's own pre-hook does not run
     err = e.value
     assert isinstance(err, torch.OutOfMemoryError) and isinstance(err, MemoryError)
     assert err.replanned is True
@@ -208,6 +204,26 @@ def test_a_step_that_needs_every_block_recomputed_is_refused_replanned_and_its_r
     assert got == want
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_called_as_a_module_a_step_that_needs_every_block_recomputed_goes_on_as_torch():
+    """model(...) runs the model's pre-hook first: the check re-plans before any block ran, so even
+    the first block recomputes from this very step and nothing is refused."""
+    ref = make_model(0, n_blocks=8, d=128)
+    model, opt, _ = _wrapped(ref, _profile(32))
+    b = _every_block_batch(_check(model))
+    small, big = batches(2, b=2, t=8), batches(2, b=b, t=8, seed=6)
+    want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True), small + big)
+    got = train_torch(model, opt, small)
+    calls = _fc1_calls(model)
+    got += train_torch(model, opt, big)
+    assert calls == [4] * 8  # two steps, every block recomputing, the first too
+    assert got == want
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    rep = ramstream.memory_report(model)["plan"]
+    assert rep["history"][-1]["change"] == "re-planned: now recomputing blocks 0-7 (was none)"
+    assert any(e.endswith("the step goes on") for e in ramstream.memory_report(model)["events"])
 
 
 def test_a_step_that_cannot_fit_even_recomputing_every_block_is_refused_with_the_arithmetic():
@@ -320,19 +336,54 @@ def test_replan_recompute_adds_blocks_from_the_front_by_default_and_from_the_bac
         rc(64, order="middle")
 
 
-def test_a_step_that_needs_more_streamed_blocks_is_refused_with_the_plan_a_re_wrap_would_apply():
-    """Which blocks stream is decided at wrap() only (the engine's buckets are laid out then): every
-    block recomputing already, a step that fits only with blocks streamed is refused, and the error
-    says what a plan made for it streams."""
+def test_a_step_that_needs_more_streamed_blocks_streams_them_from_the_back_and_trains_as_torch():
+    """Every block recomputing already, a step that fits only with more blocks streaming their
+    weights: before any block ran (the model's pre-hook), the fewest blocks from the back of the stack
+    start streaming (their buckets become streamed, values unchanged: engine/restream.py), the step
+    goes on, and the run equals torch's fused AdamW bit for bit, the steps after it too."""
     ref = make_model(0, n_blocks=8, d=256)
-    model, _, plan = _wrapped(ref, _profile(48))
+    model, opt, plan = _wrapped(ref, _profile(48))
+    assert plan.activations == ["recompute"] * 8 and not plan.weights["streamed"]
+    small, big = batches(2, b=2, t=8), batches(3, b=128, t=8, seed=5)
+    want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True), small + big)
+    got = train_torch(model, opt, small)
+    got += train_torch(model, opt, big)
+    assert got == want
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    check = _check(model)
+    shape = check.shape
+    fixed = {k: v for k, v in check.fixed.items() if k not in ("activation_checkpointing", "param_offload")}
+    expect = replan_stream(
+        shape, check.profile, [], first=0, activation_checkpointing=list(range(8)), **fixed
+    )
+    streamed = list(expect.weights["streamed"])
+    assert streamed and streamed[-1] == 7 and 0 < len(streamed) < 8  # the fewest, from the back
+    rep = ramstream.memory_report(model)["plan"]
+    assert rep["weights"]["streamed"] == streamed == rep["planner"]["streamed"]
+    assert rep["history"][-1]["streamed"] == streamed and rep["history"][-1]["streamed_was"] == []
+    assert f"streaming blocks {ranges_text(streamed)} (was none)" in rep["history"][-1]["change"]
+    engine = opt._engine
+    for b in engine.buckets:  # the streamed blocks' buckets stream, the others stay
+        blk = engine.block_of.get(id(b.slots[0].param))
+        assert b.streamed == (blk in set(streamed)), b.index
+    w = model._ramstream.streamer
+    assert sorted(blk.index for blk in w.blocks) == streamed and w.stats["loads"] > 0
+
+
+def test_a_step_that_needs_more_streamed_blocks_is_refused_with_the_plan_a_re_wrap_would_apply():
+    """With the recomputed blocks fixed by the user (activation_checkpointing=True), nothing may
+    change between steps: a step that fits only with blocks streamed is refused, and the error says
+    what a plan made for it streams."""
+    ref = make_model(0, n_blocks=8, d=256)
+    model, _, plan = _wrapped(ref, _profile(48), activation_checkpointing=True)
     assert plan.activations == ["recompute"] * 8 and not plan.weights["streamed"]
     x, y = batches(1, b=128, t=8, seed=5)[0]
     with pytest.raises(PlanOutOfMemoryError) as e:
         model(x, y)
     assert e.value.replanned is False
     msg = str(e.value)
-    assert "not even with every block recomputing" in msg
+    assert "activation_checkpointing=True was given" in msg
     assert (
         "re-wrap with wrap(..., batch=128, seq=8): that plan fits (streaming blocks 0-4, recomputing blocks 0-7)"
         in msg

@@ -119,6 +119,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         _order=None,
         _log=None,
         _streamed=None,
+        _block_of=None,
     ) -> None:
         _checks.check_hyper(lr, betas, eps, weight_decay)
         eager_updates, max_grad_norm = _ts_args.translate(
@@ -204,6 +205,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             log=_log,
             eager_updates=eager_updates,
             streamed=_streamed,
+            block_of=_block_of,
             skip_nonfinite=skip_nonfinite,
             delayed_update=self._delayed_update,
         )

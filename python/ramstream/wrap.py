@@ -11,7 +11,7 @@ from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
-from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record
+from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
 from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
@@ -172,7 +172,7 @@ def _use_data_parallel(option) -> bool:
     return bool(option)
 
 
-def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed):
+def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None):
     """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers)."""
     return OffloadAdamW(
         groups,
@@ -198,6 +198,7 @@ def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, 
         _order=_forward_order(model),
         _log=log,
         _streamed=streamed,
+        _block_of=block_of,
     )
 
 
@@ -302,6 +303,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         )
     plan, plan_shape, plan_prof = make_plan(model, optimizer, opts, device, log)
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
+    block_of = restreamable(model, blocks, opts, plan, use_dp)
     moment_option = opts.moment_dtype
     # the plan's moment dtype is the host state's; a resident plan's is the settled run's (the host
     # state of the first steps follows host RAM, and the switch gives fp32 back: resident.py)
@@ -355,7 +357,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     made: list = []
     failed = _oom_or_none(
         lambda: made.append(
-            _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed)
+            _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of)
         )
     )
     if failed is not None:

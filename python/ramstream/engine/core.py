@@ -52,13 +52,17 @@ class Engine:
         streamed: dict | None = None,
         skip_nonfinite: bool = False,
         delayed_update: int | None = None,
+        block_of: dict | None = None,
     ) -> None:
         """streamed: {id(parameter): block index} of the parameters whose weights live in
         pinned host memory and visit the device only while their block runs (weights/).
         skip_nonfinite: a step whose global gradient norm is not finite is skipped with a
         warning (True) or raises NonFiniteGradientError (False); both apply no update.
         delayed_update: None (off) or the number of undelayed warm-up steps (delayed.py); every
-        bucket is then updated on the host, and data parallel is refused."""
+        bucket is then updated on the host, and data parallel is refused.
+        block_of: {id(parameter): block index} of the blocks' own parameters: no bucket spans two
+        blocks, so that a block can start streaming between steps (restream.py); None: buckets
+        break only between streamed blocks and the rest."""
         self.param_groups = param_groups
         self.skip_nonfinite = skip_nonfinite
         self.eager_updates = eager_updates
@@ -74,6 +78,7 @@ class Engine:
             raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
         self.slots, self.frozen = self._make_slots(param_groups, order)
         self.streamed = dict(streamed or {})
+        self.block_of = dict(block_of or {})
         for s in self.slots:
             s.streamed = id(s.param) in self.streamed
             if not s.streamed:
@@ -235,8 +240,9 @@ class Engine:
         out: list[Bucket] = []
         run: list[Slot] = []
         block = lambda s: self.streamed.get(id(s.param))  # noqa: E731
+        part = lambda s: (block(s), self.block_of.get(id(s.param)))  # noqa: E731
         for s in self.slots:  # a bucket holds one working dtype, and one streamed block or none
-            if run and (s.param.dtype != run[-1].param.dtype or block(s) != block(run[-1])):
+            if run and (s.param.dtype != run[-1].param.dtype or part(s) != part(run[-1])):
                 out += build_buckets(run, bucket_bytes, run[0].param.element_size())
                 run = []
             run.append(s)

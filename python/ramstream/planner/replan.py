@@ -10,7 +10,14 @@ so the blocks after it can still change for this very step). The planner counts 
 activations, and its input when it recomputes, at the peak whatever its place in the stack
 (planner/act_modes.py cost), so in a stack of equal blocks the same number fits from either end;
 a stack whose blocks differ in size is walked the same way from the chosen end, the fewest that fit
-winning."""
+winning.
+
+When even every block recomputing does not fit, replan_stream adds streamed blocks: the weights of
+the fewest more blocks, taken from the back of the stack, go to pinned host memory and visit the
+device only while their block runs (runtime/apply.py StreamLever; streaming is bit-exact too).
+From the back because the first block is where the step check runs (its forward was read already);
+the planner's cost of a streamed block does not depend on its place, so in a stack of equal blocks
+the same number fits from either end."""
 
 from __future__ import annotations
 
@@ -51,3 +58,25 @@ def replan_recompute(
         except PlanError:
             continue
     return full
+
+
+def replan_stream(shape: ModelShape, profile: HardwareProfile, streamed, *, first: int = 1, **fixed) -> Plan:
+    """The plan for `shape` with the blocks in `streamed` and the fewest more streaming their
+    weights, taken from the back of the stack (n-1, n-2, ...) and never below block `first` (the
+    blocks before it keep where they are: 1 when the first block's forward runs already, 0 when
+    nothing ran yet). fixed: plan_training's other options as applied (activation_checkpointing as
+    the recomputed block indices, moment_dtype, ...). PlanError with the arithmetic of the most
+    blocks streaming when none fits."""
+    n = len(shape.blocks)
+    now = sorted(set(streamed))
+    rest = [i for i in range(n - 1, first - 1, -1) if i not in set(now)]
+    kw = dict(quantize="none", _suggest=False, **fixed)
+    last = None
+    for k in range(1, len(rest) + 1):
+        try:
+            return plan_training(shape, profile, param_offload=sorted(now + rest[:k]), **kw)
+        except PlanError as e:
+            last = e
+    if last is None:  # nothing left to stream
+        return plan_training(shape, profile, param_offload=now, **kw)
+    raise last

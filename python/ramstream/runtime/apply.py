@@ -127,6 +127,66 @@ class RecomputeLever:
         w.plan["planner"] = plan_record(plan)
 
 
+def restreamable(model, blocks, opts: WrapOptions, plan, use_dp: bool) -> dict | None:
+    """{id(parameter): block} of the blocks' own parameters when a re-plan between steps may make
+    more blocks stream (a plan applied, param_offload="auto", no delayed_update, no data parallel):
+    the engine then lays its buckets out by block (Engine's block_of); None otherwise."""
+    if (
+        plan is None
+        or not blocks
+        or opts.param_offload != "auto"
+        or use_dp
+        or opts.delayed_update is not False
+    ):
+        return None
+    from ..weights.setup import streamed_ids
+
+    return streamed_ids(model, blocks, list(range(len(blocks))), lambda msg: None)
+
+
+class StreamLever:
+    """What a re-plan between steps may change besides the recomputed blocks: which blocks stream
+    their weights (engine/restream.py makes their buckets streamed, values unchanged;
+    weights/setup.py extend_streamer takes them into the streamer, which loads each only while it
+    runs). Records the revised plan like RecomputeLever."""
+
+    def __init__(self, model, w, blocks: list) -> None:
+        self.model, self.w, self.blocks = model, w, blocks
+
+    def streamed(self) -> list[int]:
+        return sorted(b.index for b in self.w.streamer.blocks) if self.w.streamer is not None else []
+
+    def usable(self) -> bool:
+        """False once the optimizer went resident (its state on the device, torch's fused AdamW)."""
+        opt = self.w.optimizer
+        return opt._resident is None and opt._engine.block_of != {}
+
+    def stream(self, indices: list[int], plan) -> None:
+        from ..engine.restream import stream_buckets
+        from ..weights.setup import extend_streamer, streamed_ids
+
+        w, engine = self.w, self.w.optimizer._engine
+        new = sorted(set(indices) - set(self.streamed()))
+        if not new:
+            return
+        ids = streamed_ids(self.model, self.blocks, new, w.log)
+        stream_buckets(engine, ids)
+        if w.streamer is not None and w.streamer.evict_all in engine.on_abandon:
+            engine.on_abandon.remove(w.streamer.evict_all)
+        w.streamer = extend_streamer(
+            w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log
+        )
+        engine.on_abandon.append(w.streamer.evict_all)
+        idx = self.streamed()
+        w.plan["weights"] = {
+            "streamed": idx,
+            "resident": [i for i in range(len(self.blocks)) if i not in set(idx)],
+            **w.streamer.home_bytes(),
+        }
+        w.applied_plan = plan
+        w.plan["planner"] = plan_record(plan)
+
+
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     """A step larger than the plan's is checked at its first forward (runtime/tokens.py); with
     activation_checkpointing="auto" one that does not fit makes more blocks recompute."""
@@ -160,8 +220,15 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     else:
         lever = RecomputeLever(w, blocks)
     paging = opts.activation_offload is True or isinstance(opts.activation_offload, float)
+    streams = None
+    if lever is not None and w.optimizer._engine.block_of:  # laid out by block: restreamable()
+        streams = StreamLever(model, w, blocks)
     check = StepCheck(
-        shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why
-    )
-    # first of the block's pre-hooks: a refused step loads, waits for and touches nothing
+        shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why,
+        streams=streams,
+    )  # fmt: skip
+    # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
+    # model's own pre-hook sees the step before any block ran (when the model itself is called)
     w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True, prepend=True))
+    if model is not blocks[0]:
+        w.handles.append(model.register_forward_pre_hook(check.before_blocks, with_kwargs=True, prepend=True))

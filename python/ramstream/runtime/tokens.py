@@ -20,7 +20,7 @@ import torch
 
 from ..blocks import ranges_text
 from ..planner.plan import plan_training
-from ..planner.replan import replan_recompute
+from ..planner.replan import replan_recompute, replan_stream
 from ..planner.result import PlanError
 
 _GIB = 2**30
@@ -65,25 +65,46 @@ def step_tokens(args, kwargs) -> tuple[int, int] | None:
 
 
 def _blocks_key(fixed: dict):
-    """The recomputed blocks of `fixed` as a key (a list of indices, or True / False)."""
-    v = fixed.get("activation_checkpointing")
-    return tuple(v) if isinstance(v, (list, tuple)) else v
+    """The recomputed and the streamed blocks of `fixed` as a key (lists of indices, or True / False)."""
+    out = []
+    for k in ("activation_checkpointing", "param_offload"):
+        v = fixed.get(k)
+        out.append(tuple(v) if isinstance(v, (list, tuple)) else v)
+    return tuple(out)
+
+
+def _ids_tokens(args, kwargs) -> tuple[int, int] | None:
+    """(batch, seq) of a whole model's call: token ids ([batch, seq] integers: input_ids, idx or the
+    first tensor argument) or inputs_embeds; None for anything else (an image, say)."""
+    e = kwargs.get("inputs_embeds")
+    if isinstance(e, torch.Tensor) and e.dim() == 3:
+        return int(e.shape[0]), int(e.shape[1])
+    for t in [kwargs.get("input_ids"), kwargs.get("idx"), *args[:1]]:
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() == 2:
+            return int(t.shape[0]), int(t.shape[1])
+    return None
 
 
 class StepCheck:
     """The pre-hook: `shape` and `profile` are what the plan was made on, `fixed` the plan options
     that pin the applied placement (param_offload, activation_checkpointing as block lists).
     `lever` (runtime/apply.py RecomputeLever), when given, is what may change between steps: the
-    recomputed blocks; without it nothing is re-planned."""
+    recomputed blocks; without it nothing is re-planned. `streams` (runtime/apply.py StreamLever), when
+    given, may make more blocks stream their weights where every block recomputing does not fit.
+    Installed twice: as the first block's pre-hook (__call__: every step passes there) and as the
+    model's (before_blocks: when the model itself is called, before any block ran, so that every
+    block, the first too, can change for this very step)."""
 
     def __init__(
-        self, shape, profile, fixed: dict, log, history: list, strict: bool = True, lever=None, fixed_why=""
-    ) -> None:
+        self, shape, profile, fixed: dict, log, history: list, strict: bool = True, lever=None, fixed_why="",
+        streams=None,
+    ) -> None:  # fmt: skip
         self.shape, self.profile, self.fixed, self.log, self.history = shape, profile, fixed, log, history
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
         # coarse) warns and lets the step run instead of refusing it
         self.strict = strict
         self.lever = lever
+        self.streams = streams
         self.fixed_why = fixed_why  # why the recomputed blocks cannot change (without a lever)
         self.fits_up_to = shape.tokens  # the largest step known to fit
         # refused steps' messages, by (batch, seq, blocks recomputing then): a change of the
@@ -94,10 +115,20 @@ class StepCheck:
         """The plan options as applied now (the recomputed blocks read from the lever)."""
         if self.lever is None:
             return self.fixed
-        return {**self.fixed, "activation_checkpointing": self.lever.recomputed()}
+        now = {**self.fixed, "activation_checkpointing": self.lever.recomputed()}
+        if self.streams is not None:
+            now["param_offload"] = self.streams.streamed()
+        return now
+
+    def before_blocks(self, module, args, kwargs):
+        """The model's pre-hook: nothing of the step ran yet."""
+        self._check(_ids_tokens(args, kwargs), hooked=None)
 
     def __call__(self, module, args, kwargs):
-        bs = step_tokens(args, kwargs)
+        """The first block's pre-hook: torch read its forward already."""
+        self._check(step_tokens(args, kwargs), hooked=HOOKED)
+
+    def _check(self, bs, hooked):
         if bs is None or bs[0] * bs[1] <= self.fits_up_to or not torch.is_grad_enabled():
             return None
         fixed = self._now()
@@ -115,7 +146,7 @@ class StepCheck:
                 self.history.append({"step_tokens": bs[0] * bs[1], "change": "warned: may not fit the plan"})
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 return None
-            self._replan(shape, bs, fixed, e)  # raises, or returns when the step goes on revised
+            self._replan(shape, bs, fixed, e, hooked)  # raises, or returns when the step goes on revised
             return None
         self.fits_up_to = bs[0] * bs[1]
         vram = plan.memory["vram"]
@@ -165,10 +196,11 @@ class StepCheck:
             f"streaming blocks {ranges_text(plan.weights['streamed'])}, recomputing blocks {ranges_text(rc)}"
         )
 
-    def _replan(self, shape, bs, fixed: dict, error: PlanError) -> None:
-        """Revises the plan for this step (more blocks recompute, from the back) and returns, the
-        step going on; raises PlanOutOfMemoryError with replanned=True when the first block must
-        recompute too, and with replanned=False and the arithmetic when nothing can change."""
+    def _replan(self, shape, bs, fixed: dict, error: PlanError, hooked=HOOKED) -> None:
+        """Revises the plan for this step (more blocks recompute, from the back; where even every
+        block recomputing does not fit, more blocks stream their weights, from the back) and returns,
+        the step going on; raises PlanOutOfMemoryError with replanned=True when the hooked block
+        must change too, and with replanned=False and the arithmetic when nothing can change."""
         tokens = bs[0] * bs[1]
         ckpt = fixed.get("activation_checkpointing")
         before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
@@ -180,9 +212,13 @@ class StepCheck:
             except PlanError as e:
                 error = e
                 why = "; not even with every block recomputing its activations"
+                plan = self._replan_streams(shape, fixed, hooked)
+                if plan is not None:
+                    return self._revised(shape, bs, plan, before, hooked)  # or raises
+                if self.streams is not None and self.streams.usable():
+                    why += " and every block it may stream streaming its weights"
             else:
-                after = [i for i, m in enumerate(plan.activations) if m == "recompute"]
-                return self._revised(shape, bs, plan, before, after)  # or raises
+                return self._revised(shape, bs, plan, before, hooked)  # or raises
         else:
             why = self.fixed_why
         msg = self._advice(bs, error, why, self._rewrap(shape, fixed))
@@ -190,24 +226,53 @@ class StepCheck:
         self.history.append({"step_tokens": tokens, "change": "refused: does not fit the plan"})
         raise PlanOutOfMemoryError(msg) from None
 
-    def _revised(self, shape, bs, plan, before: list[int], after: list[int]) -> None:
-        """Applies the revised plan. The step goes on (None) unless the block this check is the
-        pre-hook of, the first (HOOKED), is among the blocks that now recompute: torch read its
-        forward before the pre-hooks ran, so it would keep its activations in this call; then
-        PlanOutOfMemoryError(replanned=True), before anything ran, and the re-run recomputes it."""
+    def _replan_streams(self, shape, fixed: dict, hooked):
+        """The plan with every block recomputing and the fewest more blocks streaming (never the
+        hooked block: its forward runs already), None when none fits or blocks cannot stream."""
+        if self.streams is None or not self.streams.usable():
+            return None
+        n = len(shape.blocks)
+        rest = {k: v for k, v in fixed.items() if k not in ("activation_checkpointing", "param_offload")}
+        first = 0 if hooked is None else hooked + 1
+        try:
+            return replan_stream(
+                shape, self.profile, fixed.get("param_offload") or [], first=first,
+                activation_checkpointing=list(range(n)), **rest,
+            )  # fmt: skip
+        except PlanError:
+            return None
+
+    def _revised(self, shape, bs, plan, before: list[int], hooked=HOOKED) -> None:
+        """Applies the revised plan. The step goes on (None) unless the hooked block (the first,
+        when this check runs as its pre-hook; none when it runs as the model's) now recomputes: torch
+        read its forward before the pre-hooks ran, so it would keep its activations in this call;
+        then PlanOutOfMemoryError(replanned=True), before anything ran, and the re-run recomputes it."""
         tokens, was = bs[0] * bs[1], (self.shape.batch, self.shape.seq)
-        goes_on = HOOKED not in set(after) - set(before)
+        after = [i for i, m in enumerate(plan.activations) if m == "recompute"]
+        goes_on = hooked is None or hooked not in set(after) - set(before)
+        streamed = list(plan.weights["streamed"])
+        streamed_before = self.streams.streamed() if self.streams is not None else []
+        what = f"now recomputing blocks {ranges_text(after)} (was {ranges_text(before)})"
+        entry = {"recompute": after, "was": before}
+        if self.streams is not None and streamed != streamed_before:
+            try:  # first: a refusal (pinned memory) leaves the plan as it was
+                self.streams.stream(streamed, plan)
+            except MemoryError as e:
+                msg = f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the applied plan: {e}"
+                self.refused[(*bs, _blocks_key(self._now()))] = msg
+                self.history.append({"step_tokens": tokens, "change": "refused: pinned memory for streaming"})
+                raise PlanOutOfMemoryError(msg) from None
+            what += f", streaming blocks {ranges_text(streamed)} (was {ranges_text(streamed_before)})"
+            entry.update(streamed=streamed, streamed_was=streamed_before)
         self.lever.recompute(after, plan)
         self.shape, self.fits_up_to = shape, tokens
         self.refused.clear()
         vram = plan.memory["vram"]
-        what = f"now recomputing blocks {ranges_text(after)} (was {ranges_text(before)})"
         self.history.append(
             {
                 "step_tokens": tokens,
                 "change": "re-planned: " + what,
-                "recompute": after,
-                "was": before,
+                **entry,
                 "batch": bs[0],
                 "seq": bs[1],
                 "predicted_vram_bytes": vram["total"],
@@ -228,5 +293,5 @@ class StepCheck:
             "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
             "step as is (OffloadTrainer does it by itself; see docs/planning.md)",
             replanned=True,
-            change={"recompute": list(after), "was": list(before)},
+            change=entry,
         ) from None

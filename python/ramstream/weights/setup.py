@@ -174,14 +174,14 @@ def move_back(model, homes: dict) -> None:
                         items[name] = t.to(home)
 
 
-def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: int, log) -> WeightStreamer:
-    """The streamer over the streamed blocks: the engine's slabs of trained parameters, and slabs
-    made here for the frozen ones."""
+def stream_blocks(blocks, indices: list[int], streamed: dict, engine) -> list[Block]:
+    """The streamer's Block of each index: the engine's slabs of its trained parameters, and slabs
+    made here for its frozen ones (and a quantized layer's packed codes)."""
     copier = engine.copier or make_copier(engine.device)
     engine.copier = copier
     by_block: dict[int, list] = {k: [] for k in indices}
     for b in engine.buckets:
-        if b.streamed:
+        if b.streamed and streamed.get(id(b.slots[0].param)) in by_block:
             by_block[streamed[id(b.slots[0].param)]].append(b)
     out = []
     for k in indices:
@@ -194,7 +194,13 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
         )
         ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
         out.append(Block(k, blocks[k], slabs, ready))
-    st = WeightStreamer(out, copier=copier, ahead=window, log=log)
+    return out
+
+
+def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: int, log) -> WeightStreamer:
+    """The streamer over the streamed blocks."""
+    out = stream_blocks(blocks, indices, streamed, engine)
+    st = WeightStreamer(out, copier=engine.copier, ahead=window, log=log)
     nbytes = sum(b.nbytes for b in out)
     packed = sum(t.nbytes for k in indices for _, _, t in packed_buffers(blocks[k]) if id(t) in streamed)
     what = f", {packed / GIB:.2f} GiB of them packed quantized codes" if packed else ""
@@ -202,6 +208,25 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
         f"param_offload: {len(out)} of {len(blocks)} blocks streamed ({nbytes / GIB:.2f} GiB of weights "
         f"in pinned host memory{what}, window {window})"
     )
+    return st
+
+
+def extend_streamer(
+    old, blocks, indices: list[int], streamed: dict, engine, window: int, log
+) -> WeightStreamer:
+    """A streamer over `old`'s blocks (None: none) and the blocks `indices`, whose trained buckets
+    the engine streams already (engine/restream.py): `old` is closed (its weights at home), its
+    Blocks and statistics carried over."""
+    new = stream_blocks(blocks, indices, streamed, engine)
+    kept = []
+    if old is not None:
+        old.close()
+        kept = old.blocks
+    st = WeightStreamer(
+        sorted(kept + new, key=lambda b: b.index), copier=engine.copier, ahead=window, log=log
+    )
+    if old is not None:
+        st.stats.update(old.stats)
     return st
 
 

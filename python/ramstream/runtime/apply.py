@@ -104,7 +104,7 @@ class RecomputeLever:
     """What a re-plan between steps may change on a wrapped model (runtime/tokens.py StepCheck):
     which blocks recompute their activations in backward. recompute() makes more blocks' forwards
     checkpointed (activations/recompute.py; the same forward runs again, so no value changes) and
-    records the revised plan in memory_report(model)["plan"]["planner"]."""
+    keeps memory_report(model)["plan"]["recompute"] true (the session records the revised plan)."""
 
     def __init__(self, w, blocks: list) -> None:
         self.w, self.blocks = w, blocks
@@ -123,8 +123,6 @@ class RecomputeLever:
         if w.keep is not None:  # blocks the keep policy let keep their activations recompute again
             w.keep.kept = [i for i in w.keep.kept if i not in set(indices)]
         w.plan["recompute"] = list(w.recompute.indices)
-        w.applied_plan = plan
-        w.plan["planner"] = plan_record(plan)
 
 
 def restreamable(model, blocks, opts: WrapOptions, plan, use_dp: bool) -> dict | None:
@@ -148,7 +146,7 @@ class StreamLever:
     """What a re-plan between steps may change besides the recomputed blocks: which blocks stream
     their weights (engine/restream.py makes their buckets streamed, values unchanged;
     weights/setup.py extend_streamer takes them into the streamer, which loads each only while it
-    runs). Records the revised plan like RecomputeLever."""
+    runs). Keeps memory_report(model)["plan"]["weights"] true, as RecomputeLever the recomputed blocks."""
 
     def __init__(self, model, w, blocks: list) -> None:
         self.model, self.w, self.blocks = model, w, blocks
@@ -183,8 +181,12 @@ class StreamLever:
             "resident": [i for i in range(len(self.blocks)) if i not in set(idx)],
             **w.streamer.home_bytes(),
         }
-        w.applied_plan = plan
-        w.plan["planner"] = plan_record(plan)
+
+
+def _record_plan(w, plan) -> None:
+    """The session's record of a revised plan: memory_report(model)["plan"]["planner"]."""
+    w.applied_plan = plan
+    w.plan["planner"] = plan_record(plan)
 
 
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
@@ -225,7 +227,7 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         streams = StreamLever(model, w, blocks)
     check = StepCheck(
         shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why,
-        streams=streams,
+        streams=streams, on_plan=lambda p: _record_plan(w, p),
     )  # fmt: skip
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
     # model's own pre-hook sees the step before any block ran (when the model itself is called)

@@ -20,8 +20,9 @@ import torch
 
 from ..blocks import ranges_text
 from ..planner.plan import plan_training
-from ..planner.replan import replan_recompute, replan_stream
 from ..planner.result import PlanError
+from ..planner.revise import Measured, RevisionError
+from .session import PlanSession
 
 _GIB = 2**30
 # the block the check is the forward pre-hook of (runtime/apply.py check_steps: the first)
@@ -91,34 +92,44 @@ class StepCheck:
     `lever` (runtime/apply.py RecomputeLever), when given, is what may change between steps: the
     recomputed blocks; without it nothing is re-planned. `streams` (runtime/apply.py StreamLever), when
     given, may make more blocks stream their weights where every block recomputing does not fit.
+    The decision is the planner's (planner/revise.py), the change and its record the session's
+    (runtime/session.py PlanSession); this hook reads the step's size and says what happened.
     Installed twice: as the first block's pre-hook (__call__: every step passes there) and as the
     model's (before_blocks: when the model itself is called, before any block ran, so that every
     block, the first too, can change for this very step)."""
 
     def __init__(
         self, shape, profile, fixed: dict, log, history: list, strict: bool = True, lever=None, fixed_why="",
-        streams=None,
+        streams=None, on_plan=None,
     ) -> None:  # fmt: skip
-        self.shape, self.profile, self.fixed, self.log, self.history = shape, profile, fixed, log, history
+        self.session = PlanSession(
+            shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan
+        )
+        self.log = log
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
         # coarse) warns and lets the step run instead of refusing it
         self.strict = strict
-        self.lever = lever
-        self.streams = streams
         self.fixed_why = fixed_why  # why the recomputed blocks cannot change (without a lever)
         self.fits_up_to = shape.tokens  # the largest step known to fit
-        # refused steps' messages, by (batch, seq, blocks recomputing then): a change of the
-        # recomputed blocks (a re-plan, the watchdog) may let a refused step fit
+        # refused steps' messages, by (batch, seq, blocks recomputing and streaming then): a change
+        # of those blocks (a re-plan, the watchdog) may let a refused step fit
         self.refused: dict = {}
 
+    @property
+    def shape(self):
+        return self.session.shape
+
+    @property
+    def profile(self):
+        return self.session.profile
+
+    @property
+    def fixed(self) -> dict:
+        return self.session.fixed
+
     def _now(self) -> dict:
-        """The plan options as applied now (the recomputed blocks read from the lever)."""
-        if self.lever is None:
-            return self.fixed
-        now = {**self.fixed, "activation_checkpointing": self.lever.recomputed()}
-        if self.streams is not None:
-            now["param_offload"] = self.streams.streamed()
-        return now
+        """The plan options as applied now."""
+        return self.session.applied()
 
     def before_blocks(self, module, args, kwargs):
         """The model's pre-hook: nothing of the step ran yet."""
@@ -131,33 +142,80 @@ class StepCheck:
     def _check(self, bs, hooked):
         if bs is None or bs[0] * bs[1] <= self.fits_up_to or not torch.is_grad_enabled():
             return None
-        fixed = self._now()
-        key = (*bs, _blocks_key(fixed))
+        key = (*bs, _blocks_key(self._now()))
         if key in self.refused:
             raise PlanOutOfMemoryError(self.refused[key])
-        shape = self.shape.with_tokens(batch=bs[0], seq=bs[1])
+        tokens = bs[0] * bs[1]
+        first = 0 if hooked is None else hooked + 1
         try:
-            plan = plan_training(shape, self.profile, quantize="none", _suggest=False, **fixed)
-        except PlanError as e:
+            rev = self.session.revise(Measured(*bs), first=first, check_only=not self.strict)
+        except RevisionError as e:
             if not self.strict:
                 msg = self._advice(bs, e)
-                self.fits_up_to = bs[0] * bs[1]
+                self.fits_up_to = tokens
                 self.log("plan (not enforced with activation paging): " + msg.replace("ramstream: ", "", 1))
-                self.history.append({"step_tokens": bs[0] * bs[1], "change": "warned: may not fit the plan"})
+                self.session.record({"step_tokens": tokens, "change": "warned: may not fit the plan"})
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 return None
-            self._replan(shape, bs, fixed, e, hooked)  # raises, or returns when the step goes on revised
+            why = e.why if e.tried else self.fixed_why
+            self._refuse(bs, self._advice(bs, e, why, self._rewrap(bs)), "refused: does not fit the plan")
+        vram = rev.plan.memory["vram"]
+        if not rev.changed:
+            self.fits_up_to = tokens
+            self.log(
+                f"plan: a step of batch {bs[0]} x seq {bs[1]} fits the applied plan (VRAM "
+                f"{vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} GiB predicted)"
+            )
+            self.session.record(
+                {"step_tokens": tokens, "change": "checked: fits", "predicted_vram_bytes": vram["total"]}
+            )
             return None
-        self.fits_up_to = bs[0] * bs[1]
-        vram = plan.memory["vram"]
+        was = (self.shape.batch, self.shape.seq)
+        try:
+            change = self.session.apply(rev)
+        except MemoryError as e:  # pinned memory for the blocks to stream: nothing changed
+            msg = f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the applied plan: {e}"
+            self._refuse(bs, msg, "refused: pinned memory for streaming")
+        self.fits_up_to = tokens
+        self.refused.clear()
+        what = f"now recomputing blocks {ranges_text(change['recompute'])} (was {ranges_text(change['was'])})"
+        if "streamed" in change:
+            what += f", streaming blocks {ranges_text(change['streamed'])} (was {ranges_text(change['streamed_was'])})"
+        newly = set(change["recompute"]) - set(change["was"])
+        newly |= set(change.get("streamed", ())) - set(change.get("streamed_was", ()))
+        goes_on = hooked is None or hooked not in newly
+        self.session.record(
+            {
+                "step_tokens": tokens,
+                "change": "re-planned: " + what,
+                **change,
+                "batch": bs[0],
+                "seq": bs[1],
+                "predicted_vram_bytes": vram["total"],
+            }
+        )
         self.log(
-            f"plan: a step of batch {bs[0]} x seq {bs[1]} fits the applied plan (VRAM "
-            f"{vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} GiB predicted)"
+            f"plan: a step of batch {bs[0]} x seq {bs[1]} did not fit the applied plan (made for batch "
+            f"{was[0]} x seq {was[1]}); revised before it ran: {what}, VRAM {vram['total'] / _GIB:.2f} of "
+            f"{vram['budget'] / _GIB:.2f} GiB predicted" + ("; the step goes on" if goes_on else "")
         )
-        self.history.append(
-            {"step_tokens": bs[0] * bs[1], "change": "checked: fits", "predicted_vram_bytes": vram["total"]}
-        )
-        return None
+        if goes_on:
+            return None
+        raise PlanOutOfMemoryError(
+            f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied (made "
+            f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}. "
+            "Every block must recompute, the first too, and this forward had entered it already. The "
+            f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
+            "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
+            "step as is (OffloadTrainer does it by itself; see docs/planning.md)",
+            replanned=True,
+            change=change,
+        ) from None
+
+    def _refuse(self, bs, msg: str, change: str):
+        self.refused[(*bs, _blocks_key(self._now()))] = msg
+        self.session.record({"step_tokens": bs[0] * bs[1], "change": change})
+        raise PlanOutOfMemoryError(msg) from None
 
     def _advice(self, bs, e: PlanError, why: str = "", rewrap=None) -> str:
         """The refusal's text; rewrap (_rewrap): what a plan made for this step gives, None when not
@@ -180,12 +238,13 @@ class StepCheck:
             f"batch {self.shape.batch} x seq {self.shape.seq}; nothing ran, nothing changed){why}:\n{e}\n{tail}"
         )
 
-    def _rewrap(self, shape, fixed: dict):
+    def _rewrap(self, bs):
         """What a plan made for this step on the same machine streams and recomputes (wrap() chooses
         the streamed blocks then, and the recomputed ones unless they were given), as text; when none
         fits, the single changes that would (PlanError.options, maybe none)."""
-        kw = {**fixed, "param_offload": "auto"}
-        if self.lever is not None:
+        shape = self.shape.with_tokens(batch=bs[0], seq=bs[1])
+        kw = {**self._now(), "param_offload": "auto"}
+        if self.session.recompute_lever is not None:
             kw["activation_checkpointing"] = "auto"
         try:
             plan = plan_training(shape, self.profile, quantize="none", **kw)
@@ -195,103 +254,3 @@ class StepCheck:
         return (
             f"streaming blocks {ranges_text(plan.weights['streamed'])}, recomputing blocks {ranges_text(rc)}"
         )
-
-    def _replan(self, shape, bs, fixed: dict, error: PlanError, hooked=HOOKED) -> None:
-        """Revises the plan for this step (more blocks recompute, from the back; where even every
-        block recomputing does not fit, more blocks stream their weights, from the back) and returns,
-        the step going on; raises PlanOutOfMemoryError with replanned=True when the hooked block
-        must change too, and with replanned=False and the arithmetic when nothing can change."""
-        tokens = bs[0] * bs[1]
-        ckpt = fixed.get("activation_checkpointing")
-        before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
-        why = ""
-        if self.lever is not None:
-            rest = {k: v for k, v in fixed.items() if k != "activation_checkpointing"}
-            try:
-                plan = replan_recompute(shape, self.profile, before, order="back", **rest)
-            except PlanError as e:
-                error = e
-                why = "; not even with every block recomputing its activations"
-                plan = self._replan_streams(shape, fixed, hooked)
-                if plan is not None:
-                    return self._revised(shape, bs, plan, before, hooked)  # or raises
-                if self.streams is not None and self.streams.usable():
-                    why += " and every block it may stream streaming its weights"
-            else:
-                return self._revised(shape, bs, plan, before, hooked)  # or raises
-        else:
-            why = self.fixed_why
-        msg = self._advice(bs, error, why, self._rewrap(shape, fixed))
-        self.refused[(*bs, _blocks_key(fixed))] = msg
-        self.history.append({"step_tokens": tokens, "change": "refused: does not fit the plan"})
-        raise PlanOutOfMemoryError(msg) from None
-
-    def _replan_streams(self, shape, fixed: dict, hooked):
-        """The plan with every block recomputing and the fewest more blocks streaming (never the
-        hooked block: its forward runs already), None when none fits or blocks cannot stream."""
-        if self.streams is None or not self.streams.usable():
-            return None
-        n = len(shape.blocks)
-        rest = {k: v for k, v in fixed.items() if k not in ("activation_checkpointing", "param_offload")}
-        first = 0 if hooked is None else hooked + 1
-        try:
-            return replan_stream(
-                shape, self.profile, fixed.get("param_offload") or [], first=first,
-                activation_checkpointing=list(range(n)), **rest,
-            )  # fmt: skip
-        except PlanError:
-            return None
-
-    def _revised(self, shape, bs, plan, before: list[int], hooked=HOOKED) -> None:
-        """Applies the revised plan. The step goes on (None) unless the hooked block (the first,
-        when this check runs as its pre-hook; none when it runs as the model's) now recomputes: torch
-        read its forward before the pre-hooks ran, so it would keep its activations in this call;
-        then PlanOutOfMemoryError(replanned=True), before anything ran, and the re-run recomputes it."""
-        tokens, was = bs[0] * bs[1], (self.shape.batch, self.shape.seq)
-        after = [i for i, m in enumerate(plan.activations) if m == "recompute"]
-        goes_on = hooked is None or hooked not in set(after) - set(before)
-        streamed = list(plan.weights["streamed"])
-        streamed_before = self.streams.streamed() if self.streams is not None else []
-        what = f"now recomputing blocks {ranges_text(after)} (was {ranges_text(before)})"
-        entry = {"recompute": after, "was": before}
-        if self.streams is not None and streamed != streamed_before:
-            try:  # first: a refusal (pinned memory) leaves the plan as it was
-                self.streams.stream(streamed, plan)
-            except MemoryError as e:
-                msg = f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the applied plan: {e}"
-                self.refused[(*bs, _blocks_key(self._now()))] = msg
-                self.history.append({"step_tokens": tokens, "change": "refused: pinned memory for streaming"})
-                raise PlanOutOfMemoryError(msg) from None
-            what += f", streaming blocks {ranges_text(streamed)} (was {ranges_text(streamed_before)})"
-            entry.update(streamed=streamed, streamed_was=streamed_before)
-        self.lever.recompute(after, plan)
-        self.shape, self.fits_up_to = shape, tokens
-        self.refused.clear()
-        vram = plan.memory["vram"]
-        self.history.append(
-            {
-                "step_tokens": tokens,
-                "change": "re-planned: " + what,
-                **entry,
-                "batch": bs[0],
-                "seq": bs[1],
-                "predicted_vram_bytes": vram["total"],
-            }
-        )
-        self.log(
-            f"plan: a step of batch {bs[0]} x seq {bs[1]} did not fit the applied plan (made for batch "
-            f"{was[0]} x seq {was[1]}); revised before it ran: {what}, VRAM {vram['total'] / _GIB:.2f} of "
-            f"{vram['budget'] / _GIB:.2f} GiB predicted" + ("; the step goes on" if goes_on else "")
-        )
-        if goes_on:
-            return None
-        raise PlanOutOfMemoryError(
-            f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied (made "
-            f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}. "
-            "Every block must recompute, the first too, and this forward had entered it already. The "
-            f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
-            "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
-            "step as is (OffloadTrainer does it by itself; see docs/planning.md)",
-            replanned=True,
-            change=entry,
-        ) from None

@@ -1,0 +1,115 @@
+"""revise(): the applied plan, revised for what a run measured; pure arithmetic.
+
+The runtime (runtime/session.py PlanSession) measures, the planner decides, the session applies the
+difference. A measurement today is the size of the step about to run (its batch x seq, read from
+its input before any block ran): a step with more tokens than the plan's is planned with the
+placement as applied (which blocks stream, which recompute, the moments' dtype...). When that does
+not fit, the levers that can change between steps are tried, the cheapest first:
+
+1. "recompute": the fewest more blocks recompute their activations in backward, taken from the back
+   of the stack (replan.py replan_recompute, order="back"); the weights stay where they are.
+2. "stream": where every block recomputing does not fit either, the fewest more blocks stream their
+   weights, from the back (replan.py replan_stream), every block recomputing.
+
+`first` is the first block that may change: 0 when nothing of the step ran, 1 when the step's first
+block is running already (its forward was read before the check; a change of the first block then
+applies from the next step). A revision that needs the first block anyway is still returned: the
+caller says the step must be re-run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import plan_training
+from .profile import HardwareProfile
+from .replan import replan_recompute, replan_stream
+from .result import Plan, PlanError
+from .shape import ModelShape
+
+LEVERS = ("recompute", "stream")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a run measured: the step about to run, as batch x seq tokens."""
+
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass
+class Revision:
+    """revise()'s answer. ``plan``: the plan for the measured step (the applied placement when
+    ``changed`` is False); ``changed``: which options differ from the applied ones
+    ({"activation_checkpointing": [...]}, {"param_offload": [...]}, or both)."""
+
+    plan: Plan
+    shape: ModelShape
+    changed: dict
+
+
+class RevisionError(PlanError):
+    """No lever fits the measured step. ``tried``: the levers tried (none when none may change),
+    ``why``: what was tried, as a phrase for the error message."""
+
+    def __init__(self, error: PlanError, tried: tuple, why: str) -> None:
+        super().__init__(str(error), arithmetic=error.arithmetic, options=error.options)
+        self.tried, self.why = tried, why
+
+
+def revise(
+    shape: ModelShape,
+    profile: HardwareProfile,
+    applied: dict,
+    measured: Measured,
+    *,
+    levers: tuple = LEVERS,
+    first: int = 0,
+) -> Revision:
+    """The plan for the measured step. shape, profile: what the applied plan was made on; applied:
+    plan_training's options as applied now (param_offload and activation_checkpointing as block
+    lists, moment_dtype, optimizer_mode, ...); levers: which of LEVERS may change (none: only
+    checked). Raises RevisionError when nothing fits."""
+    bad = [x for x in levers if x not in LEVERS]
+    if bad:
+        raise ValueError(f"revise: levers must be among {LEVERS}, got {bad}")
+    step = shape.with_tokens(batch=measured.batch, seq=measured.seq)
+    try:
+        plan = plan_training(step, profile, quantize="none", _suggest=False, **applied)
+        return Revision(plan, step, {})
+    except PlanError as e:
+        error = e
+    if "recompute" not in levers:
+        raise RevisionError(error, (), "")
+    ckpt = applied.get("activation_checkpointing")
+    before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
+    rest = {k: v for k, v in applied.items() if k != "activation_checkpointing"}
+    try:
+        plan = replan_recompute(step, profile, before, order="back", **rest)
+        return Revision(plan, step, {"activation_checkpointing": _recomputed(plan)})
+    except PlanError as e:
+        error = e
+    why = "; not even with every block recomputing its activations"
+    if "stream" not in levers:
+        raise RevisionError(error, ("recompute",), why)
+    n = len(shape.blocks)
+    rest = {k: v for k, v in rest.items() if k != "param_offload"}
+    try:
+        plan = replan_stream(
+            step, profile, applied.get("param_offload") or [], first=first,
+            activation_checkpointing=list(range(n)), **rest,
+        )  # fmt: skip
+    except PlanError:
+        raise RevisionError(
+            error, LEVERS, why + " and every block it may stream streaming its weights"
+        ) from None
+    changed = {"activation_checkpointing": _recomputed(plan), "param_offload": list(plan.weights["streamed"])}
+    return Revision(plan, step, changed)
+
+
+def _recomputed(plan: Plan) -> list[int]:
+    return [i for i, m in enumerate(plan.activations) if m == "recompute"]

@@ -1,0 +1,75 @@
+"""PlanSession: the plan applied to a wrapped model, revised while it trains.
+
+The session binds the planner's Plan to the model. It holds what the plan was made on (the model's
+shape and the hardware profile), the options as applied now (read back from its levers: the blocks
+that recompute, the blocks that stream), and the plan history that memory_report(model)["plan"]
+shows. Measurements go to the planner (planner/revise.py revise(), pure: it decides), the session
+applies the difference through its levers (runtime/apply.py RecomputeLever and StreamLever, over the
+mechanisms in activations/, weights/ and engine/, which decide nothing) and writes the record: the
+revised plan in memory_report(model)["plan"]["planner"] and an entry in the history."""
+
+from __future__ import annotations
+
+from ..planner.revise import Measured, Revision, revise
+
+
+class PlanSession:
+    """shape, profile: what the applied plan was made on; fixed: plan_training's options as wrap()
+    applied them; history: the list memory_report(model)["plan"]["history"] reads (the optimizer's
+    plan_history, shared with the decisions the engine takes while training); recompute, streams:
+    the levers (None: that part cannot change); on_plan(plan): where a revised plan is recorded."""
+
+    def __init__(
+        self, shape, profile, fixed: dict, log, history: list, *, recompute=None, streams=None, on_plan=None
+    ) -> None:
+        self.shape, self.profile, self.fixed = shape, profile, fixed
+        self.log, self.history = log, history
+        self.recompute_lever, self.stream_lever = recompute, streams
+        self.on_plan = on_plan or (lambda plan: None)
+
+    def applied(self) -> dict:
+        """plan_training's options as applied now (the recomputed and streamed blocks read from the
+        levers)."""
+        if self.recompute_lever is None:
+            return self.fixed
+        now = {**self.fixed, "activation_checkpointing": self.recompute_lever.recomputed()}
+        if self.stream_lever is not None:
+            now["param_offload"] = self.stream_lever.streamed()
+        return now
+
+    def levers(self) -> tuple:
+        if self.recompute_lever is None:
+            return ()
+        if self.stream_lever is not None and self.stream_lever.usable():
+            return ("recompute", "stream")
+        return ("recompute",)
+
+    def revise(self, measured: Measured, *, first: int, check_only: bool = False) -> Revision:
+        """The planner's answer for `measured` (RevisionError when nothing fits); applies nothing."""
+        levers = () if check_only else self.levers()
+        return revise(self.shape, self.profile, self.applied(), measured, levers=levers, first=first)
+
+    def apply(self, rev: Revision) -> dict:
+        """Applies a revision's changes (the streamed blocks first: a refusal of pinned memory, a
+        MemoryError, leaves everything as it was) and records the revised plan; returns what changed
+        ({"recompute", "was"(, "streamed", "streamed_was")})."""
+        now = self.applied()
+        ckpt = now.get("activation_checkpointing")
+        before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
+        after = rev.changed.get("activation_checkpointing", before)
+        change = {"recompute": list(after), "was": before}
+        streamed = rev.changed.get("param_offload")
+        if streamed is not None and self.stream_lever is not None:
+            was = self.stream_lever.streamed()
+            if streamed != was:
+                self.stream_lever.stream(streamed, rev.plan)
+                change.update(streamed=list(streamed), streamed_was=was)
+        if after != before:
+            self.recompute_lever.recompute(after, rev.plan)
+        self.shape = rev.shape
+        self.on_plan(rev.plan)
+        return change
+
+    def record(self, entry: dict) -> None:
+        """An entry of the plan history."""
+        self.history.append(entry)

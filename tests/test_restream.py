@@ -121,3 +121,44 @@ def test_stream_lever_is_not_offered_with_delayed_update_or_fixed_param_offload(
     assert opt._engine.block_of == {}
     _, opt, _ = _wrap(ref, "cpu", param_offload=[0])
     assert opt._engine.block_of == {}
+
+
+@pytest.mark.parametrize("fail_at", [2, 3], ids=["frozen-home", "trained-home"])
+def test_host_memory_refusing_a_home_changes_nothing_and_training_goes_on(monkeypatch, fail_at):
+    """Host memory refuses the second frozen slab's home, or the first trained bucket's: a
+    MemoryError, the frozen weights already moved are back where they were, no bucket streams, and
+    training goes on exactly as the run that never tried."""
+    from ramstream.weights.slab import Copier
+
+    def build():
+        m = make_model(0, n_blocks=4, d=64)
+        for b in m.blocks:
+            b.fc1.requires_grad_(False)
+        return m
+
+    data = batches(4, b=2, t=8, seed=5)
+    a, opt_a, _ = _wrap(build(), "cpu")
+    want = train_torch(a, opt_a, data)
+    b, opt_b, plan = _wrap(build(), "cpu")
+    got = train_torch(b, opt_b, data[:2])
+    before = {k: (v.clone(), v.data_ptr()) for k, v in b.state_dict().items()}
+    calls = [0]
+    real = Copier.host_buffer
+
+    def refuse(self, numel, dtype):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+        return real(self, numel, dtype)
+
+    monkeypatch.setattr(Copier, "host_buffer", refuse)
+    with pytest.raises(MemoryError, match="streaming blocks 2-3|pinned host memory"):
+        _stream(b, plan, [2, 3])
+    monkeypatch.setattr(Copier, "host_buffer", real)
+    assert not any(x.streamed for x in opt_b._engine.buckets) and b._ramstream.streamer is None
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k][0]), k
+    got += train_torch(b, opt_b, data[2:])
+    assert got == want
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.detach(), q.detach())

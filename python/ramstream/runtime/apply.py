@@ -160,7 +160,6 @@ class StreamLever:
         return opt._resident is None and opt._engine.block_of != {}
 
     def stream(self, indices: list[int], plan) -> None:
-        from ..engine.restream import stream_buckets
         from ..weights.setup import extend_streamer, streamed_ids
 
         w, engine = self.w, self.w.optimizer._engine
@@ -168,11 +167,11 @@ class StreamLever:
         if not new:
             return
         ids = streamed_ids(self.model, self.blocks, new, w.log)
-        stream_buckets(engine, ids)
+        frozen = self._frozen_then_trained(engine, new, ids)
         if w.streamer is not None and w.streamer.evict_all in engine.on_abandon:
             engine.on_abandon.remove(w.streamer.evict_all)
         w.streamer = extend_streamer(
-            w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log
+            w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log, frozen
         )
         engine.on_abandon.append(w.streamer.evict_all)
         idx = self.streamed()
@@ -181,6 +180,32 @@ class StreamLever:
             "resident": [i for i in range(len(self.blocks)) if i not in set(idx)],
             **w.streamer.home_bytes(),
         }
+
+    def _frozen_then_trained(self, engine, new: list[int], ids: dict) -> dict:
+        """The new blocks' frozen slabs, then their trained buckets (engine/restream.py): when host
+        memory refuses either, the frozen weights already moved go back to the device and a
+        MemoryError says what was asked; nothing else changed."""
+        from ..engine.restream import stream_buckets
+        from ..weights.setup import block_frozen_slabs, make_copier
+
+        if engine.copier is None:
+            engine.copier = make_copier(engine.device)
+        made: dict = {}
+        try:
+            for k in new:
+                made[k] = block_frozen_slabs(self.blocks, k, ids, engine)
+            stream_buckets(engine, ids)
+        except (RuntimeError, MemoryError) as e:
+            for slabs in made.values():
+                for s in slabs:
+                    s.load()
+                    s.wait()
+            if isinstance(e, MemoryError):
+                raise
+            raise MemoryError(
+                f"ramstream: streaming blocks {_ranges(new)}: host memory refused ({e})"
+            ) from None
+        return made
 
 
 def _record_plan(w, plan) -> None:

@@ -174,9 +174,21 @@ def move_back(model, homes: dict) -> None:
                         items[name] = t.to(home)
 
 
-def stream_blocks(blocks, indices: list[int], streamed: dict, engine) -> list[Block]:
+def block_frozen_slabs(blocks, k: int, streamed: dict, engine) -> list:
+    """Slabs for block k's streamed parameters that no engine bucket holds: its frozen ones, and a
+    quantized layer's packed codes (their weights move to pinned homes as the slabs are made)."""
+    skip = {pid for pid, blk in streamed.items() if blk != k}
+    skip |= {id(s.param) for s in engine.slots}
+    packed = [t for _, _, t in packed_buffers(blocks[k]) if streamed.get(id(t)) == k]
+    return frozen_slabs(blocks[k], skip | _not_streamed(blocks[k], streamed), engine.copier, extra=packed)
+
+
+def stream_blocks(
+    blocks, indices: list[int], streamed: dict, engine, frozen: dict | None = None
+) -> list[Block]:
     """The streamer's Block of each index: the engine's slabs of its trained parameters, and slabs
-    made here for its frozen ones (and a quantized layer's packed codes)."""
+    made here for its frozen ones (and a quantized layer's packed codes), or taken from `frozen`
+    ({index: slabs}, made beforehand)."""
     copier = engine.copier or make_copier(engine.device)
     engine.copier = copier
     by_block: dict[int, list] = {k: [] for k in indices}
@@ -189,9 +201,11 @@ def stream_blocks(blocks, indices: list[int], streamed: dict, engine) -> list[Bl
         skip = {id(s.param) for b in trained for s in b.slots}
         skip |= {pid for pid, blk in streamed.items() if blk != k}
         packed = [t for _, _, t in packed_buffers(blocks[k]) if streamed.get(id(t)) == k]
-        slabs = [b.slab for b in trained] + frozen_slabs(
-            blocks[k], skip | _not_streamed(blocks[k], streamed), copier, extra=packed
-        )
+        if frozen is not None:
+            extra = frozen[k]
+        else:
+            extra = frozen_slabs(blocks[k], skip | _not_streamed(blocks[k], streamed), copier, extra=packed)
+        slabs = [b.slab for b in trained] + extra
         ready = [lambda b=b: engine.wait_bucket(b) for b in trained]
         out.append(Block(k, blocks[k], slabs, ready))
     return out
@@ -212,12 +226,13 @@ def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: i
 
 
 def extend_streamer(
-    old, blocks, indices: list[int], streamed: dict, engine, window: int, log
+    old, blocks, indices: list[int], streamed: dict, engine, window: int, log, frozen: dict
 ) -> WeightStreamer:
     """A streamer over `old`'s blocks (None: none) and the blocks `indices`, whose trained buckets
-    the engine streams already (engine/restream.py): `old` is closed (its weights at home), its
-    Blocks and statistics carried over."""
-    new = stream_blocks(blocks, indices, streamed, engine)
+    the engine streams already (engine/restream.py) and whose other slabs are in `frozen`
+    ({index: slabs}, block_frozen_slabs): `old` is closed (its weights at home), its Blocks and
+    statistics carried over."""
+    new = stream_blocks(blocks, indices, streamed, engine, frozen)
     kept = []
     if old is not None:
         old.close()

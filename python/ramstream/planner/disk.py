@@ -65,7 +65,9 @@ def tier(prof, option, where: str, assume: bool = False) -> Disk:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             what = "bytes >= 0" if name == "disk_free" else "GB/s > 0"
-            raise ValueError(f"{where} profile.{name}={v!r} is not accepted; accepted: None or a finite number of {what}")
+            raise ValueError(
+                f"{where} profile.{name}={v!r} is not accepted; accepted: None or a finite number of {what}"
+            )
     r, w = getattr(prof, "disk_read_gbps", None), getattr(prof, "disk_write_gbps", None)
     known = bool(r and w)
     return Disk(parse(option, where), known or assume, r if known else None, w if known else None,
@@ -158,7 +160,9 @@ def reasons(ctx, c: dict) -> list[str]:
         rates = f"read {d['read_gbps']:g} GB/s + write {d['write_gbps']:g} GB/s: {s * 1e3:.0f} ms of disk per step"
     else:
         rates = "the disk's rates unknown: its time is not in the step"
-    room = f", {_g(d['budget'])} of the disk's {_g(d['free'])} free allowed" if d["budget"] is not None else ""
+    room = (
+        f", {_g(d['budget'])} of the disk's {_g(d['free'])} free allowed" if d["budget"] is not None else ""
+    )
     return [
         f"disk: {d['share']:.1%} of the host-updated optimizer state (master + moments, {_g(d['host_state'])}) "
         f"on disk{where}: {_g(d['state_on_disk'])}, {why}; RAM {_g(d['ram_saved'])} less; {rates}; "

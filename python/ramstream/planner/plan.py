@@ -34,7 +34,7 @@ from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split
 from .profile import HardwareProfile
 from .result import Plan, PlanError
 from .shape import ModelShape
-from .suggest import suggestions
+from .suggest import NOTHING_FITS, suggestions
 from .timing import MATMUL_EFFICIENCY, step_of, step_times
 
 STREAM_WINDOW = 3  # streamed blocks on the GPU at once: the one running and weight_window=2 ahead
@@ -418,7 +418,7 @@ def _plan_training(
     first = [forced] if forced is not None else [list(range(k_auto))]
     rest = [] if forced is not None else [list(range(k)) for k in range(n + 1) if k != k_auto]
     tried = []
-    for sets, nv in ((sets, nv) for nv in _disk.passes(ctx.disk) for sets in (first, rest)):
+    for sets, nv in ((s, o) for o in _disk.passes(ctx.disk) for s in (first, rest)):
         for m in _disk.moment_order(moments, nv):
             best = None
             for st in sets:
@@ -439,27 +439,24 @@ def _plan_training(
                     + note,
                     c["act_why"],
                     _why_optimizer(c, shape, m, moment),
-                ] + _disk.reasons(ctx, c)
+                    *_disk.reasons(ctx, c),
+                ]
                 return _make_plan(ctx, c, "offload", reasons)
     # (d) nothing fits
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
     lo_r = min(tried, key=lambda c: sum(c["ram"].values()))
     arithmetic = {"vram": {**lo_v["vram"], "budget": budget}, "ram": {**lo_r["ram"], "budget": ctx.ram}}
-    disk_lines, arithmetic["disk"] = _disk.error_lines(lo_r)
+    disk_lines, disk = _disk.error_lines(lo_r)
+    arithmetic.update({"disk": disk} if disk else {})
     lines = [
         f"plan_training: {shape.name} ({shape.dtype}, batch {shape.batch} x seq {shape.seq}) does not fit",
         "  " + _line("VRAM (least-VRAM plan)", lo_v["vram"], budget, f"usable (free {p.vram_free / _GIB:.2f} GiB less {vram_headroom:.0%})"),
         "  " + _line("RAM (least-RAM plan)", lo_r["ram"], ctx.ram, "available per rank"),
     ] + disk_lines  # fmt: skip
-    if arithmetic["disk"] is None:
-        del arithmetic["disk"]
     options = suggestions(shape, profile, param_offload, activation_offload, optimizer_mode, moment, quantize,
                            vram_headroom, max_activation_slowdown, nvme_offload, plan_fn=plan_training) if _suggest else []  # fmt: skip
     if _suggest:  # without it nothing was tried: no line rather than a wrong "none"
-        lines.append(
-            "  would fit: "
-            + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq, a disk")
-        )
+        lines.append("  would fit: " + ("; ".join(options) if options else NOTHING_FITS))
     raise PlanError("\n".join(lines), arithmetic=arithmetic, options=options)
 
 
@@ -467,7 +464,7 @@ def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str])
     """No GPU: the CPU engine keeps everything in host RAM (stock training's bytes)."""
     sh, wb = shape, ctx.wb
     n = len(sh.blocks)
-    for nv, m in ((nv, m) for nv in _disk.passes(ctx.disk) for m in _disk.moment_order(moments, nv)):
+    for nv, m in ((o, m) for o in _disk.passes(ctx.disk) for m in _disk.moment_order(moments, o)):
         ram = {
             "weights": sum(ctx.weight(q) for q in sh.parts),
             "gradients": sh.trained_numel * wb,

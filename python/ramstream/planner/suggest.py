@@ -7,9 +7,12 @@ from .rules import DISK_FREE_SHARE
 from .shape import ModelShape
 
 _GIB = 2**30
+NOTHING_FITS = "none of bf16 moments, int8/nf4, a disk (nvme_dir=), a smaller batch or seq"
 
 
-def suggestions(shape, profile, po, ao, om, moment, quant, headroom, slow, nvme="auto", *, plan_fn) -> list[str]:
+def suggestions(
+    shape, profile, po, ao, om, moment, quant, headroom, slow, nvme="auto", *, plan_fn
+) -> list[str]:
     """The single changes that make the plan fit, each with its predicted step. plan_fn: plan.py's
     plan_training, passed in so that this module does not import plan.py (which imports it)."""
 
@@ -43,7 +46,11 @@ def suggestions(shape, profile, po, ao, om, moment, quant, headroom, slow, nvme=
         d = plan.memory.get("disk") if plan is not None else None
         if d:
             known = profile.disk_read_gbps and profile.disk_write_gbps
-            free = f" (this one: {profile.disk_free / _GIB:.2f} GiB)" if known and profile.disk_free is not None else ""
+            free = (
+                f" (this one: {profile.disk_free / _GIB:.2f} GiB)"
+                if known and profile.disk_free is not None
+                else ""
+            )
             out.append(
                 f"nvme_dir= on a disk with {d['total'] / DISK_FREE_SHARE / _GIB:.2f} GiB free{free} for {plan.optimizer['nvme_share']:.1%} "
                 f"of the host optimizer state, {d['written_per_step'] / 1e9:.1f} GB read and written per step "

@@ -38,7 +38,7 @@ class Disk:
     write_gbps: float | None = None
     free: int | None = None
     directory: str | None = None
-    assumed: bool = False  # suggest.py's "what if there were a disk" (free space unbounded)
+    assumed: bool = False  # suggest.py's "what if there were a disk with room" (free space unbounded)
 
     @property
     def budget(self) -> int | None:
@@ -71,7 +71,7 @@ def tier(prof, option, where: str, assume: bool = False) -> Disk:
     r, w = getattr(prof, "disk_read_gbps", None), getattr(prof, "disk_write_gbps", None)
     known = bool(r and w)
     return Disk(parse(option, where), known or assume, r if known else None, w if known else None,
-                getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume and not known)  # fmt: skip
+                getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume)  # fmt: skip
 
 
 def passes(disk: Disk) -> list:
@@ -174,11 +174,17 @@ def _opt(option) -> str:
     return repr(option) if isinstance(option, str) else f"{option:g}"
 
 
-def error_lines(c: dict) -> tuple[list[str], dict | None]:
-    """PlanError's disk line and arithmetic for the least-RAM candidate `c` (nothing without a disk)."""
-    d = c.get("disk")
-    if d is None:
+def error_lines(tried: list[dict], ram_budget: int) -> tuple[list[str], dict | None]:
+    """PlanError's disk line and arithmetic: of the candidates with state on disk, the one whose RAM
+    fits with the fewest disk bytes, else the least-RAM one (nothing when no candidate had a disk)."""
+    disked = [c for c in tried if c.get("disk")]
+    if not disked:
         return [], None
+    fit = [c for c in disked if sum(c["ram"].values()) <= ram_budget]
+    if fit:
+        d = min(fit, key=lambda c: c["disk"]["state_on_disk"])["disk"]
+    else:
+        d = min(disked, key=lambda c: sum(c["ram"].values()))["disk"]
     have = "unknown free space" if d["budget"] is None else (
         f"{_g(d['budget'])} allowed ({DISK_FREE_SHARE:.0%} of {_g(d['free'])} free)")  # fmt: skip
     line = (f"  disk: needs {_g(d['state_on_disk'])} ({d['share']:.1%} of the host-updated optimizer state "

@@ -444,9 +444,9 @@ def _plan_training(
                 return _make_plan(ctx, c, "offload", reasons)
     # (d) nothing fits
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
-    lo_r = min(tried, key=lambda c: sum(c["ram"].values()))
+    lo_r = min([c for c in tried if _disk.fits(c)] or tried, key=lambda c: sum(c["ram"].values()))
     arithmetic = {"vram": {**lo_v["vram"], "budget": budget}, "ram": {**lo_r["ram"], "budget": ctx.ram}}
-    disk_lines, disk = _disk.error_lines(lo_r)
+    disk_lines, disk = _disk.error_lines(tried, ctx.ram)
     arithmetic.update({"disk": disk} if disk else {})
     lines = [
         f"plan_training: {shape.name} ({shape.dtype}, batch {shape.batch} x seq {shape.seq}) does not fit",
@@ -481,7 +481,7 @@ def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str])
         if sum(c["ram"].values()) <= ctx.ram and _disk.fits(c):
             why = _line("no GPU: RAM", c["ram"], ctx.ram, "available")
             return _make_plan(ctx, c, "cpu", head + [why] + _disk.reasons(ctx, c))
-    disk_lines, disk = _disk.error_lines(c)
+    disk_lines, disk = _disk.error_lines([c], ctx.ram)
     raise PlanError(
         f"plan_training: {shape.name} does not fit in host RAM: "
         + "\n".join([_line("RAM", c["ram"], ctx.ram, "available")] + disk_lines),

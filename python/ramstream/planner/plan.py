@@ -417,12 +417,13 @@ def _plan_training(
     # (b) offload: wrap()'s streamed blocks (or the given ones); when they cannot fit, the best of all
     first = [forced] if forced is not None else [list(range(k_auto))]
     rest = [] if forced is not None else [list(range(k)) for k in range(n + 1) if k != k_auto]
-    tried = []
+    tried, seen = [], {}  # seen: each candidate without the disk, computed once for every disk pass
     for sets, nv in ((s, o) for o in _disk.passes(ctx.disk) for s in (first, rest)):
         for m in _disk.moment_order(moments, nv):
             best = None
             for st in sets:
-                c = _disk.on_offload(ctx, _offload(ctx, st, m), m, nv, _host_memory)
+                off = seen[(tuple(st), m)] = seen.get((tuple(st), m)) or _offload(ctx, st, m)
+                c = _disk.on_offload(ctx, off, m, nv, _host_memory)
                 tried.append(c)
                 if all(_fits(ctx, c)) and (best is None or c["select_s"] < best["select_s"] * (1 - 1e-3)):
                     best = c

@@ -284,7 +284,7 @@ def run(args) -> int:
         f"{prof.adamw_gbps:g} GB/s (x {HOST_UNDER_DMA:g} beside DMA), mapped GPU AdamW {MAPPED_EFFICIENCY:g} x H2D "
         f"each way, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency {MATMUL_EFFICIENCY:g}"
         + (
-            f", disk read {prof.disk_read_gbps:g} GB/s, write {prof.disk_write_gbps:g}"
+            f", disk read {prof.disk_read_gbps:.3g} GB/s, write {prof.disk_write_gbps:.3g}"
             + (f", {prof.disk_free / _GB:.2f} GiB free" if prof.disk_free is not None else "")
             if prof.disk_read_gbps
             else ""

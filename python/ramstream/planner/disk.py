@@ -157,7 +157,7 @@ def reasons(ctx, c: dict) -> list[str]:
     )
     if d["read_gbps"] and d["write_gbps"]:
         s = d["state_on_disk"] / (d["read_gbps"] * 1e9) + d["state_on_disk"] / (d["write_gbps"] * 1e9)
-        rates = f"read {d['read_gbps']:g} GB/s + write {d['write_gbps']:g} GB/s: {s * 1e3:.0f} ms of disk per step"
+        rates = f"read {d['read_gbps']:.3g} GB/s + write {d['write_gbps']:.3g} GB/s: {s * 1e3:.0f} ms of disk per step"
     else:
         rates = "the disk's rates unknown: its time is not in the step"
     room = (

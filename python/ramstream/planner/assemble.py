@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .disk import memory as disk_memory
 from .result import Plan
 from .timing import step_of
 
@@ -48,6 +49,10 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
         reasons.append("no GPU matmul rate in the profile: gpu_compute_s counts only the optimizer")
     split = c["split"]
     total = max(1, sum(split[k] for k in ("device", "mapped", "host")))
+    memory = {"vram": vram, "ram": ram, "pinned": pinned}
+    disk = disk_memory(c)
+    if disk is not None:
+        memory["disk"] = disk
     return Plan(
         mode=mode,
         weights={"resident": [i for i in range(n) if i not in set(c["streamed"])], "streamed": c["streamed"]},
@@ -62,9 +67,11 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
             "numel": {k: split[k] for k in ("device", "mapped", "host")},
             "initial_split": _shares(c.get("initial_split", split), total),  # after step 2
             "refinements": [_round(r, total) for r in c.get("refinements", [])],
+            # the share of the host-updated state (master + moments) in nvme_dir's file (planner/disk.py)
+            "nvme_share": c["disk"]["share"] if c.get("disk") else 0.0,
         },
         quantize=ctx.quant,
-        memory={"vram": vram, "ram": ram, "pinned": pinned},
+        memory=memory,
         predicted={"step_s": step, "tokens_per_s": sh.tokens / step if step > 0 else None, "bound": bound},
         bounds=c["bounds"],
         reasons=reasons,

@@ -56,7 +56,70 @@ def add_arguments(p) -> None:
         ("tflops", "bf16 matmul peak TFLOP/s"),
     ):
         p.add_argument(f"--{name}", type=float, help=what)
+    disk = p.add_argument_group("disk tier (wrap()'s nvme_dir, nvme_offload)")
+    disk.add_argument("--nvme-dir", metavar="PATH", help="a folder for the optimizer state on disk: its rates are "
+                      "measured (2 x 256 MiB written and read) and its free space read")  # fmt: skip
+    disk.add_argument("--nvme-gbps", metavar="READ[,WRITE]", help="the disk's read and write GB/s (WRITE defaults to "
+                      "READ) instead of measuring; free space from --nvme-dir, --nvme-free-gb or assumed enough")  # fmt: skip
+    disk.add_argument("--nvme-free-gb", type=float, metavar="GIB", help="free space on that disk in GiB")
+    disk.add_argument("--nvme-offload", default="auto", metavar="{auto,true,false,FLOAT}",
+                      help="the share of the host optimizer state on disk: auto (the smallest that fits RAM, when a "
+                      "disk is given), true (all), false (none) or a share in [0, 1] (default: auto)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _nvme_offload(text: str):
+    """--nvme-offload as plan_training's nvme_offload; ValueError naming the flag and the values."""
+    low = text.strip().lower()
+    if low in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[low]
+    try:
+        v = float(low)
+    except ValueError:
+        v = math.nan
+    if not (0 <= v <= 1):
+        raise ValueError(
+            f"--nvme-offload {text!r} is not accepted; accepted: auto, true, false or a share in [0, 1]"
+        )
+    return v
+
+
+def _disk(args) -> tuple[dict, str | None]:
+    """The profile's disk_* fields from --nvme-dir / --nvme-gbps / --nvme-free-gb, and where they came
+    from (None: no disk). ValueError naming the flag for a bad value, OSError for the folder."""
+    import shutil
+
+    from .measure import disk_rates
+
+    if args.nvme_free_gb is not None and not (math.isfinite(args.nvme_free_gb) and args.nvme_free_gb >= 0):
+        raise ValueError(f"--nvme-free-gb must be a finite number >= 0, got {args.nvme_free_gb:g}")
+    if args.nvme_gbps is None:
+        if args.nvme_dir is None:
+            if args.nvme_free_gb is not None:
+                raise ValueError("--nvme-free-gb needs --nvme-gbps READ[,WRITE] or --nvme-dir PATH")
+            return {}, None
+        disk, src = disk_rates(args.nvme_dir), f"measured in {args.nvme_dir}"
+    else:
+        try:
+            rates = [float(x) for x in args.nvme_gbps.split(",")]
+        except ValueError:
+            rates = []
+        if len(rates) not in (1, 2) or not all(math.isfinite(r) and r > 0 for r in rates):
+            raise ValueError(
+                f"--nvme-gbps {args.nvme_gbps!r} is not accepted; accepted: READ or READ,WRITE in GB/s (finite, > 0)"
+            )
+        disk = {"disk_read_gbps": rates[0], "disk_write_gbps": rates[-1], "disk_free": None, "disk_dir": None}
+        if args.nvme_dir is not None:
+            disk.update(
+                disk_dir=os.path.abspath(args.nvme_dir), disk_free=int(shutil.disk_usage(args.nvme_dir).free)
+            )
+        src = "rates given" + (f", free space of {args.nvme_dir}" if args.nvme_dir else "")
+    if args.nvme_free_gb is not None:
+        disk["disk_free"] = int(args.nvme_free_gb * _GB)
+        src += ", free space given"
+    elif disk["disk_free"] is None:
+        src += ", free space assumed enough"
+    return disk, src
 
 
 def _machine(args) -> tuple[HardwareProfile, dict]:
@@ -105,8 +168,11 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
         r = available_ram()
         ram, ram_total, pin, world = r["available"], r["total"], pin_budget(), local_world_size()
         sources["ram"] = "available on this machine"
+    disk, sources["disk"] = _disk(args)
+    if sources["disk"] is None:
+        del sources["disk"]
     prof = HardwareProfile(device="cuda", vram_total=vram, vram_free=vram, ram_total=ram_total, ram_available=ram,
-                           pin_budget=pin, local_world_size=world, source="given", **rates)  # fmt: skip
+                           pin_budget=pin, local_world_size=world, source="given", **rates, **disk)  # fmt: skip
     return prof, sources
 
 
@@ -182,7 +248,12 @@ def run(args) -> int:
         where = f"--config {args.config!r}: " if args.config else ""
         print(f"ramstream plan: {where}{e}", file=sys.stderr)
         return 2
-    prof, sources = _machine(args)
+    try:
+        nvme = _nvme_offload(args.nvme_offload)
+        prof, sources = _machine(args)
+    except (OSError, ValueError) as e:
+        print(f"ramstream plan: {e}", file=sys.stderr)
+        return 2
     if prof is None:
         print(
             "ramstream plan: no GPU is visible here and no cached GPU profile exists: pass --vram-gb, the "
@@ -191,7 +262,7 @@ def run(args) -> int:
         )
         return 2
     try:
-        plan = plan_training(shape, prof)
+        plan = plan_training(shape, prof, nvme_offload=nvme)
     except PlanError as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "arithmetic": e.arithmetic, "options": e.options,
@@ -212,5 +283,11 @@ def run(args) -> int:
         f"rates: H2D {prof.h2d_gbps:g} GB/s, D2H {prof.d2h_gbps:g}, both at once {prof.duplex_gbps:g} each, host AdamW "
         f"{prof.adamw_gbps:g} GB/s (x {HOST_UNDER_DMA:g} beside DMA), mapped GPU AdamW {MAPPED_EFFICIENCY:g} x H2D "
         f"each way, bf16 matmul {prof.matmul_tflops:g} TFLOP/s x efficiency {MATMUL_EFFICIENCY:g}"
+        + (
+            f", disk read {prof.disk_read_gbps:.3g} GB/s, write {prof.disk_write_gbps:.3g}"
+            + (f", {prof.disk_free / _GB:.2f} GiB free" if prof.disk_free is not None else "")
+            if prof.disk_read_gbps
+            else ""
+        )
     )
     return 0

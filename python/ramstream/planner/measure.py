@@ -1,5 +1,5 @@
 """Measurements of what the machine offers: copy bandwidths, the host AdamW rate, the GPU matmul
-rate and the cgroup memory limit. Shared by `ramstream doctor` and profile_hardware().
+rate, the cgroup memory limit and a disk tier folder's rates and free space. Shared by `ramstream doctor` and profile_hardware().
 
 Every function runs on the calling thread, holds the GIL only around torch calls, and
 synchronises the device it times (no stream is left with pending work).
@@ -172,3 +172,24 @@ def matmul_tflops(device: torch.device | str | None = None, n: int = 4096, repea
         torch.cuda.synchronize(dev)
 
     return 4 * 2 * n**3 / best_seconds(run, repeat) / 1e12
+
+
+def disk_rates(directory, quick: bool = True) -> dict:
+    """{"disk_dir", "disk_read_gbps", "disk_write_gbps", "disk_free"} of the folder `directory`:
+    ramstream.disk.measure_disk's rates (DiskStore's own I/O threads, O_DIRECT where the
+    filesystem takes it; writes 2 x 256 MiB, 2 x 1 GiB when not quick, in a scratch file it
+    removes) and the free bytes after it (shutil.disk_usage). OSError naming the path when the
+    folder is missing or not writable."""
+    import os
+    import shutil
+
+    from ..disk.store import measure_disk
+
+    path = os.fspath(directory)
+    r = measure_disk(path, size=(256 << 20) if quick else (1 << 30))
+    return {
+        "disk_dir": os.path.abspath(path),
+        "disk_read_gbps": float(r["read_gbps"]),
+        "disk_write_gbps": float(r["write_gbps"]),
+        "disk_free": int(shutil.disk_usage(path).free),
+    }

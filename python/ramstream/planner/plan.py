@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import disk as _disk
 from . import policy
 from .act_modes import choose_modes
 from .assemble import line as _line
@@ -33,7 +34,7 @@ from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split
 from .profile import HardwareProfile
 from .result import Plan, PlanError
 from .shape import ModelShape
-from .suggest import suggestions
+from .suggest import NOTHING_FITS, suggestions
 from .timing import MATMUL_EFFICIENCY, step_of, step_times
 
 STREAM_WINDOW = 3  # streamed blocks on the GPU at once: the one running and weight_window=2 ahead
@@ -56,6 +57,7 @@ class _Ctx:
     inflight_cap: int
     recompute: tuple = ()
     refine: bool = True  # time the split optimizer_mode="auto" settles on (False: step 2's)
+    disk: object = None  # disk.Disk: nvme_offload and the profile's disk
 
     @property
     def wb(self) -> int:
@@ -193,8 +195,8 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
     return now, t_now, rounds
 
 
-def _fits(ctx: _Ctx, c: dict) -> tuple[bool, bool]:
-    return sum(c["vram"].values()) <= ctx.budget, sum(c["ram"].values()) <= ctx.ram
+def _fits(ctx: _Ctx, c: dict) -> tuple[bool, bool, bool]:
+    return sum(c["vram"].values()) <= ctx.budget, sum(c["ram"].values()) <= ctx.ram, _disk.fits(c)
 
 
 def _resident(ctx: _Ctx, off: dict) -> dict:
@@ -251,8 +253,10 @@ def plan_training(
     quantize: str = "none",
     vram_headroom: float = 0.10,
     max_activation_slowdown: float = 0.15,
+    nvme_offload="auto",
     _suggest: bool = True,
     _refine: bool = True,
+    _assume_disk: bool = False,
 ) -> Plan:
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
     thread-safe.
@@ -270,7 +274,11 @@ def plan_training(
         quantize: "none", "int8" or "nf4": how frozen block weight matrices are stored.
         vram_headroom: share of free VRAM left unused, in [0, 1).
         max_activation_slowdown: the step slowdown activation paging may cost (>= 0).
+        nvme_offload: "auto" (when the plan does not fit in RAM and the profile knows a disk:
+            the smallest share of the host-updated optimizer state on disk that fits, disk.py),
+            True (all of it), False (none) or a share in [0, 1]; plan.optimizer["nvme_share"].
 
+    _assume_disk=True plans as if the profile had a disk of unbounded free space (suggest.py).
     _refine=False times the split after step 2 instead of the refined one (engine/refine.py; the
     engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
 
@@ -285,7 +293,8 @@ def plan_training(
     kw = dict(param_offload=param_offload, activation_offload=activation_offload,
               activation_checkpointing=activation_checkpointing, optimizer_mode=optimizer_mode,
               moment_dtype=moment_dtype, quantize=quantize, vram_headroom=vram_headroom,
-              max_activation_slowdown=max_activation_slowdown, _refine=_refine)  # fmt: skip
+              max_activation_slowdown=max_activation_slowdown, nvme_offload=nvme_offload, _refine=_refine,
+              _assume_disk=_assume_disk)  # fmt: skip
     auto = isinstance(activation_checkpointing, str) and activation_checkpointing == "auto"
     if not auto or not profile.vram_total:
         return _plan_training(shape, profile, _suggest=_suggest, **kw)
@@ -301,15 +310,15 @@ def plan_training(
 
 
 _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "optimizer_mode", "moment_dtype",
-            "quantize", "vram_headroom", "max_activation_slowdown")  # fmt: skip
+            "quantize", "vram_headroom", "max_activation_slowdown", "nvme_offload")  # fmt: skip
 
 
 def _plan_training(
-    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, **opts
+    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, _assume_disk: bool, **opts
 ) -> Plan:
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
-     vram_headroom, max_activation_slowdown) = (opts[k] for k in _OPTIONS)  # fmt: skip
+     vram_headroom, max_activation_slowdown, nvme_offload) = (opts[k] for k in _OPTIONS)  # fmt: skip
     from ..blocks import chosen_blocks
     from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
 
@@ -366,7 +375,8 @@ def _plan_training(
             )
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
-               policy.grad_inflight_bytes(p), refine=bool(_refine))  # fmt: skip
+               policy.grad_inflight_bytes(p), refine=bool(_refine),
+               disk=_disk.tier(p, nvme_offload, where, _assume_disk))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "
@@ -407,12 +417,13 @@ def _plan_training(
     # (b) offload: wrap()'s streamed blocks (or the given ones); when they cannot fit, the best of all
     first = [forced] if forced is not None else [list(range(k_auto))]
     rest = [] if forced is not None else [list(range(k)) for k in range(n + 1) if k != k_auto]
-    tried = []
-    for sets in (first, rest):
-        for m in moments:
+    tried, seen = [], {}  # seen: each candidate without the disk, computed once for every disk pass
+    for sets, nv in ((s, o) for o in _disk.passes(ctx.disk) for s in (first, rest)):
+        for m in _disk.moment_order(moments, nv):
             best = None
             for st in sets:
-                c = _offload(ctx, st, m)
+                off = seen[(tuple(st), m)] = seen.get((tuple(st), m)) or _offload(ctx, st, m)
+                c = _disk.on_offload(ctx, off, m, nv, _host_memory)
                 tried.append(c)
                 if all(_fits(ctx, c)) and (best is None or c["select_s"] < best["select_s"] * (1 - 1e-3)):
                     best = c
@@ -429,24 +440,24 @@ def _plan_training(
                     + note,
                     c["act_why"],
                     _why_optimizer(c, shape, m, moment),
+                    *_disk.reasons(ctx, c),
                 ]
                 return _make_plan(ctx, c, "offload", reasons)
     # (d) nothing fits
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
-    lo_r = min(tried, key=lambda c: sum(c["ram"].values()))
+    lo_r = min([c for c in tried if _disk.fits(c)] or tried, key=lambda c: sum(c["ram"].values()))
     arithmetic = {"vram": {**lo_v["vram"], "budget": budget}, "ram": {**lo_r["ram"], "budget": ctx.ram}}
+    disk_lines, disk = _disk.error_lines(tried, ctx.ram)
+    arithmetic.update({"disk": disk} if disk else {})
     lines = [
         f"plan_training: {shape.name} ({shape.dtype}, batch {shape.batch} x seq {shape.seq}) does not fit",
         "  " + _line("VRAM (least-VRAM plan)", lo_v["vram"], budget, f"usable (free {p.vram_free / _GIB:.2f} GiB less {vram_headroom:.0%})"),
         "  " + _line("RAM (least-RAM plan)", lo_r["ram"], ctx.ram, "available per rank"),
-    ]  # fmt: skip
+    ] + disk_lines  # fmt: skip
     options = suggestions(shape, profile, param_offload, activation_offload, optimizer_mode, moment, quantize,
-                           vram_headroom, max_activation_slowdown, plan_fn=plan_training) if _suggest else []  # fmt: skip
+                           vram_headroom, max_activation_slowdown, nvme_offload, plan_fn=plan_training) if _suggest else []  # fmt: skip
     if _suggest:  # without it nothing was tried: no line rather than a wrong "none"
-        lines.append(
-            "  would fit: "
-            + ("; ".join(options) if options else "none of bf16 moments, int8/nf4, a smaller batch or seq")
-        )
+        lines.append("  would fit: " + ("; ".join(options) if options else NOTHING_FITS))
     raise PlanError("\n".join(lines), arithmetic=arithmetic, options=options)
 
 
@@ -454,7 +465,7 @@ def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str])
     """No GPU: the CPU engine keeps everything in host RAM (stock training's bytes)."""
     sh, wb = shape, ctx.wb
     n = len(sh.blocks)
-    for m in moments:
+    for nv, m in ((o, m) for o in _disk.passes(ctx.disk) for m in _disk.moment_order(moments, o)):
         ram = {
             "weights": sum(ctx.weight(q) for q in sh.parts),
             "gradients": sh.trained_numel * wb,
@@ -466,10 +477,15 @@ def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str])
         split = {"device": 0, "mapped": 0, "host": sh.trained_numel}
         c = dict(vram={}, ram=ram, pinned={}, modes=["keep"] * n, share=0.0, streamed=[], moment=m, split=split,
                  bounds=_times(ctx, [], 0, ["keep"] * n, m, split))  # fmt: skip
-        if sum(ram.values()) <= ctx.ram:
-            return _make_plan(ctx, c, "cpu", head + [_line("no GPU: RAM", ram, ctx.ram, "available")])
+        rows = [(ram, ram["optimizer_state"], 0)]
+        c = _disk.timed(_disk.apply(c, rows, ctx.ram, nv, ctx.disk, _mb(m)))
+        if sum(c["ram"].values()) <= ctx.ram and _disk.fits(c):
+            why = _line("no GPU: RAM", c["ram"], ctx.ram, "available")
+            return _make_plan(ctx, c, "cpu", head + [why] + _disk.reasons(ctx, c))
+    disk_lines, disk = _disk.error_lines([c], ctx.ram)
     raise PlanError(
-        f"plan_training: {shape.name} does not fit in host RAM: " + _line("RAM", ram, ctx.ram, "available"),
-        arithmetic={"ram": {**ram, "budget": ctx.ram}},
+        f"plan_training: {shape.name} does not fit in host RAM: "
+        + "\n".join([_line("RAM", c["ram"], ctx.ram, "available")] + disk_lines),
+        arithmetic={"ram": {**c["ram"], "budget": ctx.ram}, **({"disk": disk} if disk else {})},
         options=[],
     )

@@ -46,6 +46,10 @@ class HardwareProfile(TrainStreamProfileNames):
     - matmul_tflops: dense bf16 GEMM rate on the GPU; None on the CPU.
     - local_world_size: processes on this machine (LOCAL_WORLD_SIZE); they share RAM and the pin
       budget, so the planner uses ram_per_rank and pin_per_rank.
+    - disk_dir, disk_read_gbps, disk_write_gbps, disk_free: the disk tier's folder (nvme_dir), its
+      read and write rates through ramstream's DiskStore (GB/s) and its free bytes; None when no
+      disk was asked for (profile_hardware(nvme_dir=...)) or the number is unknown. Profiles
+      saved before these fields existed load with None.
     """
 
     device: str = "cpu"
@@ -65,6 +69,10 @@ class HardwareProfile(TrainStreamProfileNames):
     isa: str = "scalar"
     versions: dict = field(default_factory=dict)
     source: str = "measured"  # "measured", "cache" (rates read from the cache file) or "given"
+    disk_dir: str | None = None
+    disk_read_gbps: float | None = None
+    disk_write_gbps: float | None = None
+    disk_free: int | None = None
 
     @property
     def ram_per_rank(self) -> int:
@@ -238,7 +246,7 @@ def cached_profile(device=None) -> HardwareProfile | None:
 
 
 def profile_hardware(
-    device=None, quick: bool = True, force: bool = False, *, _cache_only: bool = False
+    device=None, quick: bool = True, force: bool = False, *, nvme_dir=None, _cache_only: bool = False
 ) -> HardwareProfile:
     """Measures (or reads from the cache) what this machine offers and returns a HardwareProfile.
 
@@ -247,6 +255,10 @@ def profile_hardware(
             torch.device.
         quick: shorter measurements (a few seconds in all) when the cache has none.
         force: measure the rates again even when the cache has them (and rewrite it).
+        nvme_dir: a folder for the disk tier (wrap()'s nvme_dir), or None. When given, its read and
+            write rates and free space are measured on every call (measure.disk_rates: a scratch
+            file of 2 x 256 MiB written and read, removed after) and fill the profile's disk_*
+            fields; they are not cached (free space changes, and so may the folder's disk).
 
     Free VRAM, available RAM, the pin budget and LOCAL_WORLD_SIZE are read on every call. Not
     thread-safe against a concurrent set_per_process_memory_fraction; uses the default stream of
@@ -259,6 +271,8 @@ def profile_hardware(
     for name, v in (("quick", quick), ("force", force)):
         if not isinstance(v, bool):
             raise TypeError(f"profile_hardware: {name} must be True or False, got {v!r}")
+    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+        raise TypeError(f"profile_hardware: nvme_dir must be None or a folder path, got {nvme_dir!r}")
     dev = _profile_device(device)
     name = "cpu" if dev is None else str(dev)
     gpu_name = None if dev is None else torch.cuda.get_device_name(dev)
@@ -275,6 +289,7 @@ def profile_hardware(
         rates = measure_rates(name, quick)
         source = "measured"
         _write_cache(path, key, rates)
+    disk = measure.disk_rates(nvme_dir, quick) if nvme_dir is not None else {}
     return HardwareProfile(
         device=name,
         gpu_name=gpu_name,
@@ -289,4 +304,5 @@ def profile_hardware(
         versions=versions,
         source=source,
         **rates,
+        **disk,
     )

@@ -29,12 +29,14 @@ class Plan:
     #                  "pcie_bytes_per_s"(, "reverted")}, the last one {"split", "host_trial":
     #                  True(, "reverted")} when refine.py's host-only trial runs}
     quantize: str
-    memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}
+    memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}, and
+    #               with state on disk "disk": {"optimizer_state", "total", "budget" (None: unknown),
+    #               "free", "ram_saved", "written_per_step", "read_per_step"} (planner/disk.py)
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
     bounds: dict  # seconds per resource: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, mapped_update_s;
     #               exposed_s (the step beyond the largest of those), gpu_lane_s, host_lane_s,
     #               weight_stream_s, stream_stall_s, optimizer_pcie_s, issue_exposed_s,
-    #               activation_copy_s (planner/timing.py)
+    #               activation_copy_s (planner/timing.py); disk_s with state on disk
     reasons: list = field(default_factory=list)
     shape: dict = field(default_factory=dict)
 
@@ -88,6 +90,13 @@ class Plan:
             lines.append(
                 f"  {where}: {gib(m.get('total', 0))} of {gib(m.get('budget', 0))}"
                 + (f" ({parts})" if parts else "")
+            )
+        d = self.memory.get("disk")
+        if d:
+            lines.append(
+                f"  disk: {gib(d['total'])} of the optimizer state ({o.get('nvme_share', 0):.1%} of the host's)"
+                + (f" of {gib(d['budget'])}" if d.get("budget") is not None else "")
+                + f", {d['written_per_step'] / 1e9:.1f} GB written per step"
             )
         b = self.bounds
         lines.append(

@@ -49,3 +49,14 @@ DEFAULT_RATES = {
     "matmul_tflops": 790.0,
 }
 DEFAULT_VRAM = 140 * 2**30  # an H200's 143771 MiB
+
+# The disk tier (nvme_offload="auto", planner/disk.py): when the host RAM cannot hold the host-updated
+# optimizer state, the smallest share of it (fp32 master + moments) goes to a scratch file in
+# nvme_dir. The file may take this share of the disk's free space (the rest stays for the
+# filesystem and whatever else writes there) ...
+DISK_FREE_SHARE = 0.9
+# ... and this much host RAM stays reserved beside it: the disk reads and write-backs are
+# double-buffered with the host AdamW (a bucket of state read ahead, one written behind: two
+# buckets of 8M params x 12 B each way, ~400 MiB), and the engine places whole buckets, so its
+# share may land one bucket above the plan's.
+NVME_RAM_MARGIN = 1 << 30

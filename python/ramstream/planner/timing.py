@@ -74,6 +74,13 @@ MAPPED_EFFICIENCY alone: the kernels' stalls behind the copies do not all delay 
 stream (the second session's row G, 54 % mapped: the step exceeded compute by 1.12 s, its mapped
 bytes at the kernel's rate are 1.18 s, with the copies' link time 1.29 s).
 
+The disk tier (planner/disk.py, nvme_offload): each step reads every byte of the state on disk
+before its AdamW and writes it back after, double-buffered with the host AdamW (a bucket read
+ahead, one written behind). Reads and writes share one disk, so they add: disk_s = bytes /
+disk_read_gbps + bytes / disk_write_gbps. The host AdamW in the host lane then takes the longer of
+itself and disk_s, plus the edges no AdamW hides: the first bucket's read and the last one's write
+(with_disk). Not measured on a GPU run yet.
+
 The constants and their measurements are next to them; tests/test_planner_h200.py holds the
 H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
 uncapped).
@@ -281,7 +288,28 @@ def _streamed_host_lane(sh, p, weight_of, ss, split, per_f, per_b, outside_s, pe
                       host_s=host_s, d2h_s=d2h_s, mapped_s=mapped_s, ready_s=ready_s)  # fmt: skip
 
 
-OVERLAPPED = ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s", "mapped_update_s")
+OVERLAPPED = ("gpu_compute_s", "h2d_s", "d2h_s", "host_adamw_s", "mapped_update_s", "disk_s")
+
+
+def with_disk(bounds: dict, disk_bytes: int, read_gbps, write_gbps, bucket_bytes: int) -> dict:
+    """`bounds` with the disk tier (module docstring): disk_s (its reads and writes, one after the
+    other), the host lane stretched to max(host AdamW, disk_s) + one bucket's read and write (the
+    edges), the step and exposed_s again. Unchanged without bytes or rates."""
+    if not (disk_bytes and read_gbps and write_gbps):
+        return bounds
+    r, w = read_gbps * 1e9, write_gbps * 1e9
+    disk = disk_bytes / r + disk_bytes / w
+    edge = min(bucket_bytes, disk_bytes) * (1 / r + 1 / w)
+    lane = bounds["host_lane_s"] + max(0.0, disk - bounds["host_adamw_s"]) + edge
+    step = max(step_of(bounds)[0], lane + bounds["activation_copy_s"])
+    out = {}
+    for k, v in bounds.items():
+        if k == "exposed_s":
+            out["disk_s"] = disk
+        out[k] = v
+    out["host_lane_s"] = lane
+    out["exposed_s"] = max(0.0, step - max(out[k] for k in OVERLAPPED))
+    return out
 
 
 def step_of(bounds: dict) -> tuple[float, str]:

@@ -122,3 +122,37 @@ def test_the_session_applies_a_revision_through_its_levers_and_records_it():
     assert session.revise(Measured(128, 8), first=0).changed == {}  # applied: it fits now
     session.record({"change": "x"})
     assert history == [{"change": "x"}]
+
+
+def test_the_eleventh_sessions_step0_refusal_r5_now_streams_blocks_from_the_back():
+    """Row R5 of the defaults matrix (GPT 6.85B, bf16 weights, chunked loss, 24 GiB): wrap() planned
+    for the default 8 x 512 (every block recomputing, none streamed: bench/data/defaults-2026-12-05
+    .jsonl), then a 16 x 2048 step came and was refused at step 0. Its revision now streams the fewest
+    blocks from the back and fits the same VRAM budget (the profile: that record's, injected)."""
+    from ramstream.planner import HardwareProfile
+    from ramstream.planner.shape import ModelShape
+
+    gib = 2**30
+    prof = HardwareProfile(
+        device="cuda:0", gpu_name="NVIDIA H200", vram_total=150109880320, vram_free=24 * gib,
+        ram_total=135129063424, ram_available=133514338304, pin_budget=67564531712, h2d_gbps=54.305566,
+        d2h_gbps=54.839555, duplex_gbps=49.129558, adamw_gbps=138.735255, matmul_tflops=759.465505,
+        source="given",
+    )  # fmt: skip
+    shape = ModelShape.gpt("6.85b", batch=8, seq=512, dtype="bfloat16", loss="chunked")
+    wrapped = plan_training(shape, prof)
+    rc = [i for i, m in enumerate(wrapped.activations) if m == "recompute"]
+    assert wrapped.weights["streamed"] == [] and rc == list(range(32))  # as the record says
+    applied = {
+        "param_offload": [],
+        "activation_checkpointing": rc,
+        "moment_dtype": wrapped.optimizer["moment_dtype"],
+    }
+    with pytest.raises(RevisionError):  # what the eleventh session's check could do: refuse
+        revise(shape, prof, applied, Measured(16, 2048), levers=("recompute",))
+    rev = revise(shape, prof, applied, Measured(16, 2048))
+    st = rev.changed["param_offload"]
+    assert st and st[-1] == 31 and st == list(range(32 - len(st), 32))
+    vram = rev.plan.memory["vram"]
+    assert vram["total"] <= vram["budget"]
+    assert rev.shape.batch == 16 and rev.shape.seq == 2048

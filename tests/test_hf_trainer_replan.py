@@ -1,7 +1,9 @@
 """OffloadTrainer and a step larger than the plan (issue 24, point 3): when the plan can fit it by
-making layers after the first recompute, the step goes on under the revised plan (no re-run);
-when every layer must recompute (the first too), PlanOutOfMemoryError(replanned=True) -> the
-Trainer runs the same training step once more; a second refusal, or one that changed nothing,
+making more layers recompute, the step goes on under the revised plan (no re-run: the Trainer calls
+the model, whose own pre-hook runs the check before any layer); only where the check runs first in
+the first layer (the model's forward run directly: here its model-level hook removed) and every layer
+must recompute, the first too, PlanOutOfMemoryError(replanned=True) -> the Trainer runs the same
+training step once more; a second refusal, or one that changed nothing,
 propagates. On the CPU engine, with the step check wrap() installs on a GPU installed at train
 begin on an injected GPU profile."""
 
@@ -87,8 +89,8 @@ class _SmallPlan(transformers.TrainerCallback):
     GPU with a few MiB free, the first (from 1440 KiB down) on which the Trainer's 2 x 16 token steps
     need `want` layers recomputed (the planner's answer, from the back)."""
 
-    def __init__(self, want: list[int]) -> None:
-        self.want, self.free_kib = want, None
+    def __init__(self, want: list[int], model_hook: bool = True) -> None:
+        self.want, self.free_kib, self.model_hook = want, None, model_hook
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from ramstream.runtime.tokens import StepCheck
@@ -105,12 +107,16 @@ class _SmallPlan(transformers.TrainerCallback):
             plan = plan_training(
                 shape, prof, quantize="none", activation_checkpointing=[], activation_offload=False
             )
-            check_steps(model, w, plan, shape, prof, w.options, w.log)
+            n = len(w.handles)
+            check_steps(model, w, plan, shape, prof, w.options, w.log)  # the layer's and the model's hooks
             check = next(h for h in layers[0]._forward_pre_hooks.values() if isinstance(h, StepCheck))
             if _revision(check, 2, 16) == self.want:
                 self.free_kib = kib
+                if not self.model_hook:
+                    w.handles.pop().remove()  # the model's (added last): only the first layer checks
                 return
-            w.handles.pop().remove()
+            while len(w.handles) > n:
+                w.handles.pop().remove()
         raise AssertionError(f"no GPU size on which 2 x 16 tokens need layers {self.want} recomputed")
 
 
@@ -126,17 +132,19 @@ def plain(llama_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "want,rerun", [([1, 2], False), ([0, 1, 2], True)], ids=["goes-on", "every-layer-re-run"]
+    "want,model_hook,rerun",
+    [([1, 2], True, False), ([0, 1, 2], True, False), ([0, 1, 2], False, True)],
+    ids=["goes-on", "every-layer-goes-on", "every-layer-from-the-first-layer-re-run"],
 )
 def test_a_larger_step_is_re_planned_and_trains_as_without_the_check(
-    llama_dir, tmp_path, caplog, plain, want, rerun
+    llama_dir, tmp_path, caplog, plain, want, model_hook, rerun
 ):
     caplog.set_level(logging.INFO, logger="ramstream")
-    small = _SmallPlan(want)
+    small = _SmallPlan(want, model_hook)
     checked = _trainer(llama_dir, tmp_path / "checked", callbacks=[small])
     checked.train()
     assert small.free_kib is not None
-    what = f"now recomputing blocks {'0-2' if rerun else '1-2'} (was none)"
+    what = f"now recomputing blocks {'0-2' if 0 in want else '1-2'} (was none)"
     reruns = [r for r in caplog.records if "re-running the step" in r.getMessage()]
     if rerun:  # the first layer must recompute too: refused before anything ran, run once more
         assert len(reruns) == 1 and what in reruns[0].getMessage()

@@ -208,6 +208,21 @@ class StreamLever:
         return made
 
 
+def blocks_owner(model, first):
+    """The module whose forward runs the block stack (a Hugging Face model's decoder, LlamaModel:
+    what the chunked loss and peft call; the model itself for a GPT whose blocks are its own
+    ModuleList); None when `first` is not inside `model` or is the model."""
+    names = {id(m): n for n, m in model.named_modules()}
+    name = names.get(id(first))
+    if not name:
+        return None
+    parts = name.split(".")
+    parent = model.get_submodule(".".join(parts[:-1]))
+    if isinstance(parent, torch.nn.ModuleList | torch.nn.Sequential) and len(parts) > 1:
+        parent = model.get_submodule(".".join(parts[:-2]))
+    return parent
+
+
 def _record_plan(w, plan) -> None:
     """The session's record of a revised plan: memory_report(model)["plan"]["planner"]."""
     w.applied_plan = plan
@@ -257,5 +272,6 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
     # model's own pre-hook sees the step before any block ran (when the model itself is called)
     w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True, prepend=True))
-    if model is not blocks[0]:
-        w.handles.append(model.register_forward_pre_hook(check.before_blocks, with_kwargs=True, prepend=True))
+    owner = blocks_owner(model, blocks[0])
+    if owner is not None:
+        w.handles.append(owner.register_forward_pre_hook(check.before_blocks, with_kwargs=True, prepend=True))

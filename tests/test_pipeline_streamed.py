@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from ramstream import Pipeline
 from ramstream.pipeline.streamed import StreamedStage
-from test_pipeline import Boom, assert_same, batch, blocks, reference_grads, run_with_timeout
+
+from _pipeline_helpers import Boom, assert_same, batch, blocks, reference_grads, run_with_timeout
 
 CONFIGS = [(True, 1, 0), (True, 2, 1), ("checkpoint", 2, 0), (False, 3, 1)]
 

@@ -170,7 +170,7 @@ def test_two_gpus_and_a_failure_on_the_gpu():
             assert torch.equal(p.grad.cpu(), q.grad.cpu())
 
 
-def test_chunk_modules_dice_and_paged_activations_are_issue_28():
+def test_chunk_modules_dice_and_paged_activations_are_accepted():
     model = blocks(5)
     with Pipeline(chunk_modules=list(model), devices=["cpu", "cpu"], offload=False) as pipe:
         assert [len(m.parts) for m in pipe.modules] == [3, 2]  # the earlier stage takes the remainder
@@ -178,8 +178,8 @@ def test_chunk_modules_dice_and_paged_activations_are_issue_28():
         chunk_modules=list(model), chunks_per_stage=[1, 4], offload=False, devices=["cpu", "cpu"]
     ) as pipe:
         assert [len(m.parts) for m in pipe.modules] == [1, 4]
-    with pytest.raises(NotImplementedError, match="issue 28"):
-        Pipeline(chunk_modules=list(model), devices=["cpu", "cpu"], offload_activations=True)
+    with Pipeline(chunk_modules=list(model), devices=["cpu", "cpu"], offload_activations=True) as pipe:
+        assert len(pipe.activation_stats()) == 2  # paged activations: test_pipeline_act_offload.py
 
 
 def test_trace_path_writes_a_track_per_stage(tmp_path):

@@ -78,7 +78,7 @@ def check_devices(devices, n: int | None):
 
 
 def check_offload(window, pin, keep, grad_accum, acc_slots, activations, act_slots) -> None:
-    """RamTorch's offload_* options: checked, for streamed stages (which raise NotImplementedError)."""
+    """RamTorch's offload_* options, checked (their meanings: Pipeline's docstring)."""
     check_int("Pipeline", "offload_window", window, 1)
     check_int("Pipeline", "offload_pin", pin, 0)
     if keep not in (True, False, "checkpoint") or isinstance(keep, int) and not isinstance(keep, bool):

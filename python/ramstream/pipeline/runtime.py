@@ -14,7 +14,6 @@ import torch
 
 from . import schedule as schedules
 from .checks import (
-    ISSUE,
     check_autocast,
     check_devices,
     check_int,
@@ -23,6 +22,7 @@ from .checks import (
     split_batch,
     split_tensors,
 )
+from .paging import StagePager
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
@@ -81,9 +81,14 @@ class Pipeline:
         offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
             (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
             keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
-        offload_grad_accum, offload_acc_slots, offload_act_slots: checked and accepted; they
-            change nothing (gradients always go home as they are produced, summed there).
-            offload_activations=True raises NotImplementedError (issue 28).
+        offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
+            (gradients always go home as they are produced, summed there).
+        offload_activations, offload_act_slots: True pages the tensors each stage's forward saves
+            for backward (any stage, streamed or resident) to host memory (pinned on a GPU):
+            at most offload_act_slots (chunk, microbatch) forwards per stage keep theirs on the
+            device until their backward; the others' come back when their backward starts
+            (StagePager, paging.py). Gradients are unchanged bit for bit;
+            activation_stats() counts what moved.
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -153,11 +158,6 @@ class Pipeline:
             devs = check_devices(None, n)
         elif len(devs) != n:
             raise ValueError(f"Pipeline: devices has {len(devs)} entries for {n} stages")
-        if offload and offload_activations and any(isinstance(p, list) for p in pieces):
-            raise NotImplementedError(
-                f"Pipeline: offload_activations=True (paging a streamed stage's activations to host "
-                f"memory) is not implemented yet ({ISSUE}); pass offload_activations=False"
-            )
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
@@ -178,6 +178,7 @@ class Pipeline:
                 mod.to(devs[s])
             self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
         self._streamed = [ch.module for ch in self._chunks if isinstance(ch.module, StreamedStage)]
+        self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
         self._params = self._check_params()
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
@@ -342,7 +343,7 @@ class Pipeline:
             loss_fn = _sum_loss
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
-            train=True, trace=trace_path is not None,
+            train=True, trace=trace_path is not None, pagers=self._pagers,
         )  # fmt: skip
         stash = [(p, p.grad) for p in self._params if p.requires_grad]
         for p, _ in stash:
@@ -355,6 +356,8 @@ class Pipeline:
             ok = True
         finally:
             try:
+                for pg in self._pagers or []:
+                    pg.reset()  # a failed step's paged activations go back to the pool
                 for st in self._streamed:
                     st.end(ok)  # streamed gradients (landed at home) into .grad, or dropped
             finally:
@@ -414,6 +417,12 @@ class Pipeline:
             ops.append([schedules.Op("F", m, c) for _, c, m in keys])
         return ops
 
+    def activation_stats(self) -> list:
+        """Per stage, what offload_activations moved since construction (StagePager.stats():
+        packs, kept, paged, paged_bytes, fetched, fetched_bytes, resident_peak, host pool bytes);
+        [] without offload_activations."""
+        return [pg.stats() for pg in self._pagers or []]
+
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:
         """RamTorch's "accumulators -> .grad", with one meaning (OffloadModel's): every step()
@@ -443,6 +452,8 @@ class Pipeline:
         self._threads = []
         for st in self._streamed:
             st.close()
+        for pg in self._pagers or []:
+            pg.close()
 
     def __enter__(self):
         return self

@@ -18,6 +18,7 @@ from .checks import (
     check_devices,
     check_int,
     check_offload,
+    check_paths,
     dice,
     split_batch,
     split_tensors,
@@ -27,6 +28,7 @@ from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
 from .streamed import StreamedStage
+from .streaming import InferHandle, InferStream
 
 __all__ = ["Pipeline", "PipelineResult"]
 
@@ -83,12 +85,9 @@ class Pipeline:
             keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
-        offload_activations, offload_act_slots: True pages the tensors each stage's forward saves
-            for backward (any stage, streamed or resident) to host memory (pinned on a GPU):
-            at most offload_act_slots (chunk, microbatch) forwards per stage keep theirs on the
-            device until their backward; the others' come back when their backward starts
-            (StagePager, paging.py). Gradients are unchanged bit for bit;
-            activation_stats() counts what moved.
+        offload_activations, offload_act_slots: True pages what each stage's forwards save for
+            backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
+            back at their backward (paging.py; bit-identical; activation_stats() counts it).
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -182,6 +181,7 @@ class Pipeline:
         self._params = self._check_params()
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
+        self._stream: InferStream | None = None
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
         self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
@@ -226,7 +226,8 @@ class Pipeline:
     def _execute(self, run: Run, ops) -> None:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
-                "Pipeline: a step() or infer() is already running (from another thread, or from inside a stage)"
+                "Pipeline: a step() or infer() is already running (from another thread, or from inside a "
+                "stage), or an infer_open() stream is open (close it first)"
             )
         try:
             run.mark_start()
@@ -253,13 +254,7 @@ class Pipeline:
             self._lock.release()
 
     def _profiled(self, run, ops, trace_path, profile_path) -> None:
-        for name, path in (("trace_path", trace_path), ("profile_path", profile_path)):
-            if path is not None:
-                if not isinstance(path, (str, os.PathLike)):
-                    raise TypeError(f"Pipeline: {name} must be a path, got {type(path).__name__}")
-                folder = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(folder):
-                    raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")
+        check_paths(trace_path=trace_path, profile_path=profile_path)
         t0 = time.perf_counter()
         if profile_path is None:
             self._execute(run, ops)
@@ -407,6 +402,45 @@ class Pipeline:
                 st.streamer.evict_all()
         return cat_outputs(run.outputs)
 
+    # ---- streaming inference (streaming.py) -------------------------------------------------------
+    def infer_open(self) -> InferStream:
+        """Opens (or returns the open) streaming-inference session (streaming.py), served by the
+        stage threads until closed (its close(), a `with` block, or close()); step()/infer() raise
+        RuntimeError meanwhile."""
+        self._check_open()
+        if self._stream is not None:
+            return self._stream
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Pipeline.infer_open: a step() or infer() is running")
+        self._stream = InferStream(self._chunks, self._threads, self._end_stream)
+        return self._stream
+
+    def _end_stream(self) -> None:
+        for st in self._streamed:
+            st.streamer.evict_all()
+        self._stream = None
+        self._lock.release()
+
+    def infer_submit(self, x) -> InferHandle:
+        """Queues one item (a tensor or a tuple of the first stage's arguments; not cut) into the
+        open stream (opened if none is) and returns its InferHandle at once: result(timeout=None)
+        is the last stage's output (the stages run in order under no_grad) or raises the error a
+        stage raised for this item (the other items go on). Stage s runs item i while stage s+1
+        runs item i-1."""
+        return self.infer_open().submit(x)
+
+    def infer_loop(self, items, *, max_in_flight: int | None = None, timeout: float | None = None):
+        """Yields the results of `items` (as infer_submit takes them) in order, at most
+        max_in_flight (default 2 per stage) submitted ahead, on the open stream or on one it opens
+        and closes. timeout: seconds per result (TimeoutError)."""
+        opened = self._stream is None
+        stream = self.infer_open()
+        try:
+            yield from stream.loop(items, max_in_flight=max_in_flight, timeout=timeout)
+        finally:
+            if opened:
+                stream.close()
+
     def _forward_ops(self, n: int) -> list:
         """Forwards only: every stage in the order (microbatch group, chunk, microbatch)."""
         S = self.num_stages
@@ -445,6 +479,8 @@ class Pipeline:
         their parameters stay where they are."""
         if self._closed:
             return
+        if self._stream is not None:
+            self._stream.close()
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:

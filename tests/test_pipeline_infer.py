@@ -134,6 +134,9 @@ def test_close_ends_the_stage_loops_and_the_pipeline_trains_again():
         stream.submit(x)
     pipe.step(x, n_microbatches=2)  # the threads serve steps again
     assert all(p.grad is not None for p in model.parameters())
+    for _ in pipe.infer_loop([x] * 5, timeout=T):
+        break  # leaving the loop closes the stream it opened
+    pipe.step(x, n_microbatches=2)
     pipe.infer_submit(x)  # opens a stream that close() ends
     run_with_timeout(pipe.close, T)
     for t in mine:
@@ -166,6 +169,17 @@ def test_backpressure_tuple_outputs_and_bad_arguments():
             pipe.infer_submit([x])
         with pytest.raises(ValueError, match="max_in_flight"):
             next(pipe.infer_loop([x], max_in_flight=0))
+
+
+def test_streamed_stages_stream_too():
+    model = blocks(6)
+    xs = items(4)
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+    with Pipeline(chunk_modules=list(model), devices=CPU2, offload_window=2) as pipe:
+        got = run_with_timeout(lambda: list(pipe.infer_loop(xs, timeout=T)), T)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        pipe.step(xs[0], n_microbatches=1)  # the stream closed: the stages train again
 
 
 @pytest.mark.cuda

@@ -100,6 +100,10 @@ def test_slots_bound_what_stays_and_off_means_off():
             counts[slots] = pipe.activation_stats()[0]
     assert counts[4]["paged"] == 0 and counts[4]["resident_peak"] == 4  # every forward fits
     assert counts[1]["paged"] > counts[2]["paged"] > 0
+    # gpipe on stage 0: forwards 0..slots-1 keep theirs; each backward frees a slot that the next
+    # paged forward takes at once (its tensors come back ahead of its backward)
+    assert counts[1]["prefetched"] == 3 and counts[2]["prefetched"] == 2 and counts[4]["prefetched"] == 0
+    assert counts[1]["resident_peak"] == 1 and counts[2]["resident_peak"] == 2
     assert counts[1]["packs"] == counts[2]["packs"] == counts[4]["packs"]
     with Pipeline(stage_modules=groups(copy.deepcopy(ref), 2), devices=["cpu", "cpu"]) as pipe:
         pipe.step(x, targets=y, loss_fn=F.mse_loss)
@@ -178,7 +182,7 @@ def test_a_strided_view_comes_back_with_its_strides():
     pager.saving(("other", 0), [])  # takes the one slot: the next forward pages
     assert torch.equal(grad(pager), grad(None))
     assert pager.stats()["paged"] >= 2
-    pager.release((0, 0))
+    pager.release((0, 0), None)
     assert pager.stats()["host_bytes_in_use"] == 0
     pager.close()
 

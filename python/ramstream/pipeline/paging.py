@@ -36,10 +36,11 @@ class _Paged:
 class _Group:
     """The saved tensors of one (chunk, microbatch) forward: kept (on the device) or paged."""
 
-    __slots__ = ("items", "key", "live", "paged")
+    __slots__ = ("items", "key", "live", "paged", "saved")
 
     def __init__(self, key, paged: bool) -> None:
         self.key, self.paged = key, paged
+        self.saved = False  # its forward has run (it may be prefetched)
         self.items: list = []  # its _Paged records
         # during the forward only: (storage address, offset, shape, stride, dtype) -> (tensor,
         # _Paged), so a tensor saved twice is copied once; the tensor is held until the forward
@@ -66,7 +67,17 @@ class StagePager:
         self.groups: dict = {}
         self.resident: set = set()  # keys whose saved tensors stay on the device
         self.counts = dict.fromkeys(
-            ("packs", "kept", "paged", "paged_bytes", "fetched", "fetched_bytes", "resident_peak"), 0
+            (
+                "packs",
+                "kept",
+                "paged",
+                "paged_bytes",
+                "fetched",
+                "fetched_bytes",
+                "prefetched",
+                "resident_peak",
+            ),
+            0,
         )
         self._skip: set = set()
 
@@ -92,6 +103,7 @@ class StagePager:
                 yield
         finally:
             g.live.clear()  # the forward is over: its device tensors may go
+            g.saved = True
 
     def _pack(self, g: _Group, t: torch.Tensor):
         self.counts["packs"] += 1
@@ -146,8 +158,20 @@ class StagePager:
             return x.gpu
         return x
 
-    def release(self, key) -> None:
-        """The backward of `key` is done: its slot is free, its host buffers go back to the pool."""
+    def release(self, key, stream) -> None:
+        """The backward of `key` is done: its host buffers go back to the pool and its slot goes
+        to the paged forward whose backward comes first (smallest microbatch, then latest
+        chunk), whose tensors start coming back now (on `stream`, the stage's, on a GPU)."""
+        self._drop(key)
+        waiting = [k for k, w in self.groups.items() if w.paged and w.saved and k not in self.resident]
+        if waiting and len(self.resident) < self.slots:
+            nxt = min(waiting, key=lambda k: (k[1], -k[0]))
+            self.resident.add(nxt)
+            self.counts["prefetched"] += 1
+            self.counts["resident_peak"] = max(self.counts["resident_peak"], len(self.resident))
+            self.fetch(nxt, stream)
+
+    def _drop(self, key) -> None:
         g = self.groups.pop(key, None)
         self.resident.discard(key)
         if g is not None:
@@ -161,15 +185,16 @@ class StagePager:
             self.pool.give(buf, event)
 
     def reset(self) -> None:
-        """The step ended (done or failed): every group left is released."""
+        """The step ended (done or failed): every group left is released (nothing prefetched)."""
         for key in list(self.groups):
-            self.release(key)
+            self._drop(key)
         self.resident.clear()
 
     def stats(self) -> dict:
         """Counts since construction: packs (saved tensors seen), kept, paged (tensors copied to
-        host), paged_bytes, fetched, fetched_bytes, resident_peak (most forwards keeping their saved
-        tensors on the device at once), and the host pool's byte counts."""
+        host), paged_bytes, fetched, fetched_bytes, prefetched (paged forwards brought back into a
+        freed slot ahead of their backward), resident_peak (most forwards holding a slot at
+        once), and the host pool's byte counts."""
         return {**self.counts, **self.pool.stats()}
 
     def close(self) -> None:

@@ -257,7 +257,7 @@ class Run:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         del state, outs, pairs
         if pager is not None:
-            pager.release((c, m))
+            pager.release((c, m), ch.stream)
         if c > 0:
             back = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
             self.exchange.put(("B", c - 1, m), send(back, ch.stream, grads=True))

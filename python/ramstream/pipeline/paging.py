@@ -48,6 +48,12 @@ class _Group:
         self.live: dict = {}
 
 
+def _ident(t: torch.Tensor) -> tuple:
+    """What tells a saved tensor is one of the given ones (autograd may hand over another Python
+    object viewing the same memory)."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 def _span(t: torch.Tensor) -> int:
     """Elements of the storage the view reaches, from its offset (strides are never negative)."""
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
@@ -82,10 +88,11 @@ class StagePager:
         self._skip: set = set()
 
     # ---- forward -----------------------------------------------------------------------------
-    def saving(self, key, modules):
-        """The context of the forward of `key` = (chunk, microbatch) of `modules` (whose
-        parameters and buffers are skipped): its saved tensors are kept while fewer than `slots`
-        forwards keep theirs on the device, else paged."""
+    def saving(self, key, modules, alive=()):
+        """The context of the forward of `key` = (chunk, microbatch) of `modules`: its saved
+        tensors are kept while fewer than `slots` forwards keep theirs on the device, else paged,
+        but for the modules' parameters and buffers and the tensors of `alive` (held until the
+        backward anyway: the chunk's inputs, the output the loss reads)."""
         g = self.groups.get(key)
         if g is None:
             keep = len(self.resident) < self.slots
@@ -93,7 +100,8 @@ class StagePager:
             if keep:
                 self.resident.add(key)
                 self.counts["resident_peak"] = max(self.counts["resident_peak"], len(self.resident))
-        self._skip = {id(b) for m in modules for b in m.buffers()}
+        self._skip = {_ident(b) for m in modules for b in m.buffers()}
+        self._skip.update(_ident(t) for t in alive if torch.is_tensor(t))
         return self._hooks(g)
 
     @contextlib.contextmanager
@@ -111,7 +119,7 @@ class StagePager:
             not g.paged
             or isinstance(t, nn.Parameter)
             or isinstance(t._base, nn.Parameter)
-            or id(t) in self._skip
+            or _ident(t) in self._skip
             or t.device != self.device
             or t.numel() == 0
             or t.layout != torch.strided

@@ -202,7 +202,7 @@ class Run:
         else:
             args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
         pager = self.pagers[s] if self.pagers is not None else None
-        saving = pager.saving((c, m), [ch.module]) if pager is not None else contextlib.nullcontext()
+        saving = pager.saving((c, m), [ch.module], args) if pager is not None else contextlib.nullcontext()
         try:
             with saving, ch.autocast():
                 out = ch.module(*args)
@@ -223,7 +223,10 @@ class Run:
         self.outputs[m] = _detach(out)
         loss = None
         if self.train and self.loss_fn is not None:
-            saving = pager.saving((c, m), [ch.module]) if pager is not None else contextlib.nullcontext()
+            keep = outs  # held in self.saved until the backward anyway
+            saving = (
+                pager.saving((c, m), [ch.module], keep) if pager is not None else contextlib.nullcontext()
+            )
             with saving, ch.autocast():
                 loss = self.loss_fn(out, _move(self.targets[m], ch.device))
             if not torch.is_tensor(loss) or loss.numel() != 1:

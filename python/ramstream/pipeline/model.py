@@ -59,8 +59,9 @@ class PipelineModel(nn.Module):
             microbatch.
 
     `counts` holds the children per stage, `split_spec` the cut points chosen (BEGINNING
-    points as strings) and `piece_times` the seconds per child (balance="time"; else None). parameters(), named_parameters(), buffers(), state_dict() and
-    load_state_dict() are the model's; .to()/.cuda() raise (the stages are placed already).
+    points as strings) and `piece_times` the seconds per child (balance="time"; else None).
+    parameters(), named_parameters(), buffers(), state_dict() and load_state_dict() are the
+    model's; .to()/.cuda() raise (the stages are placed already).
     """
 
     def __init__(

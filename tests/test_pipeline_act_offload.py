@@ -110,6 +110,24 @@ def test_slots_bound_what_stays_and_off_means_off():
         assert pipe.activation_stats() == []
 
 
+def test_1f1b_gives_a_freed_slot_to_the_next_forward_and_prefetches_in_the_cool_down():
+    # stage 0 of 4 runs F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7 with one slot: F0 and F4
+    # keep theirs (B0 frees the slot for F4, not for a prefetch), the six others are paged; only
+    # B4, B5 and B6 are followed by backwards, so mb 5, 6 and 7 come back early
+    ref = blocks()
+    mine = copy.deepcopy(ref)
+    with Pipeline(
+        stage_modules=groups(mine, 4), devices=["cpu"] * 4, offload_activations=True, offload_act_slots=1
+    ) as pipe:
+        x, y = batch(16)
+        reference_grads(ref, x, y, 8)
+        run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=8))
+        assert_same(mine, ref)
+        st = pipe.activation_stats()[0]
+        assert st["prefetched"] == 3 and st["resident_peak"] == 1
+        assert st["paged"] % 6 == 0 and st["paged"] > 0 and st["fetched"] == st["paged"]
+
+
 def test_streamed_stages_and_tuple_outputs_page_too():
     ref = blocks(6)
     mine = copy.deepcopy(ref)

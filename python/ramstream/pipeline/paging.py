@@ -166,18 +166,22 @@ class StagePager:
             return x.gpu
         return x
 
-    def release(self, key, stream) -> None:
-        """The backward of `key` is done: its host buffers go back to the pool and its slot goes
-        to the paged forward whose backward comes first (smallest microbatch, then latest
-        chunk), whose tensors start coming back now (on `stream`, the stage's, on a GPU)."""
+    def release(self, key, stream, upcoming=()) -> None:
+        """The backward of `key` is done: its host buffers go back to the pool, and its slot goes
+        to the first paged forward of `upcoming` (the stage's next backwards, up to its next
+        forward, which would rather take the slot itself), whose tensors start coming back now
+        (on a GPU on the copy stream, `stream` (the stage's) waiting for them)."""
         self._drop(key)
-        waiting = [k for k, w in self.groups.items() if w.paged and w.saved and k not in self.resident]
-        if waiting and len(self.resident) < self.slots:
-            nxt = min(waiting, key=lambda k: (k[1], -k[0]))
-            self.resident.add(nxt)
-            self.counts["prefetched"] += 1
-            self.counts["resident_peak"] = max(self.counts["resident_peak"], len(self.resident))
-            self.fetch(nxt, stream)
+        if len(self.resident) >= self.slots:
+            return
+        for k in upcoming:
+            g = self.groups.get(k)
+            if g is not None and g.paged and g.saved and k not in self.resident:
+                self.resident.add(k)
+                self.counts["prefetched"] += 1
+                self.counts["resident_peak"] = max(self.counts["resident_peak"], len(self.resident))
+                self.fetch(k, stream)
+                return
 
     def _drop(self, key) -> None:
         g = self.groups.pop(key, None)

@@ -260,10 +260,19 @@ class Run:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         del state, outs, pairs
         if pager is not None:
-            pager.release((c, m), ch.stream)
+            pager.release((c, m), ch.stream, self._backwards_next(s, c, m))
         if c > 0:
             back = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
             self.exchange.put(("B", c - 1, m), send(back, ch.stream, grads=True))
+
+    def _backwards_next(self, s: int, c: int, m: int):
+        """The (chunk, mb) of stage s's backwards after B(c, m), up to its next forward."""
+        ops = self.ops[s]
+        i = next(k for k, op in enumerate(ops) if op.kind == "B" and op.chunk == c and op.mb == m)
+        for op in ops[i + 1 :]:
+            if op.kind == "F":
+                return
+            yield (op.chunk, op.mb)
 
     def _last_pairs(self, m, ch, outs, loss):
         if self.grads is None:

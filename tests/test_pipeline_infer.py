@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ramstream import Pipeline
+from ramstream import Pipeline, PipelineModel
 from ramstream.pipeline.streaming import InferHandle
 
 from _pipeline_helpers import CPU2, WIDTH, Head, Tail, Whole, blocks, groups, run_with_timeout
@@ -169,6 +169,19 @@ def test_backpressure_tuple_outputs_and_bad_arguments():
             pipe.infer_submit([x])
         with pytest.raises(ValueError, match="max_in_flight"):
             next(pipe.infer_loop([x], max_in_flight=0))
+
+
+def test_pipeline_model_streams_its_stages():
+    model = blocks(4)
+    xs = items(5)
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+    with PipelineModel(model, xs[0], devices=CPU2, warn_on_padding=False) as pm:
+        got = run_with_timeout(lambda: list(pm.infer_loop(xs, timeout=T)), T)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(pm.infer_submit(xs[1]).result(T), want[1])  # one item, not padded
+        assert pm.infer_open() is pm.pipeline.infer_open()
+        pm.pipeline.infer_open().close()
 
 
 def test_streamed_stages_stream_too():

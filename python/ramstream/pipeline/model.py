@@ -240,6 +240,18 @@ class PipelineModel(nn.Module):
             data, n_microbatches=n_microbatches, trace_path=trace_path, profile_path=profile_path
         )
 
+    def infer_open(self):
+        """Pipeline.infer_open(): the streaming-inference session (items are not padded)."""
+        return self._pipe.infer_open()
+
+    def infer_submit(self, x):
+        """Pipeline.infer_submit(x) -> InferHandle (one item, not padded)."""
+        return self._pipe.infer_submit(x)
+
+    def infer_loop(self, items, *, max_in_flight=None, timeout=None):
+        """Pipeline.infer_loop(items): their results in order."""
+        return self._pipe.infer_loop(items, max_in_flight=max_in_flight, timeout=timeout)
+
     def flush_grads(self, scale: float = 1.0) -> None:
         """Pipeline.flush_grads(scale): one meaning, see there."""
         self._pipe.flush_grads(scale)

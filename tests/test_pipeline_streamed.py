@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from ramstream import Pipeline
 from ramstream.pipeline.streamed import StreamedStage
-from test_pipeline import Boom, assert_same, batch, blocks, reference_grads, run_with_timeout
+
+from _pipeline_helpers import Boom, assert_same, batch, blocks, reference_grads, run_with_timeout
 
 CONFIGS = [(True, 1, 0), (True, 2, 1), ("checkpoint", 2, 0), (False, 3, 1)]
 
@@ -99,10 +100,10 @@ def test_frozen_chunks_stream_too_and_close_leaves_the_weights_home():
         assert torch.equal(mine(x), ref(x))  # plain modules again, weights in place
 
 
-def test_options_a_streamed_stage_refuses():
+def test_options_a_streamed_stage_takes_and_refuses():
     kids = list(blocks(4))
-    with pytest.raises(NotImplementedError, match="issue 28"):
-        Pipeline(chunk_modules=kids, devices=["cpu"], offload_activations=True)
+    with Pipeline(chunk_modules=kids, devices=["cpu"], offload_activations=True) as pipe:
+        assert isinstance(pipe.modules[0], StreamedStage)  # paged: test_pipeline_act_offload.py
     with pytest.raises(ValueError, match="offload_keep_activations"):
         Pipeline(chunk_modules=kids, devices=["cpu"], offload_keep_activations="sometimes")
     with Pipeline(chunk_modules=kids, devices=["cpu"], offload_grad_accum="cpu", offload_acc_slots=3) as pipe:

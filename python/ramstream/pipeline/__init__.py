@@ -1,8 +1,18 @@
 """Single-process pipeline parallelism over the GPUs of one machine (RamTorch's Pipeline API):
-Pipeline (runtime.py: persistent stage threads running schedule.py's op orders), PipelineModel
-(model.py: an nn.Sequential split over devices, balanced by parameters)."""
+Pipeline (runtime.py: persistent stage threads running schedule.py's op orders; paging.py: its
+activation paging; streaming.py: its streaming inference), PipelineModel (model.py: an
+nn.Sequential split over devices, balanced by parameters or measured time: partition.py,
+timing.py)."""
 
 from .model import PipelineModel, PipelinePaddingWarning
 from .runtime import Pipeline, PipelineResult
+from .streaming import InferHandle, InferStream
 
-__all__ = ["Pipeline", "PipelineModel", "PipelinePaddingWarning", "PipelineResult"]
+__all__ = [
+    "InferHandle",
+    "InferStream",
+    "Pipeline",
+    "PipelineModel",
+    "PipelinePaddingWarning",
+    "PipelineResult",
+]

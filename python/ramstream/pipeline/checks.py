@@ -3,6 +3,8 @@ batch into microbatches. Imports torch and nothing from the package."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
@@ -10,6 +12,7 @@ __all__ = [
     "check_autocast",
     "check_devices",
     "check_int",
+    "check_paths",
     "check_offload",
     "dice",
     "split_batch",
@@ -78,7 +81,7 @@ def check_devices(devices, n: int | None):
 
 
 def check_offload(window, pin, keep, grad_accum, acc_slots, activations, act_slots) -> None:
-    """RamTorch's offload_* options: checked, for streamed stages (which raise NotImplementedError)."""
+    """RamTorch's offload_* options, checked (their meanings: Pipeline's docstring)."""
     check_int("Pipeline", "offload_window", window, 1)
     check_int("Pipeline", "offload_pin", pin, 0)
     if keep not in (True, False, "checkpoint") or isinstance(keep, int) and not isinstance(keep, bool):
@@ -192,3 +195,14 @@ def split_batch(data, n: int):
         rows = tensors[0].shape[0] if tensors[0].dim() else 0
         return split_tensors("data", tuple(data), n, rows), rows
     raise TypeError(f"Pipeline.step: data must be a tensor or a tuple of tensors, got {type(data).__name__}")
+
+
+def check_paths(**paths) -> None:
+    """trace_path / profile_path: None or a path whose folder exists."""
+    for name, path in paths.items():
+        if path is not None:
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(f"Pipeline: {name} must be a path, got {type(path).__name__}")
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")

@@ -1,6 +1,7 @@
 """PipelineModel (RamTorch's name): an nn.Sequential split into contiguous stages over devices,
-balanced by parameter count (or by child count) and per-device weights; forward() for pipelined
-inference, step() for training, with the model's own parameters and state dict."""
+balanced by parameter count, child count or measured time, per-device weights and memory budgets;
+forward() for pipelined inference, step() for training, with the model's own parameters and state
+dict."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import torch.nn as nn
 
 from .checks import check_devices
+from .partition import partition, stage_bytes
 from .run import PipelineResult
 from .runtime import Pipeline
 from .split import Sequence, children_of, split_model
-from .split import balance as balance_counts
+from .timing import measure_piece_times
 
 __all__ = ["PipelineModel", "PipelinePaddingWarning"]
 
@@ -42,16 +44,24 @@ class PipelineModel(nn.Module):
         split_spec: {child name: SplitPoint.BEGINNING/END or "beginning"/"end"} (see Pipeline);
             None: balanced.
         balance: "params" (default): stages balanced by parameter count; "children": by the
-            number of children.
+            number of children; "time": by each child's measured forward + backward seconds
+            (measure_piece_times on the first device with example_input, chained through the
+            children; or `piece_times` when given).
         device_weights: relative speed per stage (e.g. [2, 1]: stage 0 takes twice the load);
             the split minimises the largest load / weight. Used when split_spec is None.
+        piece_times: seconds per child for balance="time" (skips the measurement: a split
+            printed from `piece_times` can be pinned, and tests are deterministic).
+        device_memory: bytes per stage (None entries: unlimited) that the stage's parameters,
+            gradients and AdamW state (8 bytes per trainable element) must fit; activations are
+            not counted. No contiguous split fits: MemoryError with the arithmetic.
         overlap, autocast: as Pipeline's.
         warn_on_padding: forward() warns (PipelinePaddingWarning) when it pads the last
             microbatch.
 
-    `counts` holds the children per stage and `split_spec` the cut points chosen (BEGINNING
-    points as strings). parameters(), named_parameters(), buffers(), state_dict() and
-    load_state_dict() are the model's; .to()/.cuda() raise (the stages are placed already).
+    `counts` holds the children per stage, `split_spec` the cut points chosen (BEGINNING
+    points as strings) and `piece_times` the seconds per child (balance="time"; else None).
+    parameters(), named_parameters(), buffers(), state_dict() and load_state_dict() are the
+    model's; .to()/.cuda() raise (the stages are placed already).
     """
 
     def __init__(
@@ -67,6 +77,8 @@ class PipelineModel(nn.Module):
         overlap: bool = True,
         warn_on_padding: bool = True,
         autocast=None,
+        piece_times=None,
+        device_memory=None,
     ) -> None:
         super().__init__()
         kids = children_of(model, "PipelineModel")
@@ -83,8 +95,16 @@ class PipelineModel(nn.Module):
                 raise ValueError(
                     f"PipelineModel: num_stages={num_stages} but devices has {len(devs)} entries"
                 )
-        if balance not in ("params", "children"):
-            raise ValueError(f"PipelineModel: balance must be 'params' or 'children', got {balance!r}")
+        if balance not in BALANCES:
+            raise ValueError(
+                f"PipelineModel: balance must be one of {', '.join(map(repr, BALANCES))}, got {balance!r}"
+            )
+        if split_spec is not None and device_memory is not None:
+            raise ValueError(
+                "PipelineModel: device_memory goes with split_spec=None (ramstream picks the split)"
+            )
+        if piece_times is not None and balance != "time":
+            raise ValueError(f"PipelineModel: piece_times goes with balance='time', got balance={balance!r}")
         if example_input is not None and not (torch.is_tensor(example_input) and example_input.dim() >= 1):
             raise TypeError("PipelineModel: example_input must be None or a tensor with a batch dimension")
         if not isinstance(warn_on_padding, bool):
@@ -92,9 +112,22 @@ class PipelineModel(nn.Module):
                 f"PipelineModel: warn_on_padding must be a bool, got {type(warn_on_padding).__name__}"
             )
         n = len(devs)
+        self.piece_times = None
         if split_spec is None:
-            w = [sum(p.numel() for p in m.parameters()) if balance == "params" else 1 for _, m in kids]
-            counts = balance_counts(w, n, device_weights)
+            mods = [m for _, m in kids]
+            if balance == "time":
+                w = self.piece_times = _times(mods, example_input, devs[0], piece_times)
+            else:
+                w = [sum(p.numel() for p in m.parameters()) if balance == "params" else 1 for m in mods]
+            detail = [_bytes(m) for m in mods] if device_memory is not None else None
+            counts = partition(
+                w,
+                n,
+                device_weights,
+                sizes=None if detail is None else [sum(d) for d in detail],
+                budgets=device_memory,
+                detail=detail,
+            )
             pieces, i = [], 0
             for c in counts:
                 part = [m for _, m in kids[i : i + c]]
@@ -207,6 +240,18 @@ class PipelineModel(nn.Module):
             data, n_microbatches=n_microbatches, trace_path=trace_path, profile_path=profile_path
         )
 
+    def infer_open(self):
+        """Pipeline.infer_open(): the streaming-inference session (items are not padded)."""
+        return self._pipe.infer_open()
+
+    def infer_submit(self, x):
+        """Pipeline.infer_submit(x) -> InferHandle (one item, not padded)."""
+        return self._pipe.infer_submit(x)
+
+    def infer_loop(self, items, *, max_in_flight=None, timeout=None):
+        """Pipeline.infer_loop(items): their results in order."""
+        return self._pipe.infer_loop(items, max_in_flight=max_in_flight, timeout=timeout)
+
     def flush_grads(self, scale: float = 1.0) -> None:
         """Pipeline.flush_grads(scale): one meaning, see there."""
         self._pipe.flush_grads(scale)
@@ -220,6 +265,36 @@ class PipelineModel(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+BALANCES = ("params", "children", "time")
+
+
+def _times(mods, example_input, device, given) -> list[float]:
+    if given is None:
+        if example_input is None:
+            raise ValueError(
+                "PipelineModel: balance='time' measures each child with example_input (one microbatch); "
+                "pass example_input or piece_times"
+            )
+        return measure_piece_times(mods, example_input, device)
+    try:
+        times = [float(t) for t in given]
+    except (TypeError, ValueError):
+        raise TypeError(f"PipelineModel: piece_times must be a list of seconds, got {given!r}") from None
+    if len(times) != len(mods):
+        raise ValueError(f"PipelineModel: piece_times has {len(times)} entries for {len(mods)} children")
+    return times
+
+
+def _bytes(m) -> tuple[int, int, int]:
+    params = list(m.parameters())
+    trained = [p for p in params if p.requires_grad]
+    return stage_bytes(
+        sum(p.numel() * p.element_size() for p in params),
+        sum(p.numel() for p in trained),
+        sum(p.numel() * p.element_size() for p in trained),
+    )
 
 
 def _rows(out, rows):

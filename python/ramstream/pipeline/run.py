@@ -9,6 +9,7 @@ on the caller's thread), on the stage's CUDA stream when its device is a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -91,10 +92,12 @@ class Run:
     """One step's state. `chunks` (Chunk per virtual stage), `ops` (per stage, Op lists), `inputs`
     (per microbatch, the first chunk's positional arguments), `targets` (per microbatch or None),
     `loss_fn` or `grads` (per microbatch: the last output's gradient, or a callable), `train`
-    (False: forwards only, under no_grad). run_stage(s) never raises: the first failure is in
-    `exchange.error`."""
+    (False: forwards only, under no_grad), `pagers` (per stage: a StagePager paging saved
+    activations, or None). run_stage(s) never raises: the first failure is in `exchange.error`."""
 
-    def __init__(self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False) -> None:
+    def __init__(
+        self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None
+    ) -> None:
         self.chunks, self.ops = chunks, ops
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.grads, self.train = loss_fn, grads, train
@@ -108,6 +111,7 @@ class Run:
         self.start_events: dict = {}  # device -> event on the caller's stream at the start
         self.end_events: dict = {}  # stage -> event on its stream at its end
         self.spans: list | None = [] if trace else None
+        self.pagers = pagers if train and pagers else None
 
     # ---- the caller's side -----------------------------------------------------------------------
     def mark_start(self) -> None:
@@ -197,8 +201,10 @@ class Run:
             args = _move(self.inputs[m], ch.device)
         else:
             args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+        pager = self.pagers[s] if self.pagers is not None else None
+        saving = pager.saving((c, m), [ch.module], args) if pager is not None else contextlib.nullcontext()
         try:
-            with ch.autocast():
+            with saving, ch.autocast():
                 out = ch.module(*args)
         except RuntimeError as e:
             if c > 0 and "leaf Variable that requires grad" in str(e):
@@ -217,7 +223,11 @@ class Run:
         self.outputs[m] = _detach(out)
         loss = None
         if self.train and self.loss_fn is not None:
-            with ch.autocast():
+            keep = outs  # held in self.saved until the backward anyway
+            saving = (
+                pager.saving((c, m), [ch.module], keep) if pager is not None else contextlib.nullcontext()
+            )
+            with saving, ch.autocast():
                 loss = self.loss_fn(out, _move(self.targets[m], ch.device))
             if not torch.is_tensor(loss) or loss.numel() != 1:
                 raise ValueError(
@@ -243,12 +253,26 @@ class Run:
         else:
             gs = receive(self.exchange.take(("B", c, m), s), ch.device, ch.stream)
             pairs = [(o, g) for o, g in zip(outs, gs) if g is not None and _needs_grad(o)]
+        pager = self.pagers[s] if self.pagers is not None else None
+        if pager is not None:
+            pager.fetch((c, m), ch.stream)
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         del state, outs, pairs
+        if pager is not None:
+            pager.release((c, m), ch.stream, self._backwards_next(s, c, m))
         if c > 0:
             back = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
             self.exchange.put(("B", c - 1, m), send(back, ch.stream, grads=True))
+
+    def _backwards_next(self, s: int, c: int, m: int):
+        """The (chunk, mb) of stage s's backwards after B(c, m), up to its next forward."""
+        ops = self.ops[s]
+        i = next(k for k, op in enumerate(ops) if op.kind == "B" and op.chunk == c and op.mb == m)
+        for op in ops[i + 1 :]:
+            if op.kind == "F":
+                return
+            yield (op.chunk, op.mb)
 
     def _last_pairs(self, m, ch, outs, loss):
         if self.grads is None:

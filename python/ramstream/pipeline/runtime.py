@@ -14,19 +14,21 @@ import torch
 
 from . import schedule as schedules
 from .checks import (
-    ISSUE,
     check_autocast,
     check_devices,
     check_int,
     check_offload,
+    check_paths,
     dice,
     split_batch,
     split_tensors,
 )
+from .paging import StagePager
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
 from .streamed import StreamedStage
+from .streaming import InferHandle, InferStream
 
 __all__ = ["Pipeline", "PipelineResult"]
 
@@ -81,9 +83,11 @@ class Pipeline:
         offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
             (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
             keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
-        offload_grad_accum, offload_acc_slots, offload_act_slots: checked and accepted; they
-            change nothing (gradients always go home as they are produced, summed there).
-            offload_activations=True raises NotImplementedError (issue 28).
+        offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
+            (gradients always go home as they are produced, summed there).
+        offload_activations, offload_act_slots: True pages what each stage's forwards save for
+            backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
+            back at their backward (paging.py; bit-identical; activation_stats() counts it).
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -153,11 +157,6 @@ class Pipeline:
             devs = check_devices(None, n)
         elif len(devs) != n:
             raise ValueError(f"Pipeline: devices has {len(devs)} entries for {n} stages")
-        if offload and offload_activations and any(isinstance(p, list) for p in pieces):
-            raise NotImplementedError(
-                f"Pipeline: offload_activations=True (paging a streamed stage's activations to host "
-                f"memory) is not implemented yet ({ISSUE}); pass offload_activations=False"
-            )
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
@@ -178,9 +177,11 @@ class Pipeline:
                 mod.to(devs[s])
             self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
         self._streamed = [ch.module for ch in self._chunks if isinstance(ch.module, StreamedStage)]
+        self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
         self._params = self._check_params()
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
+        self._stream: InferStream | None = None
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
         self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
@@ -225,7 +226,8 @@ class Pipeline:
     def _execute(self, run: Run, ops) -> None:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
-                "Pipeline: a step() or infer() is already running (from another thread, or from inside a stage)"
+                "Pipeline: a step() or infer() is already running (from another thread, or from inside a "
+                "stage), or an infer_open() stream is open (close it first)"
             )
         try:
             run.mark_start()
@@ -252,13 +254,7 @@ class Pipeline:
             self._lock.release()
 
     def _profiled(self, run, ops, trace_path, profile_path) -> None:
-        for name, path in (("trace_path", trace_path), ("profile_path", profile_path)):
-            if path is not None:
-                if not isinstance(path, (str, os.PathLike)):
-                    raise TypeError(f"Pipeline: {name} must be a path, got {type(path).__name__}")
-                folder = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(folder):
-                    raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")
+        check_paths(trace_path=trace_path, profile_path=profile_path)
         t0 = time.perf_counter()
         if profile_path is None:
             self._execute(run, ops)
@@ -342,7 +338,7 @@ class Pipeline:
             loss_fn = _sum_loss
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
-            train=True, trace=trace_path is not None,
+            train=True, trace=trace_path is not None, pagers=self._pagers,
         )  # fmt: skip
         stash = [(p, p.grad) for p in self._params if p.requires_grad]
         for p, _ in stash:
@@ -355,6 +351,8 @@ class Pipeline:
             ok = True
         finally:
             try:
+                for pg in self._pagers or []:
+                    pg.reset()  # a failed step's paged activations go back to the pool
                 for st in self._streamed:
                     st.end(ok)  # streamed gradients (landed at home) into .grad, or dropped
             finally:
@@ -404,6 +402,45 @@ class Pipeline:
                 st.streamer.evict_all()
         return cat_outputs(run.outputs)
 
+    # ---- streaming inference (streaming.py) -------------------------------------------------------
+    def infer_open(self) -> InferStream:
+        """Opens (or returns the open) streaming-inference session (streaming.py), served by the
+        stage threads until closed (its close(), a `with` block, or close()); step()/infer() raise
+        RuntimeError meanwhile."""
+        self._check_open()
+        if self._stream is not None:
+            return self._stream
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Pipeline.infer_open: a step() or infer() is running")
+        self._stream = InferStream(self._chunks, self._threads, self._end_stream)
+        return self._stream
+
+    def _end_stream(self) -> None:
+        for st in self._streamed:
+            st.streamer.evict_all()
+        self._stream = None
+        self._lock.release()
+
+    def infer_submit(self, x) -> InferHandle:
+        """Queues one item (a tensor or a tuple of the first stage's arguments; not cut) into the
+        open stream (opened if none is) and returns its InferHandle at once: result(timeout=None)
+        is the last stage's output (the stages run in order under no_grad) or raises the error a
+        stage raised for this item (the other items go on). Stage s runs item i while stage s+1
+        runs item i-1."""
+        return self.infer_open().submit(x)
+
+    def infer_loop(self, items, *, max_in_flight: int | None = None, timeout: float | None = None):
+        """Yields the results of `items` (as infer_submit takes them) in order, at most
+        max_in_flight (default 2 per stage) submitted ahead, on the open stream or on one it opens
+        and closes. timeout: seconds per result (TimeoutError)."""
+        opened = self._stream is None
+        stream = self.infer_open()
+        try:
+            yield from stream.loop(items, max_in_flight=max_in_flight, timeout=timeout)
+        finally:
+            if opened:
+                stream.close()
+
     def _forward_ops(self, n: int) -> list:
         """Forwards only: every stage in the order (microbatch group, chunk, microbatch)."""
         S = self.num_stages
@@ -413,6 +450,12 @@ class Pipeline:
             keys = sorted((m // S, c, m) for c in mine for m in range(n))
             ops.append([schedules.Op("F", m, c) for _, c, m in keys])
         return ops
+
+    def activation_stats(self) -> list:
+        """Per stage, what offload_activations moved since construction (StagePager.stats():
+        packs, kept, paged, paged_bytes, fetched, fetched_bytes, resident_peak, host pool bytes);
+        [] without offload_activations."""
+        return [pg.stats() for pg in self._pagers or []]
 
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:
@@ -436,6 +479,8 @@ class Pipeline:
         their parameters stay where they are."""
         if self._closed:
             return
+        if self._stream is not None:
+            self._stream.close()
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:
@@ -443,6 +488,8 @@ class Pipeline:
         self._threads = []
         for st in self._streamed:
             st.close()
+        for pg in self._pagers or []:
+            pg.close()
 
     def __enter__(self):
         return self

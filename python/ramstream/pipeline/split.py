@@ -1,10 +1,12 @@
 """Cutting a model into contiguous pipeline pieces: the pieces of an nn.Sequential (its children,
-in order) at a split_spec's points, or balanced by parameter count (balance()); _Sequence runs
-a list of modules as one stage."""
+in order) at a split_spec's points, or balanced by parameter count (balance(), partition.py's
+routine); Sequence runs a list of modules as one stage."""
 
 from __future__ import annotations
 
 import torch.nn as nn
+
+from .partition import partition as balance  # one routine: split.balance is partition
 
 __all__ = ["Sequence", "balance", "children_of", "split_model"]
 
@@ -84,51 +86,3 @@ def split_model(model, split_spec, n_stages: int | None, weights=None, where: st
         out.append(part[0] if len(part) == 1 else Sequence(part))
         i += c
     return out
-
-
-def balance(weights, n: int, device_weights=None) -> list[int]:
-    """Contiguous counts (one per stage, each >= 1) of `weights` (e.g. parameters per child) that
-    minimise the heaviest stage's load / device_weights[stage] (None: equal); among ties the
-    later stages are the smaller (a parameter-free child stays with the layer before it). ValueError when there are fewer weights than stages or a bad device weight."""
-    k = len(weights)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"balance: the number of stages must be an int >= 1, got {n!r}")
-    if k < n:
-        raise ValueError(
-            f"PipelineModel: cannot split {k} children into {n} stages (one child at least each)"
-        )
-    if device_weights is None:
-        dw = [1.0] * n
-    else:
-        try:
-            dw = [float(w) for w in device_weights]
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"PipelineModel: device_weights must be a list of numbers, got {device_weights!r}"
-            ) from None
-        if len(dw) != n:
-            raise ValueError(f"PipelineModel: device_weights has {len(dw)} entries for {n} stages")
-        if not all(w > 0 and w != float("inf") for w in dw):
-            raise ValueError(
-                f"PipelineModel: device_weights must be positive and finite, got {device_weights!r}"
-            )
-    pre = [0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    inf = float("inf")
-    # best[s][i]: the smallest heaviest load placing the first i weights on the first s stages
-    best = [[inf] * (k + 1) for _ in range(n + 1)]
-    cut = [[0] * (k + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n + 1):
-        for i in range(s, k - (n - s) + 1):
-            for j in range(i - 1, s - 2, -1):  # latest cut first: ties leave later stages smaller
-                cost = max(best[s - 1][j], (pre[i] - pre[j]) / dw[s - 1])
-                if cost < best[s][i]:
-                    best[s][i], cut[s][i] = cost, j
-    counts, i = [], k
-    for s in range(n, 0, -1):
-        j = cut[s][i]
-        counts.append(i - j)
-        i = j
-    return counts[::-1]

@@ -340,3 +340,39 @@ def test_the_share_is_taken_from_the_back_of_the_stack(nvme):
     assert choose_disk_buckets(e.buckets, 0.0, e.moment_dtype) == []
     assert all(b.exp_avg is not None and b.exp_avg.device.type == "meta" for b in e.buckets if b.disk)
     ramstream.unwrap(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_on_the_gpu_the_state_on_disk_equals_the_run_in_ram(nvme, moment_dtype):
+    """The GPU engine: gradients land in pinned buffers, the host AdamW pages the disk buckets in,
+    the new weights go back by H2D; bit-identical to the same run with the state in RAM."""
+    data = batches(10, device="cuda")
+    runs = []
+    for share in (False, True):
+        model, opt = _wrap(
+            make_model(0).cuda(),
+            nvme_offload=share,
+            nvme_dir=nvme if share else None,
+            moment_dtype=moment_dtype,
+            optimizer_mode="cpu",
+            offload=True,
+        )
+        _train(model, opt, data)
+        runs.append((model, opt))
+    (ram_model, ram_opt), (model, opt) = runs
+    _same_weights(model, ram_model)
+    _same_state(opt.state_dict(), ram_opt.state_dict())
+    ramstream.unwrap(model)
+    ramstream.unwrap(ram_model)
+
+
+def test_the_host_memory_check_counts_the_disk_share_out_and_the_staging_buffers_in():
+    from ramstream.host_fit import host_components
+
+    ram = host_components(10**9, 2, 4, False, 0)
+    disk = host_components(10**9, 2, 4, False, 0, nvme_share=1.0, bucket_bytes=32 << 20)
+    half = host_components(10**9, 2, 4, False, 0, nvme_share=0.5)
+    assert disk["fp32 master"] == disk["moments"] == 0 and half["moments"] == ram["moments"] // 2
+    assert disk["nvme staging buffers"] == 3 * (16 << 20) * 12
+    assert disk["landing buffer"] == ram["landing buffer"]

@@ -212,6 +212,7 @@ def test_stats_count_the_bytes_read_and_written_per_step(nvme):
         assert st["nvme_bytes_read"] == k * state
         assert st["nvme_bytes_written"] == (k + 1) * state
         assert st["nvme_step_bytes_read"] == st["nvme_step_bytes_written"] == state
+    assert st["nvme_reads_ahead"] > 0  # the next buckets' reads were issued ahead of their update
     rep = ramstream.memory_report(model)["optimizer"]
     assert rep["nvme"]["state_bytes"] == state and rep["host_state_bytes"] == 0
     ramstream.unwrap(model)

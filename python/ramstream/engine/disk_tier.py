@@ -117,6 +117,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self.errors: list[OSError] = []
         self.update_io = [0, 0]  # bytes read, written for updates (not adopt, not paged)
+        self.reads_ahead = 0  # updates whose read was issued before they started (prefetch)
         self.steps = 0
 
     def _new_buffer(self) -> torch.Tensor:
@@ -199,6 +200,7 @@ class DiskTier:
 
     def _page_in(self, b: Bucket, update: bool = False) -> _Page:
         pg = self.pages[b.index]
+        self.reads_ahead += bool(update and pg.read is not None)
         if pg.write is not None:  # written back, not yet ended: the buffer still holds it
             self.writing.remove(pg)
             self._reap(pg)
@@ -316,7 +318,8 @@ class DiskTier:
         """Bytes of state on disk; bytes read and written in all (the first write at wrap(), state
         dicts and checkpoints included) and per step by the updates (issued, averaged over the
         steps taken: the SSD wear figure; a bucket updated again while its write-back is in
-        flight is not read again); the staging buffers' bytes, the I/O mode and the folder."""
+        flight is not read again); the staging buffers' bytes, the updates whose read was issued
+        ahead (prefetched), the I/O mode and the folder."""
         st = self.store.stats() if not self.store.closed else {}
         per = max(1, self.steps)
         return {
@@ -327,6 +330,7 @@ class DiskTier:
             "nvme_step_bytes_read": self.update_io[0] // per,
             "nvme_step_bytes_written": self.update_io[1] // per,
             "nvme_staging_bytes": self.buffers * self.largest,
+            "nvme_reads_ahead": self.reads_ahead,
             "nvme_direct": bool(st.get("direct", False)),
             "nvme_dir": self.directory,
         }

@@ -258,16 +258,18 @@ class DiskTier:
     @contextlib.contextmanager
     def paged(self, b: Bucket, write: bool = False):
         """b's state paged in for the block (training thread, after synchronize()); with `write`
-        it is written back (and waited for) at the end."""
+        it is written back (and waited for) at the end. Yields a PagedIn whose `write` the block
+        may clear (nothing changed: no write)."""
         pg = self.pages[b.index]
+        ctl = PagedIn(write)
         if pg.held:  # nested
-            yield
+            yield ctl
             return
         self._page_in(b)
         try:
-            yield
+            yield ctl
         finally:
-            if write:
+            if ctl.write:
                 self._page_out(b, pg)
                 self.writing.remove(pg)
                 self._reap(pg)
@@ -349,12 +351,22 @@ def _view(buf: torch.Tensor, off: int, dtype: torch.dtype, n: int) -> torch.Tens
 
 @contextlib.contextmanager
 def paged(b: Bucket, write: bool = False):
-    """b's state usable for the block wherever it lives (a no-op for a bucket in RAM)."""
+    """b's state usable for the block wherever it lives (a no-op for a bucket in RAM); yields a
+    PagedIn (DiskTier.paged)."""
     if getattr(b, "disk", None) is None:
-        yield
+        yield PagedIn(write)
         return
-    with b.disk.paged(b, write):
-        yield
+    with b.disk.paged(b, write) as ctl:
+        yield ctl
+
+
+class PagedIn:
+    """What `paged` yields: `write` False skips the write-back of a block that changed nothing."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, write: bool) -> None:
+        self.write = write
 
 
 class Paging:

@@ -245,11 +245,11 @@ def resync_masters(engine, loaded: dict | None = None) -> None:
     for b in engine.buckets:
         if b.master is None:
             continue  # the weights are the master
-        with paged(b, write=True):  # nvme_offload: read, compared, written back
-            _resync_bucket(engine, b, loaded)
+        with paged(b, write=True) as ctl:  # nvme_offload: read, compared, written back if changed
+            ctl.write = _resync_bucket(engine, b, loaded) > 0
 
 
-def _resync_bucket(engine, b: Bucket, loaded: dict) -> None:
+def _resync_bucket(engine, b: Bucket, loaded: dict) -> int:
     changed = 0
     for s in b.slots:
         sl = slice(s.offset, s.offset + s.numel)
@@ -263,3 +263,4 @@ def _resync_bucket(engine, b: Bucket, loaded: dict) -> None:
             changed += 1
     if changed:
         engine.log(f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the model's weights")
+    return changed

@@ -82,6 +82,8 @@ VALID = {
     "eager_updates": st.booleans(),
     "skip_nonfinite": st.booleans(),
     "delayed_update": st.one_of(st.booleans(), st.integers(0, 3)),
+    "nvme_dir": st.none(),
+    "nvme_offload": st.one_of(st.just("auto"), st.just(False)),
     "activation_offload": st.one_of(st.booleans(), st.just("auto"), st.floats(0, 1)),
     "prefetch_depth": st.integers(1, 8),
     "min_offload_bytes": st.integers(0, 1 << 30),

@@ -97,9 +97,11 @@ def _groups_json(param_groups: list[dict], ids: list[list]) -> list[dict]:
     return out
 
 
-def _offload_entries(opt, owned_only: bool = False) -> tuple[list, dict]:
+def _offload_entries(opt, owned_only: bool = False, page=None) -> tuple[list, dict]:
     """OffloadAdamW: (entries, json state) read from where the state lives, tensor by tensor;
-    owned_only: under data parallel, the slots of the buckets this rank owns."""
+    owned_only: under data parallel, the slots of the buckets this rank owns. page: a
+    disk_tier.Paging, open while the entries are written: a bucket whose state is on disk is
+    paged in when its first tensor is written (one bucket at a time), its tensors copied."""
     from .engine.layout import master_flat
     from .engine.state import _slot_tensors
 
@@ -107,6 +109,11 @@ def _offload_entries(opt, owned_only: bool = False) -> tuple[list, dict]:
     e = opt._engine
     entries, steps = [], {}
     for s in e.slots:
+        if opt._resident is None and s.bucket.disk is not None:
+            if s.step > 0:
+                steps[str(s.index)] = {"step": float(s.step)}
+                entries += _disk_entries(s, page, e.moment_dtype)
+            continue
         step, m, v = _slot_tensors(opt, s)
         if step == 0 or (owned_only and m is None):  # m None: another rank owns the bucket
             continue
@@ -128,6 +135,28 @@ def _offload_entries(opt, owned_only: bool = False) -> tuple[list, dict]:
     return entries, {"state": steps, "param_groups": _groups_json(opt.param_groups, ids)}
 
 
+def _disk_entries(s, page, moment_dtype) -> list:
+    """The entries of slot s of a bucket whose state is on disk (nvme_offload): copies made as the
+    writer reaches them, with the bucket paged in by `page`."""
+    from .engine.layout import master_flat
+
+    b, sl, shape = s.bucket, slice(s.offset, s.offset + s.numel), tuple(s.param.shape)
+
+    def read(name):
+        def fn():
+            page(b)
+            t = master_flat(b) if name == "master" else getattr(b, name)
+            return t[sl].view(shape).clone()
+
+        return fn
+
+    return [
+        (f"state.{s.index}.exp_avg", moment_dtype, shape, read("exp_avg")),
+        (f"state.{s.index}.exp_avg_sq", moment_dtype, shape, read("exp_avg_sq")),
+        (f"state.{s.index}.master", torch.float32, shape, read("master")),
+    ]
+
+
 def _generic_entries(optimizer) -> tuple[list, dict]:
     """Any torch optimizer: its state dict's tensors to safetensors, everything else to JSON."""
     sd = optimizer.state_dict()
@@ -145,10 +174,12 @@ def _generic_entries(optimizer) -> tuple[list, dict]:
 
 
 def _save_optimizer(folder: str, optimizer) -> None:
+    from .engine.disk_tier import Paging
     from .optim import OffloadAdamW
 
+    page = Paging()  # nvme_offload: one bucket's state paged in at a time while it is written
     if isinstance(optimizer, OffloadAdamW) and optimizer._engine.dp is None:
-        entries, js = _offload_entries(optimizer)
+        entries, js = _offload_entries(optimizer, page=page)
     else:  # a torch optimizer, or data parallel (state_dict() gathers from the owners)
         entries, js = _generic_entries(optimizer)
     js["type"] = type(optimizer).__name__
@@ -158,7 +189,8 @@ def _save_optimizer(folder: str, optimizer) -> None:
         raise TypeError(
             f"save_checkpoint: the optimizer's state has a value JSON cannot store ({exc})"
         ) from None
-    write_safetensors(os.path.join(folder, "optimizer.safetensors"), entries, {"format": FORMAT})
+    with page:
+        write_safetensors(os.path.join(folder, "optimizer.safetensors"), entries, {"format": FORMAT})
     write_json(os.path.join(folder, "optimizer.json"), json.loads(text))
 
 

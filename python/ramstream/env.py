@@ -202,6 +202,16 @@ VARIABLES: dict[str, EnvVar] = {
             _folder,
         ),
         EnvVar(
+            "RAMSTREAM_NVME_DIR",
+            PYTHON,
+            "an existing, writable folder",
+            "unset (no disk tier)",
+            "the default nvme_dir of wrap() and OffloadAdamW: the folder of the optimizer state's scratch "
+            "file (nvme_offload)",
+            _folder,
+            RAISE,
+        ),
+        EnvVar(
             "RAMSTREAM_REQUIRE_CUDA",
             TESTS,
             "0 or 1",

@@ -11,15 +11,25 @@ GIB = 2**30
 
 
 def host_components(
-    numel: int, working_bytes: int, moment_bytes: int, accumulate: bool, streamed: int, delayed: bool = False
+    numel: int,
+    working_bytes: int,
+    moment_bytes: int,
+    accumulate: bool,
+    streamed: int,
+    delayed: bool = False,
+    nvme_share: float = 0.0,
+    bucket_bytes: int = 32 << 20,
 ) -> dict:
     """Host bytes by component for `numel` trained elements: fp32 master, two moments, the
     pinned landing buffer (working dtype), the fp32 accumulator (accumulation_steps > 1) and the
     streamed blocks' weights at home in pinned memory; with `delayed` (delayed_update) the
-    pending weights and a second landing buffer (working dtype) and a second accumulator."""
+    pending weights and a second landing buffer (working dtype) and a second accumulator; with
+    `nvme_share` (nvme_offload) that share of the master and moments is on disk, and the staging
+    buffers (3 buckets' state, disk_tier.py) count instead."""
+    keep = 1.0 - nvme_share
     out = {
-        "fp32 master": numel * 4,
-        "moments": numel * 2 * moment_bytes,
+        "fp32 master": int(numel * 4 * keep),
+        "moments": int(numel * 2 * moment_bytes * keep),
         "landing buffer": numel * working_bytes,
         "streamed weights": streamed,
     }
@@ -27,6 +37,9 @@ def host_components(
         out["accumulator"] = numel * 4
     if delayed:
         out["delayed update buffers"] = numel * (2 * working_bytes + (4 if accumulate else 0))
+    if nvme_share > 0:
+        bucket = min(numel, max(1, bucket_bytes // working_bytes))
+        out["nvme staging buffers"] = 3 * bucket * (4 + 2 * moment_bytes)
     return out
 
 
@@ -48,20 +61,22 @@ def pick_moment_dtype(
     log,
     ram: dict | None = None,
     delayed: bool = False,
+    nvme_share: float = 0.0,
+    bucket_bytes: int = 32 << 20,
 ) -> torch.dtype:
     """float32 or bfloat16 for moment_dtype=`option` ("auto", "float32", "bfloat16"): "auto" takes
     fp32 unless the host memory (host_components) would exceed 90 % of the available RAM (cgroup
     limit included), then bf16; MemoryError (when `check`) if the chosen dtype does not fit, with
     each component and what would fit. `ram`: planner.profile.available_ram() (tests inject it);
-    `delayed`: delayed_update's buffers count too."""
+    `delayed`: delayed_update's buffers count too; `nvme_share`: that share of the state is on disk."""
     if ram is None:
         from .planner.profile import available_ram
 
         ram = available_ram()
     avail = ram["available"]
     budget = SHARE * avail
-    fp32 = host_components(numel, working_bytes, 4, accumulate, streamed, delayed)
-    bf16 = host_components(numel, working_bytes, 2, accumulate, streamed, delayed)
+    fp32 = host_components(numel, working_bytes, 4, accumulate, streamed, delayed, nvme_share, bucket_bytes)
+    bf16 = host_components(numel, working_bytes, 2, accumulate, streamed, delayed, nvme_share, bucket_bytes)
     where = f"{SHARE:.0%} of {avail / GIB:.2f} GiB available RAM" + (
         f" (cgroup limit {ram['cgroup_limit'] / GIB:.2f} GiB)" if ram.get("cgroup_limit") else ""
     )
@@ -86,6 +101,8 @@ def pick_moment_dtype(
         hints.append(f"moment_dtype='bfloat16' (needs {_text(bf16)})")
     if streamed:
         hints.append("quantized frozen weights (quantize='int8' or 'nf4') or fewer streamed blocks")
+    if nvme_share < 1.0:
+        hints.append("nvme_offload=True with nvme_dir= a fast local disk (the master and moments on disk)")
     hints.append("LoRA or fewer trained parameters, or a machine with more RAM")
     raise MemoryError(
         f"wrap(): host memory does not fit: {_text(parts)} for {numel:,} trained elements "

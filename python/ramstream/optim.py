@@ -86,6 +86,14 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             bucket is then updated on the host (mode "auto" acts as "cpu", offload "auto" as
             True; mode "gpu" is a ValueError) and eager updates are off after the warm-up; not
             with `distributed` (NotImplementedError).
+        nvme_dir: the folder of the scratch file holding the optimizer state on disk (None: the
+            RAMSTREAM_NVME_DIR variable). Missing, not a folder or not writable: OSError naming it.
+        nvme_offload: "auto" (default: the plan's share when wrap() has a plan; none here), True
+            (every host bucket's fp32 master and moments on disk), False, or a share in (0, 1]
+            of that state's bytes, from the last buckets in forward order. Each step reads and
+            writes the disk buckets' state once (docs/guide/disk.md: SSD wear). The state stays
+            host-updated (mode "auto" acts as "cpu", offload as True; mode "gpu" and
+            `distributed` are ValueErrors); a full disk is an OSError here (the file is reserved).
     """
 
     def __init__(
@@ -112,6 +120,8 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         eager_updates: bool = True,
         skip_nonfinite: bool = False,
         delayed_update=False,
+        nvme_dir=None,
+        nvme_offload: Any = "auto",
         eager=None,  # TrainStream's names (trainstream_args.py)
         compute_grad_norm: bool = False,
         chunk_elems=None,
@@ -120,6 +130,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         _log=None,
         _streamed=None,
         _block_of=None,
+        _nvme_share: float = 0.0,
     ) -> None:
         _checks.check_hyper(lr, betas, eps, weight_decay)
         eager_updates, max_grad_norm = _ts_args.translate(
@@ -151,6 +162,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         self._threads = parse_threads(threads, "OffloadAdamW:")
         self._delayed_update, mode, offload = _checks.check_delayed(
             delayed_update, mode, offload, distributed
+        )
+        nvme_share, nvme_dir, mode, offload = _checks.check_nvme(
+            nvme_offload, nvme_dir, mode, offload, distributed, _nvme_share
         )
         device = parse_device(device, "OffloadAdamW:")
         self._engine = None
@@ -208,6 +222,8 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             block_of=_block_of,
             skip_nonfinite=skip_nonfinite,
             delayed_update=self._delayed_update,
+            nvme_dir=nvme_dir,
+            nvme_share=nvme_share,
         )
         from .engine.refine import make_refiner
 
@@ -359,26 +375,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
     def master_weights(self) -> list[torch.Tensor]:
         """Copies of the fp32 master weights, one per parameter in param_groups order (shaped
         like the parameter). For a bf16/fp16 model these hold the precision the model lacks."""
-        from .engine.layout import master_flat
-        from .engine.state import gather_bucket_state
+        from .optim_extras import master_weights
 
-        self.synchronize()
-        e = self._engine
-        gathered = gather_bucket_state(e, ("master",)) if self._resident is None else None
-        by_index = {s.index: s for s in e.slots}
-        out, i = [], 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                s = by_index.get(i)
-                if s is None:
-                    out.append(p.detach().float().cpu().clone())
-                elif self._resident is not None:
-                    out.append(self._resident.masters[i].detach().float().cpu().clone())
-                else:
-                    master = master_flat(s.bucket) if gathered is None else gathered[s.bucket.index][0]
-                    out.append(master[s.offset : s.offset + s.numel].view(p.shape).to("cpu", copy=True))
-                i += 1
-        return out
+        return master_weights(self)
 
     def stats(self) -> dict:
         """steps, bytes_d2h, bytes_h2d, host_update_s, host_updated_numel (elements the host AdamW
@@ -387,10 +386,11 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         (bucket updates run during backward); TrainStream's names: grad_bytes_offloaded
         (= bytes_d2h), param_bytes_uploaded (= bytes_h2d), guard_waits (= waits: reads that
         waited for an update), mode ("resident" after the switch), numel (trained elements),
-        params, host_state_bytes, moment_dtype, update_ms_total (trainstream_args.stats_names)."""
-        s = dict(self._engine.stats)
-        s.update(_ts_args.stats_names(self, s))
-        return s
+        params, host_state_bytes, moment_dtype, update_ms_total (trainstream_args.stats_names);
+        with nvme_offload the disk tier's nvme_* figures (optim_extras.stats)."""
+        from .optim_extras import stats
+
+        return stats(self)
 
     def attach(self, model: torch.nn.Module, guard: bool = True) -> "OffloadAdamW":
         """Hooks `model` (whose parameters this optimizer holds) in place as wrap() does, so a
@@ -399,48 +399,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         ``opt = OffloadAdamW(model.parameters()).attach(model)`` chains (TrainStream's idiom).
         guard=False (TrainStream's argument) drops the read guard on the parameters, as
         guard_params=False does (forward waits still order every module's reads)."""
-        if not isinstance(guard, bool):
-            raise ValueError(f"OffloadAdamW.attach: guard={guard!r}; accepted: True, False")
-        from .options import WrapOptions
-        from .report import EventLog
-        from .runtime.attach import attach_model
+        from .optim_extras import attach
 
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"OffloadAdamW.attach: model must be a torch.nn.Module, got {type(model).__name__}"
-            )
-        if self._closed or self._resident is not None or self._engine.forward_waits:
-            raise RuntimeError("OffloadAdamW.attach: the optimizer is closed, resident or already attached")
-        if getattr(model, "_ramstream", None) is not None:
-            raise ValueError(
-                "OffloadAdamW.attach: this model is already wrapped; call ramstream.unwrap(model) first"
-            )
-        mine = {id(s.param) for s in self._engine.slots}
-        if not mine <= {id(p) for p in model.parameters()}:
-            raise ValueError("OffloadAdamW.attach: the model does not hold this optimizer's parameters")
-        opts = WrapOptions.parse(
-            max_grad_norm=self._max_grad_norm, accumulation_steps=self._accumulation_steps
-        )
-        log = EventLog(False)
-        self._log = log
-        recompute = None
-        if self._engine.device.type == "cuda":  # the plan's recompute (the weights are placed already)
-            from .runtime.apply import make_plan
-
-            plan, _, _ = make_plan(
-                model, self, WrapOptions.parse(param_offload=False), self._engine.device, log
-            )
-            if plan is not None:
-                recompute = [i for i, m in enumerate(plan.activations) if m == "recompute"]
-        attach_model(model, self, opts, log, recompute=recompute)
-        if not guard and self._engine.guard_params:
-            from .engine import guard as _guard
-
-            for sl in self._engine.slots:
-                _guard.unguard(sl.param)
-            self._engine.guard_params = False
-        log(f"attached: {len(self._engine.slots)} parameters in {len(self._engine.buckets)} buckets")
-        return self
+        return attach(self, model, guard)
 
     @property
     def attached(self) -> bool:
@@ -500,6 +461,14 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             self._resident.resync_masters(model)
         else:
             self._engine.resync_masters(model)
+
+    def __enter__(self) -> "OffloadAdamW":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with OffloadAdamW(...) as opt:`` closes it at the end (an exception included): its
+        hooks and threads end, and with nvme_offload its scratch file is removed."""
+        self.close()
 
     def close(self) -> None:
         self._closed = True

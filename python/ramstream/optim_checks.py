@@ -154,3 +154,47 @@ def check_delayed(value, mode: str, offload, distributed) -> tuple:
             "broadcast of the new weights is not delayed)"
         )
     return warmup, "cpu", True
+
+
+def check_nvme(
+    nvme_offload, nvme_dir, mode: str, offload, distributed, auto_share=0.0, where="OffloadAdamW:"
+):
+    """nvme_offload / nvme_dir: (share of the host-updated state on disk, folder or None, mode,
+    offload). "auto" takes `auto_share` (the plan's; 0 without one or without a folder); a share
+    > 0 keeps the state on the host (mode "cpu", offload True). ValueError naming the options for a
+    share without a folder (option or RAMSTREAM_NVME_DIR), mode "gpu" or data parallel; OSError
+    naming the path for a folder that is missing, not a folder or not writable."""
+    import errno
+    import os
+
+    from . import env
+    from .options import parse_nvme_dir, parse_nvme_offload
+
+    share = parse_nvme_offload(nvme_offload, where)
+    directory = parse_nvme_dir(nvme_dir, where) or env.get("RAMSTREAM_NVME_DIR")
+    if share == "auto":
+        share = float(auto_share) if directory else 0.0
+    if share <= 0:
+        return 0.0, directory, mode, offload
+    if directory is None:
+        raise ValueError(
+            f"{where} nvme_offload={nvme_offload!r} needs a folder for the state: pass nvme_dir= (an existing, "
+            "writable folder on a fast local disk) or set RAMSTREAM_NVME_DIR; or pass nvme_offload=False"
+        )
+    if mode == "gpu":
+        raise ValueError(
+            f"{where} nvme_offload={nvme_offload!r} puts the host-updated optimizer state on disk; "
+            "mode='gpu' updates on the GPU: pass mode='cpu' or 'auto', or nvme_offload=False"
+        )
+    if distributed:
+        raise ValueError(
+            f"{where} nvme_offload={nvme_offload!r} is not supported with data parallel (distributed) yet; "
+            "pass nvme_offload=False"
+        )
+    if not os.path.exists(directory):
+        raise FileNotFoundError(errno.ENOENT, f"{where} nvme_dir: no such folder", directory)
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, f"{where} nvme_dir: not a folder", directory)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{where} nvme_dir: the folder is not writable", directory)
+    return share, directory, "cpu", True

@@ -89,6 +89,46 @@ def parse_delayed_update(value: Any, where: str = "wrap(): option") -> int | Non
     )
 
 
+_NVME_ACCEPTED = (
+    "'auto' (the plan decides; no disk without one), True (all), False (none) or a number in (0, 1]"
+)
+
+
+def parse_nvme_offload(value: Any, where: str = "wrap(): option") -> str | float:
+    """nvme_offload: "auto", or the share (0..1] of the host-updated state's bytes on disk (True:
+    1.0, False: 0.0); ValueError naming the accepted values otherwise."""
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if value is True or value is False:
+        return 1.0 if value else 0.0
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0.0 < value <= 1.0
+    ):
+        return float(value)
+    raise ValueError(f"{where} nvme_offload={value!r} is not accepted; accepted: {_NVME_ACCEPTED}")
+
+
+def parse_nvme_dir(value: Any, where: str = "wrap(): option") -> str | None:
+    """nvme_dir: None (the RAMSTREAM_NVME_DIR variable, else no disk) or a folder's path."""
+    if value is None:
+        return None
+    import os
+
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            f"{where} nvme_dir={value!r} is not accepted; accepted: None (RAMSTREAM_NVME_DIR) or the path "
+            "of an existing, writable folder (str or os.PathLike)"
+        )
+    return path
+
+
 def parse_mode(value: Any, where: str = "wrap(): option optimizer_mode") -> str:
     if not isinstance(value, str) or value not in ("cpu", "gpu", "auto"):
         raise ValueError(f"{where}={value!r} is not accepted; accepted: 'cpu', 'gpu', 'auto'")
@@ -117,6 +157,8 @@ class WrapOptions:
     eager_updates: bool = True
     skip_nonfinite: bool = False
     delayed_update: Any = False
+    nvme_dir: Any = None
+    nvme_offload: Any = "auto"
     activation_offload: Any = False
     prefetch_depth: int = 1
     min_offload_bytes: int = 1 << 20
@@ -185,6 +227,19 @@ class WrapOptions:
             )
         if o.delayed_update is not False:  # the state stays on the host: no mapped share, no switch
             o.optimizer_mode, o.offload = "cpu", True
+        share = parse_nvme_offload(o.nvme_offload)  # kept as given: OffloadAdamW takes the same values
+        o.nvme_dir = parse_nvme_dir(o.nvme_dir)
+        if share != "auto" and share > 0:
+            for bad, why in (
+                (o.optimizer_mode == "gpu", "optimizer_mode='gpu' updates on the GPU; pass 'cpu' or 'auto'"),
+                (o.distributed is True, "distributed=True is not supported with it yet"),
+            ):
+                if bad:
+                    raise ValueError(
+                        f"wrap(): option nvme_offload={o.nvme_offload!r} puts the host-updated optimizer "
+                        f"state on disk: {why}; or pass nvme_offload=False"
+                    )
+            o.optimizer_mode, o.offload = "cpu", True  # the state stays on the host (and disk)
         o.accumulation_steps = parse_accumulation_steps(o.accumulation_steps)
         o.moment_dtype = parse_moment_dtype(o.moment_dtype)
         o.threads = parse_threads(o.threads)

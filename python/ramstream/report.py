@@ -22,11 +22,22 @@ class EventLog:
 
 
 def host_state_bytes(engine) -> int:
-    """Bytes of the buckets' fp32 masters, moments and accumulation sums (off the device: 0 once
-    the optimizer is resident)."""
+    """Bytes of the buckets' fp32 masters, moments and accumulation sums in host RAM (off the
+    device: 0 once the optimizer is resident; state on disk is not counted, nor its staging
+    buffers: stats()["nvme_state_bytes"], ["nvme_staging_bytes"])."""
     return sum(
-        t.nbytes for b in engine.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc) if t is not None
+        t.nbytes
+        for b in engine.buckets
+        for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc)
+        if t is not None and t.device.type != "meta"  # meta: paged out to disk (disk_tier.py)
     )
+
+
+def _nvme(engine) -> dict | None:
+    """The disk tier's figures (nvme_offload): state bytes on disk, bytes read and written in all
+    and in the last step, the I/O mode and the folder; None without it."""
+    disk = getattr(engine, "disk", None)
+    return None if disk is None else {k.removeprefix("nvme_"): v for k, v in disk.stats().items()}
 
 
 def _blocks(w) -> list:
@@ -172,6 +183,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "resident": w.optimizer.resident,
             "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
             "host_state_bytes": host_state,
+            "nvme": _nvme(e),
             "landing_bytes": landing,
             "grad_bytes_offloaded": stats["grad_bytes_offloaded"],
             "stats": stats,

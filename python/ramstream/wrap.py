@@ -195,11 +195,30 @@ def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, 
         eager_updates=opts.eager_updates,
         skip_nonfinite=opts.skip_nonfinite,
         delayed_update=opts.delayed_update,
+        nvme_dir=opts._extra.get("nvme", (0.0, None))[1],
+        nvme_offload=opts._extra.get("nvme", (0.0, None))[0] or False,  # resolved: a share or off
         _order=_forward_order(model),
         _log=log,
         _streamed=streamed,
         _block_of=block_of,
     )
+
+
+def _resolve_nvme(opts, plan, use_dp: bool, log) -> tuple[float, str | None]:
+    """(share of the host-updated state on disk, folder): nvme_offload="auto" takes the plan's
+    share (plan.optimizer["nvme_share"]; none without a plan, a folder, or on the GPU optimizer);
+    errors (ValueError naming the options, OSError naming the folder) come before anything moves."""
+    from .optim_checks import check_nvme
+
+    auto = 0.0
+    if plan is not None and opts.optimizer_mode != "gpu" and not use_dp:
+        auto = float(plan.optimizer.get("nvme_share", 0.0) or 0.0)
+    share, folder, _, _ = check_nvme(
+        opts.nvme_offload, opts.nvme_dir, opts.optimizer_mode, opts.offload, use_dp, auto, where="wrap():"
+    )
+    if share > 0:
+        log(f"nvme_offload={opts.nvme_offload!r} -> {share:g} of the optimizer state on disk in {folder}")
+    return share, folder
 
 
 def _oom_or_none(fn, *args) -> str | None:
@@ -302,6 +321,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "requires_grad on the parameters to train before wrap()"
         )
     plan, plan_shape, plan_prof = make_plan(model, optimizer, opts, device, log)
+    opts._extra["nvme"] = _resolve_nvme(opts, plan, use_dp, log)  # before anything moves
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     block_of = restreamable(model, blocks, opts, plan, use_dp)
     moment_option = opts.moment_dtype
@@ -320,6 +340,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         log=log,
         ram=_ram_with_model(model, device, streamed),
         delayed=opts.delayed_update is not False,
+        nvme_share=opts._extra["nvme"][0],
+        bucket_bytes=opts.bucket_bytes,
     )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):

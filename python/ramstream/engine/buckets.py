@@ -68,6 +68,7 @@ class Bucket:
     h2d_event: object = None  # device event: the new weights are on the device
     bcast_done: threading.Event = field(default_factory=threading.Event)  # data parallel
     bcast_event: object = None
+    disk: object = None  # disk_tier.DiskTier holding the state (None: in RAM)
 
     def __post_init__(self) -> None:
         self.bcast_done.set()

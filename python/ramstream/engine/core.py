@@ -53,6 +53,8 @@ class Engine:
         skip_nonfinite: bool = False,
         delayed_update: int | None = None,
         block_of: dict | None = None,
+        nvme_dir: str | None = None,
+        nvme_share: float = 0.0,
     ) -> None:
         """streamed: {id(parameter): block index} of the parameters whose weights live in
         pinned host memory and visit the device only while their block runs (weights/).
@@ -62,7 +64,9 @@ class Engine:
         bucket is then updated on the host, and data parallel is refused.
         block_of: {id(parameter): block index} of the blocks' own parameters: no bucket spans two
         blocks, so that a block can start streaming between steps (restream.py); None: buckets
-        break only between streamed blocks and the rest."""
+        break only between streamed blocks and the rest.
+        nvme_dir, nvme_share: that share (0..1] of the host-updated state's bytes, from the back of
+        the stack, lives on disk in nvme_dir (disk_tier.py); host placement only, single process."""
         self.param_groups = param_groups
         self.skip_nonfinite = skip_nonfinite
         self.eager_updates = eager_updates
@@ -101,6 +105,19 @@ class Engine:
             wait_job=self.worker.wait,
             mapped_fraction=mapped_fraction,
         )
+        self.disk = None
+        disk_buckets: set[int] = set()
+        if nvme_share > 0:
+            if distributed:
+                raise ValueError("ramstream: nvme_offload is not supported under data parallel yet")
+            if mapped_fraction > 0:
+                raise ValueError("ramstream: nvme_offload needs the host AdamW (optimizer_mode='cpu')")
+            from .disk_tier import DiskTier, choose_disk_buckets
+
+            chosen = choose_disk_buckets(self.buckets, nvme_share, moment_dtype)
+            disk_buckets = {b.index for b in chosen}
+            if chosen:  # opened before anything is allocated: a full disk changes nothing
+                self.disk = DiskTier(chosen, nvme_dir, moment_dtype=moment_dtype, log=self.log)
         total = sum(b.numel for b in self.buckets)
         mapped = 0
         for b in self.buckets:  # the first buckets in forward order go to the GPU kernel
@@ -108,6 +125,13 @@ class Engine:
             use_gpu = use_gpu and not b.streamed  # streamed weights are updated on the host
             layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
+            if b.index in disk_buckets:
+                self.disk.adopt(b)  # written to its record, freed from RAM
+        if self.disk is not None:
+            self.log(
+                f"nvme: optimizer state of {len(disk_buckets)} buckets ({self.disk.state_bytes} bytes) "
+                f"on disk in {nvme_dir} ({'direct' if self.disk.store.direct else 'buffered'} I/O)"
+            )
         self.mapped_numel = mapped
         self.delayed = None
         if delayed_update is not None:
@@ -169,6 +193,7 @@ class Engine:
         if self.delayed is not None:
             self.delayed.weights, self.delayed.stats = self.weights, self.stats
             self.updater.delay = self.delayed
+        self.updater.disk = self.disk
         self.intake = GradientIntake(
             slots=self.slots,
             frozen=self.frozen,
@@ -302,6 +327,9 @@ class Engine:
         self.updater.clip_now = None
         self.stats["steps"] += 1
         self.stats["delayed_steps"] += bool(delayed and todo)
+        if self.disk is not None:
+            self.disk.end_step()
+            self.disk.raise_if_failed()  # a write-back failed: the step is taken, its state kept
         return True
 
     def _skip_nonfinite(self, nf: NonFinite, todo: list) -> bool:
@@ -347,6 +375,9 @@ class Engine:
         self.updater.drain()
         if self.delayed is not None:
             self.delayed.install()
+        if self.disk is not None:
+            self.disk.flush()  # every write-back ended: the state is on disk (or kept, dirty)
+            self.disk.raise_if_failed()
         for b in self.buckets:
             self.weights.wait(b)
         self.dev.synchronize()
@@ -400,7 +431,12 @@ class Engine:
         """Waits for everything, removes hooks and guards; parameters keep their current data."""
         if self.closed:
             return
-        self.synchronize()
+        try:
+            self.synchronize()
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+            raise
         self.intake.close()
         self.weights.close()
         for s in self.slots:
@@ -409,4 +445,6 @@ class Engine:
                 del s.param._ramstream_slot
         self.updater.close()
         self.parallel.close()
+        if self.disk is not None:
+            self.disk.close()  # its file is removed
         self.closed = True

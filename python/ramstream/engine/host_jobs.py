@@ -84,6 +84,13 @@ def update(
     a delayed update passes the buffer it was queued with)."""
     if grad is None:
         grad = b.acc if accumulate else b.landing
+    if b.disk is not None:  # the state is on disk: paged in around the update (disk_tier.py)
+        with b.disk.updating(b):
+            return _update(b, pieces, hypers, grad_scale, out, seed, grad)
+    return _update(b, pieces, hypers, grad_scale, out, seed, grad)
+
+
+def _update(b, pieces, hypers, grad_scale, out, seed, grad) -> list[tuple[int, int]]:
     ordered = sorted(pieces, key=lambda p: p.offset)
     in_place = out.data_ptr() == b.master.data_ptr()  # a streamed fp32 bucket: home is the master
     for p in ordered:

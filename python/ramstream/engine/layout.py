@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import GPU_UPDATED, Bucket
+from .disk_tier import paged
 
 
 def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
@@ -86,6 +87,8 @@ def relocate(engine, b: Bucket, placement: str) -> None:
         raise ValueError(f"relocate: placement={placement!r}; accepted: 'host', 'mapped', 'device'")
     if b.streamed or b.exp_avg is None or placement == b.placement:
         return
+    if b.disk is not None:
+        raise ValueError(f"relocate: bucket {b.index}'s state is on disk (nvme_offload): it stays 'host'")
     if placement != "host" and engine.dev.type != "cuda":
         raise ValueError(f"relocate: placement {placement!r} needs a CUDA device")
     dev, n, fp32 = engine.dev, b.numel, b.dtype == torch.float32
@@ -159,7 +162,8 @@ def rebind(engine, model: torch.nn.Module | None) -> None:
             )
         dtype = dtypes.pop()
         engine.check_param(b.slots[0].param)
-        master = master_flat(b)
+        with paged(b):  # nvme_offload: the master is read from disk
+            master = master_flat(b).clone() if b.disk is not None else master_flat(b)
         if dtype != b.dtype:
             b.dtype = dtype
             if b.landing is not None:
@@ -225,8 +229,9 @@ def adopt_loaded(engine, model: torch.nn.Module) -> None:
                 "load without assign=True"
             )
         b.device_flat[sl].copy_(value)
-        if b.master is not None:
-            b.master[sl].copy_(value)
+        with paged(b, write=True):
+            if b.master is not None:
+                b.master[sl].copy_(value)
         p.data = b.device_flat[sl].view(p.shape)
     engine.dev.synchronize()
 
@@ -240,18 +245,22 @@ def resync_masters(engine, loaded: dict | None = None) -> None:
     for b in engine.buckets:
         if b.master is None:
             continue  # the weights are the master
-        changed = 0
-        for s in b.slots:
-            sl = slice(s.offset, s.offset + s.numel)
-            v = loaded.get(s)
-            w = weights_flat(b)
-            if v is not None and torch.equal(w[sl], v.reshape(-1).to(w.device, b.dtype)):
-                b.master[sl].copy_(v.reshape(-1))
-                changed += 1
-            elif not torch.equal(w[sl], b.master[sl].to(w.device, b.dtype)):
-                b.master[sl].copy_(w[sl])
-                changed += 1
-        if changed:
-            engine.log(
-                f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the model's weights"
-            )
+        with paged(b, write=True) as ctl:  # nvme_offload: read, compared, written back if changed
+            ctl.write = _resync_bucket(engine, b, loaded) > 0
+
+
+def _resync_bucket(engine, b: Bucket, loaded: dict) -> int:
+    changed = 0
+    for s in b.slots:
+        sl = slice(s.offset, s.offset + s.numel)
+        v = loaded.get(s)
+        w = weights_flat(b)
+        if v is not None and torch.equal(w[sl], v.reshape(-1).to(w.device, b.dtype)):
+            b.master[sl].copy_(v.reshape(-1))
+            changed += 1
+        elif not torch.equal(w[sl], b.master[sl].to(w.device, b.dtype)):
+            b.master[sl].copy_(w[sl])
+            changed += 1
+    if changed:
+        engine.log(f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the model's weights")
+    return changed

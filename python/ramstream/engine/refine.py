@@ -59,7 +59,12 @@ HOST_TRIAL_SHARE = 0.6
 
 
 def _movable(b) -> bool:
-    return not b.streamed and b.exp_avg is not None and b.placement in ("host", "mapped")
+    return (
+        not b.streamed
+        and getattr(b, "disk", None) is None
+        and b.exp_avg is not None
+        and b.placement in ("host", "mapped")
+    )
 
 
 def _bytes(b) -> tuple[int, int]:
@@ -376,7 +381,7 @@ def move_buckets(opt, targets: list[str], relocate_fn=relocate, who: str = "rams
 
     e, moved = opt._engine, 0
     for b, where in zip(e.buckets, targets):
-        if where == b.placement or b.streamed or b.exp_avg is None:
+        if where == b.placement or b.streamed or getattr(b, "disk", None) is not None or b.exp_avg is None:
             continue
         was = b.placement
         try:

@@ -389,6 +389,11 @@ def maybe_switch(opt, after_steps: int):
     if engine.streamed:
         opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
         return None
+    if engine.disk is not None:  # OffloadAdamW sets offload=True with it: a second guard
+        opt._log(
+            "offload=auto: optimizer state on disk (nvme_offload) keeps it offloaded (no resident switch)"
+        )
+        return None
     upcast = bool(getattr(opt, "_moments_for_ram", False)) and any(
         b.exp_avg.dtype != torch.float32 for b in engine.buckets
     )

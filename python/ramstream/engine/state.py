@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .disk_tier import Paging
 from .layout import weights_flat
 
 
@@ -64,16 +65,20 @@ def export_state(opt, param_groups: list[dict]) -> dict:
     gathered = gather_bucket_state(e) if opt._resident is None else None
     masters = gather_bucket_state(e, ("master",)) if opt._resident is None else None
     state = {}
-    for s in e.slots:
-        step, m, v = _slot_tensors(opt, s, gathered)
-        if step == 0:
-            continue
-        state[s.index] = {
-            "step": torch.tensor(float(step), dtype=torch.float32),
-            "exp_avg": m if m.dtype == torch.float32 else m.float(),
-            "exp_avg_sq": v if v.dtype == torch.float32 else v.float(),
-            "master": _slot_master(opt, s, masters),
-        }
+    with Paging() as page:  # a bucket whose state is on disk: paged in, its tensors copied
+        for s in e.slots:
+            if opt._resident is None and gathered is None:
+                page(s.bucket)
+            step, m, v = _slot_tensors(opt, s, gathered)
+            if step == 0:
+                continue
+            copy = opt._resident is None and s.bucket.disk is not None  # not views of a staging buffer
+            state[s.index] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": m.float() if m.dtype != torch.float32 else m.clone() if copy else m,
+                "exp_avg_sq": v.float() if v.dtype != torch.float32 else v.clone() if copy else v,
+                "master": _slot_master(opt, s, masters),
+            }
     groups = []
     index = 0
     for g in param_groups:
@@ -196,8 +201,11 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
     saved_groups = sd["param_groups"]
     opt.synchronize()  # nothing is changed before every entry was checked
     stale = []
-    with torch.no_grad():
-        for s, st in staged:
+    page = Paging(write=True)  # a bucket whose state is on disk: paged in, written back
+    with torch.no_grad(), page:
+        for s, st in sorted(staged, key=lambda x: (x[0].bucket.index, x[0].offset)):
+            if opt._resident is None:
+                page(s.bucket)
             _, m, v = _slot_tensors(opt, s)
             if m is None:  # another data-parallel rank owns this state
                 _set_step(opt, s, _saved_step(None, st["step"]))
@@ -214,6 +222,8 @@ def import_state(opt, param_groups: list[dict], sd: dict) -> None:
         loaded = {s.index for s, _ in staged}
         for s in slots:
             if s.index not in loaded:
+                if opt._resident is None:
+                    page(s.bucket)
                 _, m, v = _slot_tensors(opt, s)
                 if m is not None:
                     m.zero_()

@@ -67,6 +67,7 @@ class Updater:
         self.clip_now = None  # (max_norm, norm, micro): clip_grad_norm_ for this step
         self._pass_hypers = None
         self.delay = None  # delayed.Delayed with delayed_update (Engine sets it)
+        self.disk = None  # disk_tier.DiskTier with nvme_offload (Engine sets it): reads ahead
 
     def delaying(self) -> bool:
         """Whether the step being gathered (the next step() to be taken) is delayed."""
@@ -117,6 +118,8 @@ class Updater:
         scale = 1.0 / self.parallel.world
         src, acc = b.landing, b.acc  # as now: a delayed step() may swap them before the job runs
         if eager:
+            if self.disk is not None:
+                self.disk.expect(b)
             self.stats["eager_updates"] += 1  # a bucket's share updated during backward
             for s in slots:
                 s.step += 1
@@ -190,6 +193,8 @@ class Updater:
                 self.mapped.launch(b, slots, hyper_of=lambda g: hypers[g], grad_scale=grad_scale)
                 continue
             pieces = [Piece(s.offset, s.numel, s.group, s.step, False) for s in slots]
+            if self.disk is not None:
+                self.disk.expect(b)  # its state is read ahead in this order
             if delayed:  # the next forward reads the weights as they are (delayed.py)
                 self.delay.queue(
                     b,

@@ -30,7 +30,9 @@ def choose_placements(buckets, room: int, mapped_fraction_of) -> tuple[list[str]
     `room` bytes, then "mapped" for the first mapped_fraction_of(rest numel) of the remaining
     numel, "host" for the others. Streamed buckets and those without state (another rank's)
     keep their placement. Returns (placements, numbers)."""
-    movable = [b for b in buckets if not b.streamed and b.exp_avg is not None]
+    movable = [
+        b for b in buckets if not b.streamed and getattr(b, "disk", None) is None and b.exp_avg is not None
+    ]
     used, device_numel = 0, 0
     chosen: dict[int, str] = {}
     for b in movable:

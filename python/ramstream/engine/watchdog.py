@@ -56,7 +56,11 @@ def choose_levers(buckets, need: int, *, paged, n_blocks: int, block_bytes, allo
     if need <= 0:
         return out
     freed = 0
-    movable = [b for b in reversed(buckets) if not b.streamed and b.exp_avg is not None]
+    movable = [
+        b
+        for b in reversed(buckets)
+        if not b.streamed and getattr(b, "disk", None) is None and b.exp_avg is not None
+    ]
     for b in movable:  # 1. the VRAM share of the optimizer state, from the back
         if freed >= need:
             return out

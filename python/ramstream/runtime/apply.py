@@ -155,9 +155,10 @@ class StreamLever:
         return sorted(b.index for b in self.w.streamer.blocks) if self.w.streamer is not None else []
 
     def usable(self) -> bool:
-        """False once the optimizer went resident (its state on the device, torch's fused AdamW)."""
-        opt = self.w.optimizer
-        return opt._resident is None and opt._engine.block_of != {}
+        """False once the optimizer went resident (its state on the device, torch's fused AdamW), or
+        with optimizer state on disk (nvme_offload)."""
+        opt = self.w.optimizer  # (and not with optimizer state on disk: nvme_offload)
+        return opt._resident is None and opt._engine.block_of != {} and opt._engine.disk is None
 
     def stream(self, indices: list[int], plan) -> None:
         from ..weights.setup import extend_streamer, streamed_ids

@@ -39,9 +39,10 @@ def stream_buckets(engine, ids: dict) -> list:
     set) streamed; returns them. Quiescent: waits for every update in flight first."""
     from ..weights.slab import Slab, make_copier
 
-    if engine.dp is not None or engine.delayed is not None:
+    if engine.dp is not None or engine.delayed is not None or engine.disk is not None:
         raise ValueError(
-            "ramstream: blocks start streaming between steps only without data parallel and delayed_update"
+            "ramstream: blocks start streaming between steps only without data parallel, delayed_update "
+            "and optimizer state on disk (nvme_offload)"
         )
     todo = streamable(engine, ids)
     engine.synchronize()

@@ -51,7 +51,7 @@ def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
             rates = profile_hardware(device)
         except Exception as exc:  # noqa: BLE001 - the default rates take over
             log(f"profile: the hardware profile failed ({exc!r}); planning on the default rates")
-    prof = live_profile(model, device, rates)
+    prof = with_disk(live_profile(model, device, rates), opts, log)
     kw = {k: getattr(opts, k) for k in PLAN_OPTIONS}
     if opts.activation_checkpointing == "auto" and hf_checkpointing(blocks):
         kw["activation_checkpointing"] = True  # the layers recompute already: the plan counts it
@@ -77,6 +77,32 @@ def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
         ) from None
     log("plan:\n" + plan.explain())
     return plan, shape, prof
+
+
+def with_disk(prof, opts: WrapOptions, log):
+    """nvme_offload="auto" with a folder (nvme_dir, else RAMSTREAM_NVME_DIR): the profile with that
+    disk's measured rates and free space (planner/measure.py disk_rates), so that the plan may put
+    optimizer state there when host RAM is short; the profile as it is otherwise, or when the folder
+    cannot be measured (logged; the folder's error is raised when the optimizer state is laid out)."""
+    import dataclasses
+
+    from .. import env
+
+    folder = opts.nvme_dir or env.get("RAMSTREAM_NVME_DIR")
+    if opts.nvme_offload != "auto" or not folder:
+        return prof
+    from ..planner.measure import disk_rates
+
+    try:
+        rates = disk_rates(folder)
+    except OSError as e:
+        log(f"nvme: the disk in {folder!r} could not be measured ({e}); planning without it")
+        return prof
+    log(
+        f"nvme: {rates['disk_dir']}: read {rates['disk_read_gbps']:.2f} GB/s, write "
+        f"{rates['disk_write_gbps']:.2f} GB/s, {rates['disk_free'] / 2**30:.1f} GiB free"
+    )
+    return dataclasses.replace(prof, **rates)
 
 
 def hf_checkpointing(blocks) -> bool:

@@ -23,6 +23,7 @@ PLAN_OPTIONS = (
     "moment_dtype",
     "vram_headroom",
     "max_activation_slowdown",
+    "nvme_offload",
 )
 _GIB = 2**30
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, pipeline, trainer, loss, doctor, probe, defaults), each under a time limit, logs under $OUT. Prints a short
+# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, pipeline, delayed, nvme, trainer, loss, doctor, probe, defaults), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -127,6 +127,15 @@ for stage in $STAGES; do
         --deadline "${PIPELINE_DEADLINE:-480}" --out "$OUT/pipeline.json" ${PIPELINE_ARGS:-} \
         > "$OUT/pipeline.log" 2>&1
       summary "pipeline rc=$?"; sed -n '/^config /,$p' "$OUT/pipeline.log" | tee -a "$OUT/summary.txt" ;;
+    delayed)  # issue 29: delayed_update vs plain, GPT 6.85B bf16 8x512 chunked, 24 GiB, 200 steps each
+      timeout ${DELAYED_TIMEOUT:-540} python3 bench/train/bench_delayed.py --model 6.85b --batch 8 --seq 512 \
+        --cap-gib 24 --steps "${DELAYED_STEPS:-200}" --out "$OUT/delayed.json" ${DELAYED_ARGS:-} > "$OUT/delayed.log" 2>&1
+      summary "delayed rc=$?"; tail -4 "$OUT/delayed.log" | tee -a "$OUT/summary.txt" ;;
+    nvme)  # issue 29: the optimizer state on disk vs in RAM, GPT 6.85B bf16 8x512 chunked, 24 GiB;
+           # NVME_DIR: a folder on the fastest local disk (default /tmp)
+      timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --model 6.85b --batch 8 --seq 512 \
+        --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme.json" ${NVME_ARGS:-} > "$OUT/nvme.log" 2>&1
+      summary "nvme rc=$?"; tail -4 "$OUT/nvme.log" | tee -a "$OUT/summary.txt" ;;
     trainer)  # issue 12: Qwen2-1.5B shape, stock Trainer vs OffloadTrainer, uncapped and at 12 GiB
       timeout $(( ${TRAINER_DEADLINE:-300} + 30 )) python3 bench/train/bench_trainer.py \
         --deadline "${TRAINER_DEADLINE:-300}" --out "$OUT/trainer.json" ${TRAINER_ARGS:-} > "$OUT/trainer.log" 2>&1

@@ -1,0 +1,192 @@
+"""The optimizer state on disk (wrap(nvme_dir=..., nvme_offload=...), issue 29 part 1): the same run
+with the host optimizer state in RAM and with a share of it on disk, each variant in its own
+process on a GPU (the VRAM cap is per process), the disk's own rates measured first in the same run.
+
+    python bench/train/bench_nvme.py --model 6.85b --dtype bf16 --batch 8 --seq 512 --cap-gib 24 \
+        --dir /nvme/scratch --out nvme.json                            # the GPU run
+    python bench/train/bench_nvme.py --device cpu --tiny --dir /tmp    # the CPU: a smoke test
+
+Reports per variant: s/step (median after --skip), the engine's disk bytes read and written per
+step, the losses (equal in both: the disk tier is bit-exact); and for the disk variant the disk
+GB/s achieved (bytes per step / s per step) against the measured rate, and the bound the issue
+names, max(the RAM run's step, disk bytes / measured rates), with the ratio s/step / bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_variant(args, share) -> dict:
+    """One training run in this process; share: 0 (state in RAM) or the share on disk."""
+    import torch
+
+    import ramstream
+
+    sys.path.insert(0, HERE)
+    from bench_delayed import markov_batches
+    from stream_models import build_gpt
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda and args.cap_gib:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+    torch.manual_seed(0)
+    model, vocab = build_gpt("gpt_tiny" if args.tiny else f"gpt{args.model}", args.seq, torch.device("cpu"))
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    options = dict(device=str(dev), nvme_dir=args.dir, nvme_offload=share if share else False)
+    if cuda:
+        options.update(loss="chunked", batch=args.batch, seq=args.seq, moment_dtype=args.moments)
+    t0 = time.perf_counter()
+    model, opt = ramstream.wrap(model, opt, **options)
+    setup_s = time.perf_counter() - t0
+    data = markov_batches(vocab, args.batch, args.seq, args.steps)
+
+    def loss_fn(x):
+        if cuda:
+            return ramstream.chunked_cross_entropy(model.hidden(x[:, :-1]), model.head.weight, x[:, 1:])
+        return model(x[:, :-1], x[:, 1:])
+
+    losses, times = [], []
+    for x in data:
+        t0 = time.perf_counter()
+        loss = loss_fn(x.to(dev, non_blocking=True))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    opt.synchronize()
+    st = opt.stats()
+    steps = max(1, st["steps"])
+    out = dict(
+        share=share,
+        losses=losses,
+        setup_s=setup_s,
+        step_s=statistics.median(times[args.skip :] or times),
+        host_update_s_per_step=st["host_update_s"] / steps,
+        disk_state_bytes=st.get("nvme_state_bytes", 0),
+        disk_read_per_step=st.get("nvme_bytes_read", 0) / steps,
+        disk_written_per_step=st.get("nvme_bytes_written", 0) / steps,
+        host_state_bytes=st.get("host_state_bytes"),
+    )
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    opt.close()
+    return out
+
+
+def _child(args, name: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "r.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+            "--variant",
+            name,
+            "--variant-out",
+            path,
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            print(p.stdout[-4000:], p.stderr[-4000:], file=sys.stderr)
+            return dict(error=p.stderr[-2000:])
+        with open(path) as f:
+            return json.load(f)
+
+
+def summarize(results: dict, disk: dict) -> dict:
+    """The disk variant against the RAM one and the measured disk rates."""
+    ram, dsk = results["ram"], results["disk"]
+    read_s = dsk["disk_read_per_step"] / (disk["read_gbps"] * 1e9)
+    write_s = dsk["disk_written_per_step"] / (disk["write_gbps"] * 1e9)
+    bound = max(ram["step_s"], read_s + write_s)
+    moved = dsk["disk_read_per_step"] + dsk["disk_written_per_step"]
+    return dict(
+        ratio_step_s=dsk["step_s"] / ram["step_s"],
+        bound_s=bound,
+        ratio_to_bound=dsk["step_s"] / bound,
+        disk_gbps_achieved=moved / dsk["step_s"] / 1e9,
+        disk_time_at_measured_rates_s=read_s + write_s,
+        losses_equal=ram["losses"] == dsk["losses"],
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="6.85b", choices=["6.85b", "1.8b"])
+    ap.add_argument("--tiny", action="store_true", help="the tiny GPT, few steps (a smoke test)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--moments", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--cap-gib", type=float, default=24.0)
+    ap.add_argument("--steps", type=int, default=None, help="default 12 (--tiny: 6)")
+    ap.add_argument("--skip", type=int, default=4, help="steps left out of s/step (warm-up)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--dir", required=True, help="the folder the scratch file goes to (nvme_dir)")
+    ap.add_argument("--share", type=float, default=1.0, help="nvme_offload's share on disk (0, 1]")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--variant-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.cap_gib, args.dtype = min(args.batch, 4), min(args.seq, 32), 0, "fp32"
+        args.steps = 6 if args.steps is None else args.steps
+        args.skip = min(args.skip, args.steps // 3)
+    args.steps = 12 if args.steps is None else args.steps
+    if args.variant is not None:
+        res = run_variant(args, 0 if args.variant == "ram" else args.share)
+        with open(args.variant_out, "w") as f:
+            json.dump(res, f)
+        return 0
+    from ramstream.disk import measure_disk
+
+    disk = measure_disk(args.dir, size=(64 << 20) if args.tiny else (1 << 30))
+    print(f"disk {args.dir}: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s")
+    results = {"disk_measured": disk}
+    for name in ("ram", "disk"):
+        if args.device == "cpu":
+            results[name] = run_variant(args, 0 if name == "ram" else args.share)
+        else:
+            results[name] = _child(args, name)
+        r = results[name]
+        if "error" not in r:
+            print(
+                f"{name:5s} s/step {r['step_s']:.4f}  disk read/written per step "
+                f"{r['disk_read_per_step'] / 1e9:.3f}/{r['disk_written_per_step'] / 1e9:.3f} GB  "
+                f"last loss {r['losses'][-1]:.4f}"
+            )
+    ok = all("error" not in results[k] for k in ("ram", "disk"))
+    if ok:
+        results["summary"] = s = summarize(results, disk)
+        print(
+            f"disk/ram s/step {s['ratio_step_s']:.3f}; s/step / bound {s['ratio_to_bound']:.3f} (bound "
+            f"{s['bound_s']:.3f} s); disk {s['disk_gbps_achieved']:.2f} GB/s achieved; losses equal: "
+            f"{s['losses_equal']}"
+        )
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out")}
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, args.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

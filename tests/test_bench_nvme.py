@@ -1,0 +1,40 @@
+"""bench/train/bench_nvme.py's CPU smoke (--device cpu --tiny): the run with the optimizer state on
+disk trains to the same losses as the one in RAM (the disk tier is bit-exact), moves the state's
+bytes through the disk once each way per step, and the summary's arithmetic follows from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train", "bench_nvme.py")
+
+
+def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
+    out = tmp_path / "nvme.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    argv = [SCRIPT, "--device", "cpu", "--tiny", "--steps", "4", "--dir", str(scratch), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert runpy.run_path(SCRIPT)["main"]() == 0
+    r = json.loads(out.read_text())
+    ram, disk, s = r["ram"], r["disk"], r["summary"]
+    assert s["losses_equal"] and len(disk["losses"]) == 4
+    assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0
+    state = disk["disk_state_bytes"]
+    assert state > 0
+    # every step reads and writes the whole state once (the first read at wrap() is a write only)
+    assert disk["disk_written_per_step"] == pytest.approx(state, rel=0.26)
+    assert disk["disk_read_per_step"] == pytest.approx(state, rel=0.26)
+    m = r["disk_measured"]
+    disk_s = disk["disk_read_per_step"] / (m["read_gbps"] * 1e9) + disk["disk_written_per_step"] / (
+        m["write_gbps"] * 1e9
+    )
+    assert s["disk_time_at_measured_rates_s"] == pytest.approx(disk_s)
+    assert s["bound_s"] == pytest.approx(max(ram["step_s"], disk_s))
+    assert s["ratio_to_bound"] == pytest.approx(disk["step_s"] / s["bound_s"])
+    assert os.listdir(scratch) == []  # every scratch file removed

@@ -124,6 +124,42 @@ def test_a_larger_step_is_re_planned_and_trains_under_the_cap():
     ramstream.unwrap(model)
 
 
+def test_a_larger_step_streams_more_blocks_on_the_gpu_and_trains_as_torch():
+    """The stream lever on the GPU (test_step_replan.py checks it bit for bit on the CPU engine):
+    every block recomputing already, a 128 x 8 step fits the injected 48 MiB profile only with more
+    blocks streaming; before any block ran they start streaming from the back (their weights to
+    pinned homes, the device buffers released), the step goes on, and the run trains as torch does."""
+    from ramstream.runtime.apply import check_steps
+    from ramstream.runtime.inspect import model_shape, plan_for
+    from test_step_replan import LR, _profile
+
+    ref = make_model(0, n_blocks=8, d=256)
+    prof = _profile(48)
+    plan = plan_for(ref, profile=prof, batch=2, seq=8)
+    assert plan.activations == ["recompute"] * 8 and not plan.weights["streamed"]
+    shape = model_shape(ref, list(ref.blocks), batch=2, seq=8, loss="dense")
+    model = make_model(0, n_blocks=8, d=256)
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=LR), device=DEV, plan=plan, optimizer_mode="cpu"
+    )
+    w = model._ramstream
+    check_steps(model, w, plan, shape, prof, w.options, w.log)
+    data = batches(1, b=2, t=8, seed=1, device=DEV) + batches(3, b=128, t=8, seed=5, device=DEV)
+    ref = ref.to(DEV)
+    want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR), data)
+    got = train_torch(model, opt, data)
+    opt.synchronize()
+    streamed = ramstream.memory_report(model)["plan"]["weights"]["streamed"]
+    assert streamed and streamed[-1] == 7 and 0 not in streamed
+    for i, blk in enumerate(model.blocks):  # between steps: streamed weights at home in pinned RAM
+        where = {p.device.type for p in blk.parameters()}
+        assert where == ({"cpu"} if i in streamed else {"cuda"}), (i, where)
+    assert got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b.to(a.device), rtol=1e-4, atol=1e-6)
+    ramstream.unwrap(model)
+
+
 def test_ram_forced_bf16_moments_are_fp32_once_resident(monkeypatch):
     import ramstream.planner.profile as profile_mod
 

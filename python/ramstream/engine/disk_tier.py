@@ -118,6 +118,9 @@ class DiskTier:
         self.errors: list[OSError] = []
         self.update_io = [0, 0]  # bytes read, written for updates (not adopt, not paged)
         self.reads_ahead = 0  # updates whose read was issued before they started (prefetch)
+        self._order_now: list[int] = []  # this step's updates, in order
+        self._order_last: list[int] = []  # the last step's (reads ahead follow it)
+        self._position: dict[int, int] = {}
         self.steps = 0
 
     def _new_buffer(self) -> torch.Tensor:
@@ -231,12 +234,24 @@ class DiskTier:
             with self._lock:
                 self.expected.append(b.index)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, current: int) -> None:
+        """Reads ahead: first the buckets whose update jobs are queued (in that order), then, into
+        buffers still free, the buckets that followed this one in the last step's updates (a step
+        updates its buckets in the same order as the one before: the backward's, or step()'s
+        queue), so the read of the next one overlaps this update instead of starting when its
+        gradients land. A wrong guess costs a read: a clean read ahead gives its buffer back when
+        one is needed."""
         with self._lock:
             ahead = list(self.expected)[: max(1, self.buffers - 1)]
+        self._order_now.append(current)
+        at = self._position.get(current)
+        if at is not None:
+            ahead += [i for i in self._order_last[at + 1 : at + self.buffers] if i not in ahead]
         for i in ahead:
             pg = self.pages[i]
-            if pg.buf is None and pg.write is None and self.free:
+            if not self.free:
+                break
+            if pg.buf is None and pg.write is None:
                 self._start_read(pg, update=True)
 
     @contextlib.contextmanager
@@ -248,7 +263,7 @@ class DiskTier:
                 self.expected.remove(b.index)
         self._reap_done()
         pg = self._page_in(b, update=True)
-        self._prefetch()
+        self._prefetch(b.index)
         try:
             yield
         finally:
@@ -313,8 +328,14 @@ class DiskTier:
         ) from e
 
     def end_step(self) -> None:
-        """Training thread, at each step() taken."""
+        """Training thread, at each step() taken (the engine thread may still be updating this
+        step's buckets: the order read ahead next step is the one recorded when it was taken)."""
         self.steps += 1
+        with self._lock:
+            order, self._order_now = self._order_now, []
+        if order:
+            self._order_last = order
+            self._position = {idx: k for k, idx in enumerate(order)}
 
     def stats(self) -> dict:
         """Bytes of state on disk; bytes read and written in all (the first write at wrap(), state

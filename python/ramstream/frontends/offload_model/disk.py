@@ -44,13 +44,18 @@ def check_disk(chunks, disk, nvme, nvme_layers, nvme_path) -> str | None:
 
 def open_disk(model, pinned) -> dict:
     """Opens the store for the disk chunks not in `pinned` and writes their weights there;
-    returns {chunk index: [DiskSlab]} (the store held by model._hooks.disk)."""
+    returns {chunk index: [DiskSlab]} (the store held by model._hooks.disk). A folder that
+    cannot hold them is an OSError naming it, raised before any weight moved."""
     disk = sorted(set(model._nvme) - set(pinned))
     if not disk:
         return {}
     check_disk(model.chunks, disk, model._nvme_args[0], model._nvme_args[1], model._nvme_path)
     groups = [[p for p in dict.fromkeys(model.chunks[i].parameters()) if p.numel() > 0] for i in disk]
-    store = DiskWeights(groups, model._nvme_path, copier=model.copier, ahead=model.window - 1)
+    try:
+        store = DiskWeights(groups, model._nvme_path, copier=model.copier, ahead=model.window - 1)
+    except OSError:
+        model._hooks.release()  # nothing streams yet: the model is left closed, its chunks untouched
+        raise
     model._hooks.disk = store
     return {i: [s] for i, s in zip(disk, store.slabs(groups))}
 

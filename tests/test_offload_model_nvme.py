@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ramstream import OffloadModel
+from ramstream.weights.disk_slab import DiskWeights
+from ramstream.weights.slab import make_copier
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -258,3 +260,31 @@ def test_forward_and_loss_on_device(folder, device):
     res = model.step(x, y)
     assert torch.equal(res.loss, F.mse_loss(ref(x.to(device)), y.to(device)))
     model.close()
+
+
+def test_disk_slab_reads_ahead_and_evicts_before_use(folder):
+    g = torch.Generator().manual_seed(2)
+    values = [[torch.randn(3, 5, generator=g), torch.randn(7, generator=g).to(torch.bfloat16)]]
+    values.append([torch.randn(4, 4, generator=g)])
+    params = [[nn.Parameter(v.clone(), requires_grad=False) for v in vs] for vs in values]
+    disk = DiskWeights(params, folder, copier=make_copier(torch.device("cpu")), ahead=1)
+    a, b = disk.slabs(params)
+    assert [p.numel() for vs in params for p in vs] == [0, 0, 0] and disk.ring_size == 2
+    a.load()
+    b.load()  # both reads in flight (or done); filled at wait() at the latest
+    b.wait()
+    a.wait()
+    assert all(torch.equal(p, v) for ps, vs in zip(params, values) for p, v in zip(ps, vs))
+    b.evict()
+    b.load()
+    b.evict()  # evicted before its read was waited for: the buffer comes back after the read
+    a.evict()
+    assert len(disk.free) == 2 and disk.pending == [] and disk.stats["nvme_loads"] == 3
+    assert disk.stats["staging_extra"] == 0 and disk.staging_bytes() == 2 * disk.largest
+    with a.paged(write_back=True):
+        params[0][0].mul_(2)
+    a.load()
+    a.wait()
+    assert torch.equal(params[0][0], values[0][0] * 2)
+    a.evict()
+    disk.close()

@@ -5,9 +5,11 @@ store (one per streamer, one record per disk slab) and a ring of `ahead` + 1 ali
 buffers, each the size of the largest record; a `DiskSlab` is one block's frozen tensors (every
 dtype, packed as bytes, each view 512-byte aligned):
 
-  load()   takes a staging buffer, reads the record into it (waiting for the read), allocates the
-           device storage and copies the staging buffer into it (Copier.fill, as a Slab's load);
-           every tensor's .data becomes its view of the device bytes.
+  load()   takes a staging buffer and queues the read of the record into it; every tensor's .data
+           becomes its view of the device bytes. Once the read is done (found by a later load or
+           wait, or waited for by wait()), the device storage is allocated and filled from the
+           staging buffer (Copier.fill, as a Slab's load): a prefetched block's read runs on the
+           store's threads while the blocks before it compute.
   evict()  every tensor's .data becomes an empty stand-in (shape (0,), its dtype: any use outside
            the block's run fails loudly instead of reading freed memory); the device storage is
            released and so is the staging buffer (frozen: nothing is written back).
@@ -84,7 +86,15 @@ class DiskWeights:
         self.largest = max(self.sizes, default=0)
         self.ring_size = min(ahead + 1, len(self.sizes))
         self.free: list[torch.Tensor] = [self._buffer() for _ in range(self.ring_size)]
-        self.stats = {"nvme_loads": 0, "nvme_bytes_read": 0, "staging_extra": 0}
+        self.stats = {"nvme_loads": 0, "nvme_bytes_read": 0, "staging_extra": 0, "reads_ahead": 0}
+        self.pending: list[DiskSlab] = []  # loaded slabs whose read is in flight (load order)
+
+    def poll(self) -> None:
+        """Queues the H2D copy of every pending slab whose read is done (in load order)."""
+        while self.pending and self.pending[0].read.done():
+            s = self.pending.pop(0)
+            s._fill()
+            self.stats["reads_ahead"] += 1
 
     def _buffer(self) -> torch.Tensor:
         from ..ops.memory import pinned_empty  # aligned for O_DIRECT; page-locked with a GPU
@@ -133,7 +143,7 @@ class DiskSlab:
         self._alias.set_(self.flat.untyped_storage(), 0, (self.nbytes,))
         self.dviews = self._views(self.flat)
         self.hviews = [_stand_in(p.dtype) for p in params]  # (streamer.apply's stand-ins)
-        self.staging = None
+        self.staging = self.read = None
         self.event = None
         buf = disk.take()
         try:
@@ -158,15 +168,16 @@ class DiskSlab:
         return out
 
     def load(self) -> None:
-        """Reads the record into a staging buffer, then queues its H2D copy; the tensors become
-        device views. Call wait() before work that reads them."""
+        """Takes a staging buffer and queues the read of the record into it; the tensors become
+        device views. The H2D copy is queued when the read is done: at wait(), or earlier at any
+        load or wait of the streamer's disk slabs that finds it done (so a prefetch's read runs
+        on the store's threads while the blocks before it compute). Call wait() before work that
+        reads them."""
         if self.loaded:
             return
         buf = self.disk.take()
         try:
-            rec = buf[: self.nbytes]
-            self.disk.store.read_into(self.record, rec).wait()
-            self.event = self.copier.fill(self._alias, rec, self.nbytes)
+            self.read = self.disk.store.read_into(self.record, buf[: self.nbytes])
         except BaseException:
             self.disk.give(buf)
             raise
@@ -177,18 +188,36 @@ class DiskSlab:
             for p, v in zip(self.params, self.dviews):
                 p.data = v
         self.loaded = True
+        self.disk.pending.append(self)
+        self.disk.poll()
+
+    def _fill(self) -> None:
+        """The read done (waited for), the H2D copy of the staging buffer is queued."""
+        if self.read is None:
+            return
+        read, self.read = self.read, None
+        rec = read.wait()
+        self.event = self.copier.fill(self._alias, rec, self.nbytes)
 
     def wait(self) -> None:
+        self.disk.poll()
+        if self.read is not None:
+            self.disk.pending.remove(self)
+            self._fill()
         self.copier.wait(self.event)
 
     def evict(self) -> None:
         """The tensors become empty stand-ins; the device storage and the staging buffer go back
-        (the staging buffer once its H2D copy is done)."""
+        (the staging buffer once its read and its H2D copy are done)."""
         if not self.loaded:
             return
         with _unguarded():
             for p, v in zip(self.params, self.hviews):
                 p.data = v
+        if self.read is not None:  # never used: the read must end before the buffer is reused
+            self.disk.pending.remove(self)
+            read, self.read = self.read, None
+            read.wait()
         if self.staging is not None:
             if self.event is not None:
                 self.event.synchronize()  # the copy out of the staging buffer is done

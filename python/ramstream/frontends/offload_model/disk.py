@@ -91,12 +91,20 @@ def paged_disk(model, write_back: bool = False):
 
 
 def disk_stats(disk) -> dict:
-    """RamTorch's nvme_loads, and the bytes read from disk, the staging ring's bytes and the
-    file's I/O mode (None without disk chunks)."""
+    """RamTorch's nvme_loads, and the bytes read from disk, the loads whose read was done before
+    their block needed it, the staging ring's bytes and the file's I/O mode (None without disk
+    chunks)."""
     if disk is None:
-        return {"nvme_loads": 0, "nvme_bytes_read": 0, "nvme_staging_bytes": 0, "nvme_direct": None}
+        return {
+            "nvme_loads": 0,
+            "nvme_bytes_read": 0,
+            "nvme_reads_ahead": 0,
+            "nvme_staging_bytes": 0,
+            "nvme_direct": None,
+        }
     return {
         "nvme_loads": disk.stats["nvme_loads"],
+        "nvme_reads_ahead": disk.stats["reads_ahead"],
         "nvme_bytes_read": disk.stats["nvme_bytes_read"],
         "nvme_staging_bytes": disk.staging_bytes(),
         "nvme_direct": disk.direct(),

@@ -260,12 +260,18 @@ def test_default_device_is_cuda_else_cpu():
     [
         dict(nvme=2, nvme_path="/var/tmp/ramstream-weights.bin"),
         dict(nvme_layers=[1], nvme_path="weights.bin"),
-        dict(nvme=5),
     ],
 )
-def test_nvme_tier_is_named_not_an_unknown_argument(kw):
-    with pytest.raises(NotImplementedError, match=r"disk tier \(issue 29\)"):
+def test_nvme_on_trained_chunks_is_named_not_implemented(kw):
+    # only frozen chunk weights go to disk (tests/test_offload_model_nvme.py runs them)
+    with pytest.raises(NotImplementedError, match=r"nvme=.*only frozen chunk weights"):
         OffloadModel(make_chunks(), device="cpu", **kw)
+
+
+def test_nvme_without_a_folder_names_nvme_path(monkeypatch):
+    monkeypatch.delenv("RAMSTREAM_NVME_DIR", raising=False)
+    with pytest.raises(ValueError, match="nvme_path"):
+        OffloadModel(make_chunks(), device="cpu", nvme=5)
 
 
 def test_nvme_options_at_rest_or_on_pinned_chunks_are_no_ops():

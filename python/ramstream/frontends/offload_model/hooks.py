@@ -18,6 +18,7 @@ class Hooks:
         self.host_opt = None  # the host optimizer (optim.py), while attached
         self.opt_handles: list = []
         self.activations = None  # the ActivationOffloader of activation_offload=True
+        self.disk = None  # the DiskWeights of the chunks on disk (nvme, nvme_layers)
 
     def release_host_opt(self) -> None:
         """Closes the attached host optimizer's engine (waits for its updates, removes its hooks)."""
@@ -41,6 +42,9 @@ class Hooks:
     def release(self) -> None:
         self.release_host_opt()
         self.release_streamer()
+        if self.disk is not None:  # the file removed: disk chunks keep their empty stand-ins
+            self.disk.close()
+            self.disk = None
         if self.activations is not None:
             self.activations.detach()
             self.activations = None

@@ -41,6 +41,7 @@ from .checks import (
     detach,
     pinned_set,
 )
+from .disk import check_disk, disk_slabs, open_disk, release_disk
 from .grads import GradWriteback
 from .hooks import Hooks, weak_grad_hook
 from .optim import step_failed as _host_step_failed
@@ -105,8 +106,8 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
             paged with the other saved tensors instead of being cast again in backward.
             None (default): False, or offload_activations (RamTorch's name; both given: equal).
 
-    RamTorch's options (docs/compat.md): nvme, nvme_layers, nvme_path (the disk tier, issue 29:
-    NotImplementedError when they ask for it; no-ops at their defaults); grad_accum ("stream" or
+    RamTorch's options (docs/compat.md, docs/guide/disk.md): nvme, nvme_layers, nvme_path (frozen
+    chunks' weights at home on disk, read per use: disk.py); grad_accum ("stream" or
     "cpu": ramstream has one way, every step's gradients home and summed there, as RamTorch's
     "cpu"); acc_slots (no device accumulators: unused); act_slots (ramstream pages every
     chunk's large saved tensors, whatever the count).
@@ -157,7 +158,7 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = check_device(device)
         pinned = pinned_set(pin, pin_layers, len(chunks))
-        check_ramtorch_options(
+        self._nvme = check_ramtorch_options(
             len(chunks),
             pinned,
             nvme=nvme,
@@ -167,6 +168,8 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
             acc_slots=acc_slots,
             act_slots=act_slots,
         )
+        self._nvme_path = check_disk(chunks, self._nvme - pinned, nvme, nvme_layers, nvme_path)
+        self._nvme_args = (nvme, nvme_layers)
         self.grad_accum, self.acc_slots, self.act_slots = grad_accum, acc_slots or window, act_slots
         self.offload_activations = activation_offload
         self.chunks = torch.nn.ModuleList(chunks)
@@ -205,7 +208,7 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
         elif engine is not None:
             engine.copier = self.copier
         wait = engine._weak_wait if engine is not None else None
-        blocks = []
+        blocks, disk = [], open_disk(self, pinned)  # (the store first: a full disk moves nothing)
         with torch.no_grad():
             for i, c in enumerate(self.chunks):
                 for p in c.parameters():
@@ -220,7 +223,7 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
                 else:
                     trained = owned.get(i, [])
                     skip = {id(s.param) for b in trained for s in b.slots}
-                    slabs = [b.slab for b in trained] + frozen_slabs(c, skip, self.copier)
+                    slabs = [b.slab for b in trained] + (disk.get(i) or frozen_slabs(c, skip, self.copier))
                     ready = [lambda b=b: wait(b) for b in trained]
                     blocks.append(Block(i, c, slabs, ready))
             for p in self.parameters():
@@ -237,8 +240,9 @@ class OffloadModel(RamTorchSurface, torch.nn.Module):
         self._hooks.grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._written_back]
 
     def _teardown(self) -> None:
-        streamer = self._hooks.streamer
+        streamer, on_disk = self._hooks.streamer, disk_slabs(self)
         self._hooks.release_streamer()
+        release_disk(self._hooks, on_disk)  # disk chunks' weights back in RAM (the next _build)
         if streamer is not None:
             with torch.no_grad():
                 for b in streamer.blocks:

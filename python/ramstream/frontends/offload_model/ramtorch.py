@@ -14,8 +14,8 @@ import warnings
 import torch
 
 from .checks import detach, pinned_set
+from .disk import disk_chunks, disk_stats, paged_disk
 
-DISK_TIER = "the disk tier (issue 29)"
 GRAD_ACCUM = ("stream", "cpu")
 
 
@@ -47,29 +47,21 @@ def chunk_indices(chunks, n: int, where: str) -> frozenset:
 
 def check_ramtorch_options(n, pinned, *, nvme, nvme_layers, nvme_path, grad_accum, acc_slots, act_slots):
     """RamTorch's options that ramstream takes with their meaning (grad_accum, acc_slots and
-    act_slots change nothing here: see docs/compat.md). The disk tier: asking for it (nvme > 0 or
-    nvme_layers, minus the pinned chunks, as RamTorch) raises NotImplementedError naming it."""
+    act_slots change nothing here: see docs/compat.md). Returns the chunks asked for on disk
+    (nvme > 0 or nvme_layers, RamTorch's placement: disk.py); the pinned ones stay on the device."""
     if not _is_int(nvme) or nvme < 0:
         raise ValueError(f"OffloadModel: nvme must be an int >= 0 (chunks on disk), got {nvme!r}")
     if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
         raise TypeError(f"OffloadModel: nvme_path must be None or a path, got {type(nvme_path).__name__}")
-    if nvme_layers is not None:
-        disk = set(chunk_indices(nvme_layers, n, "OffloadModel: nvme_layers"))
-    else:
-        k = min(nvme, n)  # RamTorch's placement: the last chunk of each of k strides
-        disk = {(i + 1) * n // k - 1 for i in range(k)}
-    if disk - set(pinned):
-        raise NotImplementedError(
-            f"OffloadModel: nvme={nvme!r}, nvme_layers={nvme_layers!r} ask for {DISK_TIER}, which "
-            "ramstream does not have yet; keep every chunk's weights in host memory (nvme=0, "
-            "nvme_layers=None)"
-        )
+    idx = chunk_indices(nvme_layers, n, "OffloadModel: nvme_layers") if nvme_layers is not None else ()
+    disk = disk_chunks(n, (), nvme, nvme_layers, idx)
     if grad_accum not in GRAD_ACCUM:
         raise ValueError(f"OffloadModel: grad_accum must be 'stream' or 'cpu', got {grad_accum!r}")
     if acc_slots is not None and (not _is_int(acc_slots) or acc_slots < 1):
         raise ValueError(f"OffloadModel: acc_slots must be None or an int >= 1, got {acc_slots!r}")
     if not _is_int(act_slots) or act_slots < 1:
         raise ValueError(f"OffloadModel: act_slots must be an int >= 1, got {act_slots!r}")
+    return disk
 
 
 def resolve_activation_offload(activation_offload, offload_activations, keep_activations) -> bool:
@@ -192,8 +184,27 @@ class RamTorchSurface:
 
     @property
     def nvme_layers(self) -> frozenset:
-        """The chunks whose weights live on disk: none (the disk tier is issue 29)."""
-        return frozenset()
+        """The chunks whose weights live on disk (nvme / nvme_layers minus the pinned chunks)."""
+        return frozenset(self._nvme) - frozenset(self.pinned)
+
+    def state_dict(self, *args, **kwargs):
+        """torch's state_dict; a disk chunk's weights are read from disk (host copies: its
+        parameters are empty stand-ins at rest)."""
+        with paged_disk(self) as copies:
+            sd = super().state_dict(*args, **kwargs)
+            if copies:  # (a parameter's detached alias follows it back to its stand-in)
+                for k, v in sd.items():
+                    if torch.is_tensor(v) and v.numel() and v.untyped_storage().data_ptr() in copies:
+                        sd[k] = v.detach().clone()
+            return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict; a disk chunk's weights are written to its record on disk
+        (assign=True is refused with disk chunks)."""
+        if assign and self.nvme_layers:
+            raise ValueError("OffloadModel.load_state_dict: assign=True is not supported with chunks on disk")
+        with paged_disk(self, write_back=True):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ---- tiers ---------------------------------------------------------------------------------
     def set_pinned(self, pinned, *, optimizers=(), force: bool = False) -> dict:
@@ -304,7 +315,7 @@ class RamTorchSurface:
     def _ramtorch_stats(self, streamer: dict, act: dict) -> dict:
         """RamTorch's stats keys from ramstream's counters (0 for what ramstream does not do)."""
         return {
-            "nvme_loads": 0,
+            **disk_stats(self._hooks.disk),
             "acquire_wait_s": streamer["stream_wait_s"],
             "acc_loads": 0,
             "acc_evictions": 0,

@@ -131,6 +131,8 @@ class DiskSlab:
     """A block's frozen tensors (`params`: parameters or buffers, any dtypes) at home in record
     `record` of `disk`'s store; the streamer's Slab interface (load, wait, evict, ...)."""
 
+    on_disk = True  # WeightStreamer.home_bytes counts it as disk, not pinned host memory
+
     def __init__(self, disk: DiskWeights, record: int, params: list) -> None:
         self.disk, self.record, self.params = disk, record, params
         self.offsets, self.nbytes = layout(params)

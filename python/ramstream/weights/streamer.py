@@ -139,13 +139,19 @@ class WeightStreamer:
             self.stats["evictions"] += 1
 
     def home_bytes(self) -> dict:
-        """{"streamed_bytes": the streamed blocks' slabs, "packed_bytes": the packed quantized
-        codes and absmax among them}, at home in pinned host memory."""
+        """{"streamed_bytes": the streamed blocks' slabs at home in pinned host memory,
+        "packed_bytes": the packed quantized codes and absmax among them, "disk_bytes": the slabs
+        at home on disk instead (weights/disk_slab.py, staged through a window of pinned buffers)}."""
         from ..quant.packed import packed_buffers  # noqa: PLC0415
 
         packed = {id(t) for b in self.blocks for _, _, t in packed_buffers(b.module)}
-        carried = sum(p.nbytes for b in self.blocks for s in b.slabs for p in s.params if id(p) in packed)
-        return {"streamed_bytes": sum(b.nbytes for b in self.blocks), "packed_bytes": carried}
+        slabs = [s for b in self.blocks for s in b.slabs]
+        disk = sum(s.nbytes for s in slabs if getattr(s, "on_disk", False))
+        carried = sum(
+            p.nbytes for s in slabs if not getattr(s, "on_disk", False) for p in s.params if id(p) in packed
+        )
+        home = sum(s.nbytes for s in slabs) - disk
+        return {"streamed_bytes": home, "packed_bytes": carried, "disk_bytes": disk}
 
     def loaded_bytes(self) -> int:
         return sum(s.device_bytes() for b in self.blocks for s in b.slabs)

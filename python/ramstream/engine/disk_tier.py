@@ -118,9 +118,6 @@ class DiskTier:
         self.errors: list[OSError] = []
         self.update_io = [0, 0]  # bytes read, written for updates (not adopt, not paged)
         self.reads_ahead = 0  # updates whose read was issued before they started (prefetch)
-        self._order_now: list[int] = []  # this step's updates, in order
-        self._order_last: list[int] = []  # the last step's (reads ahead follow it)
-        self._position: dict[int, int] = {}
         self.steps = 0
 
     def _new_buffer(self) -> torch.Tensor:
@@ -235,18 +232,18 @@ class DiskTier:
                 self.expected.append(b.index)
 
     def _prefetch(self, current: int) -> None:
-        """Reads ahead: first the buckets whose update jobs are queued (in that order), then, into
-        buffers still free, the buckets that followed this one in the last step's updates (a step
-        updates its buckets in the same order as the one before: the backward's, or step()'s
-        queue), so the read of the next one overlaps this update instead of starting when its
-        gradients land. A wrong guess costs a read: a clean read ahead gives its buffer back when
-        one is needed."""
+        """Reads ahead, into the buffers free: the buckets whose update jobs are queued, in the order
+        the engine thread runs them (the lowest bucket index first: worker.py), then, when fewer are
+        queued, the next buckets below this one (an eager backward lands them in that order), so
+        the read of the next update overlaps this one instead of starting when its job does. A
+        wrong guess costs a read, never a write: a clean read ahead gives its buffer back when one
+        is needed."""
+        want = max(1, self.buffers - 1)
         with self._lock:
-            ahead = list(self.expected)[: max(1, self.buffers - 1)]
-        self._order_now.append(current)
-        at = self._position.get(current)
-        if at is not None:
-            ahead += [i for i in self._order_last[at + 1 : at + self.buffers] if i not in ahead]
+            ahead = sorted(set(self.expected))[:want]
+        if len(ahead) < want:
+            below = [i for i in sorted(self.pages, reverse=True) if i < current and i not in ahead]
+            ahead += below[: want - len(ahead)]
         for i in ahead:
             pg = self.pages[i]
             if not self.free:
@@ -328,14 +325,8 @@ class DiskTier:
         ) from e
 
     def end_step(self) -> None:
-        """Training thread, at each step() taken (the engine thread may still be updating this
-        step's buckets: the order read ahead next step is the one recorded when it was taken)."""
+        """Training thread, at each step() taken."""
         self.steps += 1
-        with self._lock:
-            order, self._order_now = self._order_now, []
-        if order:
-            self._order_last = order
-            self._position = {idx: k for k, idx in enumerate(order)}
 
     def stats(self) -> dict:
         """Bytes of state on disk; bytes read and written in all (the first write at wrap(), state

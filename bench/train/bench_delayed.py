@@ -48,6 +48,14 @@ def markov_batches(vocab: int, batch: int, seq: int, steps: int, seed: int = 0):
     return out
 
 
+def write_json(path: str, results: dict) -> None:
+    """The results to `path`, through a temporary name."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
 def run_variant(args, delayed) -> dict:
     """One training run in this process; delayed: False or the delayed_update value."""
     import torch
@@ -106,13 +114,14 @@ def run_variant(args, delayed) -> dict:
     return out
 
 
-def _child(args, name: str) -> dict:
-    """One variant in its own process (the VRAM cap and the host state are per process)."""
+def _child(args, name: str, script: str = __file__) -> dict:
+    """One variant of `script` (this one, or bench_nvme.py) in its own process, run with this
+    process's arguments and --variant `name` (the VRAM cap and the host state are per process)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "r.json")
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            os.path.abspath(script),
             *sys.argv[1:],
             "--variant",
             name,
@@ -191,10 +200,7 @@ def main() -> int:
         k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out", "plot")
     }
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, args.out)
+        write_json(args.out, results)
     if args.plot and ok:
         plot(results, args.plot)
     return 0 if ok else 1

@@ -18,9 +18,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,26 +86,6 @@ def run_variant(args, share) -> dict:
     return out
 
 
-def _child(args, name: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "r.json")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            *sys.argv[1:],
-            "--variant",
-            name,
-            "--variant-out",
-            path,
-        ]
-        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if p.returncode != 0:
-            print(p.stdout[-4000:], p.stderr[-4000:], file=sys.stderr)
-            return dict(error=p.stderr[-2000:])
-        with open(path) as f:
-            return json.load(f)
-
-
 def summarize(results: dict, disk: dict) -> dict:
     """The disk variant against the RAM one and the measured disk rates."""
     ram, dsk = results["ram"], results["disk"]
@@ -156,6 +134,9 @@ def main() -> int:
         return 0
     from ramstream.disk import measure_disk
 
+    sys.path.insert(0, HERE)
+    from bench_delayed import _child, write_json
+
     disk = measure_disk(args.dir, size=(64 << 20) if args.tiny else (1 << 30))
     print(f"disk {args.dir}: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s")
     results = {"disk_measured": disk}
@@ -163,7 +144,7 @@ def main() -> int:
         if args.device == "cpu":
             results[name] = run_variant(args, 0 if name == "ram" else args.share)
         else:
-            results[name] = _child(args, name)
+            results[name] = _child(args, name, __file__)
         r = results[name]
         if "error" not in r:
             print(
@@ -181,10 +162,7 @@ def main() -> int:
         )
     results["config"] = {k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out")}
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, args.out)
+        write_json(args.out, results)
     return 0 if ok else 1
 
 

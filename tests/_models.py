@@ -132,3 +132,18 @@ def gpu_profile(free_mib: int):
         ram_available=64 * gib, pin_budget=32 * gib, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5,
         adamw_gbps=127.7, matmul_tflops=790.0, source="given",
     )  # fmt: skip
+
+
+def open_files_in(folder: str) -> list[str]:
+    """Files this process holds open under `folder` (an unlinked scratch file included)."""
+    import os
+
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            p = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if p.startswith(folder + os.sep):
+            out.append(p)
+    return out

@@ -22,7 +22,7 @@ import torch
 import ramstream
 from ramstream.checkpoint import load_checkpoint, save_checkpoint
 
-from _models import batches, make_model, train_torch
+from _models import batches, make_model, open_files_in, train_torch
 
 LR, WD = 3e-3, 0.05
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -40,19 +40,6 @@ def nvme(tmp_path):
     d = tempfile.mkdtemp(dir=SHM, prefix="rs-nvme-")
     yield d
     os.rmdir(d)  # fails if a file was left
-
-
-def _open_in(folder: str) -> list[str]:
-    """Files this process holds open under `folder` (an unlinked scratch file included)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            p = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if p.startswith(folder + os.sep):
-            out.append(p)
-    return out
 
 
 def _wrap(model, **options):
@@ -118,7 +105,7 @@ def test_ten_steps_with_the_state_on_disk_equal_the_run_in_ram(case, nvme):
         assert torch.equal(a, b)
     ramstream.unwrap(model)
     ramstream.unwrap(ram_model)
-    assert _open_in(nvme) == []
+    assert open_files_in(nvme) == []
 
 
 def test_equal_to_torch_adamw_fused_on_the_cpu(nvme):
@@ -175,25 +162,25 @@ def test_the_scratch_file_is_gone_after_close_an_exception_and_gc(nvme):
     model = make_model(0)
     opt = _adamw(model, nvme)
     assert os.listdir(nvme) == []  # unlinked at open: a crash leaves nothing
-    held = _open_in(nvme)
+    held = open_files_in(nvme)
     assert len(held) == 1 and held[0].endswith("(deleted)")
     opt.close()
     opt.close()
-    assert _open_in(nvme) == []
+    assert open_files_in(nvme) == []
     with pytest.raises(RuntimeError, match="boom"):
         with _adamw(model, nvme) as opt:
-            assert len(_open_in(nvme)) == 1
+            assert len(open_files_in(nvme)) == 1
             raise RuntimeError("boom")
-    assert _open_in(nvme) == []
+    assert open_files_in(nvme) == []
     model = make_model(0)
     opt = _adamw(model, nvme)
     x, y = batches(1)[0]
     model(x, y).backward()
     opt.step()
-    assert len(_open_in(nvme)) == 1
+    assert len(open_files_in(nvme)) == 1
     del model, opt
     gc.collect()
-    assert _open_in(nvme) == []
+    assert open_files_in(nvme) == []
 
 
 def test_stats_count_the_bytes_read_and_written_per_step(nvme):

@@ -19,6 +19,8 @@ from ramstream import OffloadModel
 from ramstream.weights.disk_slab import DiskWeights
 from ramstream.weights.slab import make_copier
 
+from _models import open_files_in
+
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -30,22 +32,9 @@ def folder(tmp_path, monkeypatch):
     d = tempfile.mkdtemp(dir=SHM, prefix="rs-omnvme-") if SHM else str(tmp_path)
     yield d
     gc.collect()
-    assert _open_in(d) == [] and os.listdir(d) == []
+    assert open_files_in(d) == [] and os.listdir(d) == []
     if SHM:
         os.rmdir(d)
-
-
-def _open_in(d: str) -> list[str]:
-    """Files this process holds open under `d` (the unlinked scratch file included)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            p = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if p.startswith(d + os.sep):
-            out.append(p)
-    return out
 
 
 def _chunks(n=5, d=16, trained=()):
@@ -172,15 +161,15 @@ def test_staging_ring_is_window_sized(folder, window):
 
 def test_file_closed_by_close_and_by_gc(folder):
     model = OffloadModel(_chunks(), device="cpu", nvme=1, nvme_path=folder)
-    assert len(_open_in(folder)) == 1 and os.listdir(folder) == []  # unlinked at open
+    assert len(open_files_in(folder)) == 1 and os.listdir(folder) == []  # unlinked at open
     model.close()
-    assert _open_in(folder) == []
+    assert open_files_in(folder) == []
     model.close()  # idempotent
     model = OffloadModel(_chunks(), device="cpu", nvme=1, nvme_path=folder)
     model(_data()[0][0])
     del model
     gc.collect()
-    assert _open_in(folder) == []
+    assert open_files_in(folder) == []
 
 
 def test_nvme_path_from_env_and_file_form(folder, monkeypatch):

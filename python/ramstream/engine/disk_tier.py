@@ -118,6 +118,7 @@ class DiskTier:
         self.errors: list[OSError] = []
         self.update_io = [0, 0]  # bytes read, written for updates (not adopt, not paged)
         self.reads_ahead = 0  # updates whose read was issued before they started (prefetch)
+        self._down = sorted(self.pages, reverse=True)  # disk buckets, last in forward order first
         self.steps = 0
 
     def _new_buffer(self) -> torch.Tensor:
@@ -242,8 +243,8 @@ class DiskTier:
         with self._lock:
             ahead = sorted(set(self.expected))[:want]
         if len(ahead) < want:
-            below = [i for i in sorted(self.pages, reverse=True) if i < current and i not in ahead]
-            ahead += below[: want - len(ahead)]
+            at = self._down.index(current)
+            ahead += [i for i in self._down[at + 1 : at + 1 + want] if i not in ahead][: want - len(ahead)]
         for i in ahead:
             pg = self.pages[i]
             if not self.free:

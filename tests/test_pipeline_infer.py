@@ -169,6 +169,13 @@ def test_backpressure_tuple_outputs_and_bad_arguments():
             pipe.infer_submit([x])
         with pytest.raises(ValueError, match="max_in_flight"):
             next(pipe.infer_loop([x], max_in_flight=0))
+        for bad in (-1, "1", float("nan"), True):
+            with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+                next(pipe.infer_loop([x], timeout=bad))
+        h = pipe.infer_submit(x)
+        with pytest.raises(ValueError, match="InferHandle.result: timeout"):
+            h.result(timeout=-0.5)
+        assert torch.equal(h.result(T)[0], want[0])  # a refused wait leaves the item to finish
 
 
 def test_pipeline_model_streams_its_stages():

@@ -11,6 +11,7 @@ receive) and result() makes the caller's current stream wait for the output.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import deque
@@ -22,6 +23,18 @@ from .stage import device_context, receive, send
 __all__ = ["InferHandle", "InferStream"]
 
 _STOP = object()
+
+
+def check_timeout(timeout, where: str) -> None:
+    """timeout: None (wait as long as it takes) or a finite number of seconds >= 0."""
+    ok = timeout is None or (
+        isinstance(timeout, (int, float))
+        and not isinstance(timeout, bool)
+        and math.isfinite(timeout)
+        and timeout >= 0
+    )
+    if not ok:
+        raise ValueError(f"{where}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
 
 
 class InferHandle:
@@ -44,6 +57,7 @@ class InferHandle:
         return self._ready.is_set()
 
     def result(self, timeout: float | None = None):
+        check_timeout(timeout, "InferHandle.result")
         if not self._ready.wait(timeout):
             raise TimeoutError(f"InferHandle.result: item {self.index} not done after {timeout} s")
         if self._error is not None:
@@ -120,6 +134,7 @@ class InferStream:
         cap = 2 * self.stages if max_in_flight is None else max_in_flight
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise ValueError(f"Pipeline.infer_loop: max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        check_timeout(timeout, "Pipeline.infer_loop")
         waiting: deque = deque()
         for x in items:
             waiting.append(self.submit(x))

@@ -172,7 +172,9 @@ def _use_data_parallel(option) -> bool:
     return bool(option)
 
 
-def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None):
+def _make_optimizer(
+    groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None, nvme=(0.0, None)
+):
     """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers)."""
     return OffloadAdamW(
         groups,
@@ -195,8 +197,8 @@ def _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, 
         eager_updates=opts.eager_updates,
         skip_nonfinite=opts.skip_nonfinite,
         delayed_update=opts.delayed_update,
-        nvme_dir=opts._extra.get("nvme", (0.0, None))[1],
-        nvme_offload=opts._extra.get("nvme", (0.0, None))[0] or False,  # resolved: a share or off
+        nvme_dir=nvme[1],
+        nvme_offload=nvme[0] or False,  # resolved by _resolve_nvme: a share or off
         _order=_forward_order(model),
         _log=log,
         _streamed=streamed,
@@ -321,7 +323,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "requires_grad on the parameters to train before wrap()"
         )
     plan, plan_shape, plan_prof = make_plan(model, optimizer, opts, device, log)
-    opts._extra["nvme"] = _resolve_nvme(opts, plan, use_dp, log)  # before anything moves
+    nvme = _resolve_nvme(opts, plan, use_dp, log)  # before anything moves
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     block_of = restreamable(model, blocks, opts, plan, use_dp)
     moment_option = opts.moment_dtype
@@ -340,7 +342,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         log=log,
         ram=_ram_with_model(model, device, streamed),
         delayed=opts.delayed_update is not False,
-        nvme_share=opts._extra["nvme"][0],
+        nvme_share=nvme[0],
         bucket_bytes=opts.bucket_bytes,
     )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
@@ -379,7 +381,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     made: list = []
     failed = _oom_or_none(
         lambda: made.append(
-            _make_optimizer(groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of)
+            _make_optimizer(
+                groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of, nvme
+            )
         )
     )
     if failed is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.resident as resident_mod
+import ramstream.runtime.measure as measure_mod
 from ramstream import clipping
 
 from _models import batches, clone, make_model, max_diff
@@ -58,7 +58,7 @@ CLIPS = {
 
 @pytest.fixture
 def roomy(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 @pytest.mark.parametrize("how", list(CLIPS))

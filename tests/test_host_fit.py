@@ -81,7 +81,7 @@ def test_the_hardware_profile_seeds_the_optimizer_split_rates(monkeypatch):
     import importlib
 
     from ramstream import planner
-    from ramstream.engine import split
+    from ramstream.engine import rates as split
 
     wrap = importlib.import_module("ramstream.wrap")  # the module (ramstream.wrap is the function)
     from ramstream.options import WrapOptions

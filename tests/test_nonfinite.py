@@ -203,9 +203,9 @@ def test_skip_nonfinite_is_checked():
 def test_resident_optimizer_skips_the_same_way(monkeypatch):
     """offload="auto" after the switch to the device-side AdamW (taken on the CPU by pretending the
     device has room, as tests/test_wrap_resident.py does)."""
-    import ramstream.engine.resident as resident_mod
+    import ramstream.runtime.measure as measure_mod
 
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
     data = batches(6)
     model, opt, poison = _wrapped(max_grad_norm=1.0, offload="auto")
     errors = _run(model, opt, data, poison, bad={4})

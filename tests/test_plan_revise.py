@@ -10,6 +10,7 @@ import pytest
 
 from ramstream.planner import PlanError, plan_training
 from ramstream.planner.revise import Measured, RevisionError, revise
+from ramstream.runtime.history import PlanHistory
 from ramstream.runtime.inspect import model_shape
 from ramstream.runtime.session import PlanSession
 
@@ -77,7 +78,7 @@ def test_no_lever_only_checks_and_bad_levers_are_named():
 def test_the_session_applies_a_revision_through_its_levers_and_records_it():
     shape, prof = _shape(256), gpu_profile(48)
     state = {"recompute": list(range(8)), "streamed": []}
-    calls, plans, history = [], [], []
+    calls, plans, history = [], [], PlanHistory()
 
     class Recompute:
         def recomputed(self):

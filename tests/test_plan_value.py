@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.resident as resident_mod
+import ramstream.runtime.measure as measure_mod
 from ramstream.planner import PlanError, plan_training
 from ramstream.planner.profile import HardwareProfile
 from ramstream.planner.shape import ModelShape
+from ramstream.runtime.history import PlanHistory
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError, StepCheck, step_tokens
 
@@ -160,7 +161,7 @@ def test_a_step_larger_than_the_plan_is_refused_before_it_runs_and_one_that_fits
     plan = plan_training(shape, prof)
     fixed = {"param_offload": plan.weights["streamed"],
              "activation_checkpointing": [i for i, m in enumerate(plan.activations) if m == "recompute"]}  # fmt: skip
-    logs, history = [], []
+    logs, history = [], PlanHistory()
     check = StepCheck(shape, prof, fixed, logs.append, history)
     ids = lambda b, s: torch.zeros(b, s, dtype=torch.long)  # noqa: E731
     assert check(None, (ids(4, 512),), {}) is None and not history  # smaller: nothing to check
@@ -181,7 +182,7 @@ def roomy_short_ram(monkeypatch):
     that moment_dtype="auto" takes bf16 moments."""
     import ramstream.planner.profile as profile_mod
 
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
     monkeypatch.setattr(profile_mod, "available_ram", lambda *a: {"total": 1 << 30, "available": 300_000})
 
 
@@ -223,11 +224,11 @@ def test_with_activation_paging_a_larger_step_is_warned_about_not_refused():
     shape = ModelShape.gpt("6.85b", batch=8, seq=512, loss="chunked")
     prof = _h200(24)
     fixed = {"param_offload": True, "activation_checkpointing": True, "activation_offload": True}
-    logs, history = [], []
+    logs, history = [], PlanHistory()
     check = StepCheck(shape, prof, fixed, logs.append, history, strict=False)
     with pytest.warns(RuntimeWarning, match="batch 64 x seq 4096 does not fit"):
         assert check(None, (torch.zeros(64, 4096, dtype=torch.long),), {}) is None
     assert history[-1]["change"] == "warned: may not fit the plan"
-    strict = StepCheck(shape, prof, fixed, logs.append, [])
+    strict = StepCheck(shape, prof, fixed, logs.append, PlanHistory())
     with pytest.raises(PlanOutOfMemoryError):
         strict(None, (torch.zeros(64, 4096, dtype=torch.long),), {})

@@ -272,7 +272,7 @@ def test_first_refinement_as_measured(tflops):
 def test_the_refined_split_is_what_refine_settles_on(tflops):
     """The split timed is the last refinement's, and re-solving with the rates at it (the
     engine's own choose_refined) moves nothing more: host and PCIe are balanced within MIN_GAIN."""
-    from ramstream.engine.refine import choose_refined
+    from ramstream.planner.inflight import choose_refined
     from ramstream.planner.measure import ADAMW_STATE_BYTES
     from ramstream.planner.policy import _stand_ins
     from ramstream.planner.timing import refiner_rates

@@ -1,4 +1,4 @@
-"""activation_checkpointing="auto" in LoRA (activations/recompute_keep.py): a recompute measures what
+"""activation_checkpointing="auto" in LoRA (runtime/keep.py): a recompute measures what
 the block leaves allocated (inside backward only), the blocks that fit keep their activations after
 step 1 (bit-identical to recomputing every block), and the watchdog's first lever makes them
 recompute again. On the CPU engine the allocator figures are stand-ins: a counter the blocks'
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ramstream
-from ramstream.activations.recompute_keep import KeepPolicy
+from ramstream.runtime.keep import KeepPolicy
 from test_watchdog import DATA, _peaks, _same, _state, _wrap
 
 from _models import train_torch
@@ -105,7 +105,7 @@ def test_the_watchdog_makes_kept_blocks_recompute_again_first_bit_for_bit(refere
 @pytest.mark.cuda
 def test_a_recompute_measures_what_the_block_would_keep_cuda():
     from ramstream.activations.recompute import Recompute
-    from ramstream.activations.recompute_keep import measured_memory_fn
+    from ramstream.runtime.keep import measured_memory_fn
 
     from _models import Block
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.resident as resident_mod
+import ramstream.runtime.measure as measure_mod
 
 from _models import batches, make_model
 
@@ -28,7 +28,7 @@ MAX_NORM = 0.05
 @pytest.fixture(autouse=True)
 def roomy(monkeypatch):
     """The CPU engine switches to the resident optimizer only when device memory looks roomy."""
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 def _groups(model):

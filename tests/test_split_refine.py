@@ -1,35 +1,42 @@
-"""The measured refinement of optimizer_mode="auto"'s host / mapped split (engine/refine.py): the
+"""The measured refinement of optimizer_mode="auto"'s host / mapped split (runtime/refiner.py, deciding through planner/inflight.py): the
 decision on injected rates, the schedule and its bookkeeping through the real optimizer on the CPU
 engine (injected measurements and moves: the CPU engine has no mapped placement), and on the GPU
 the moves themselves, which keep training equal to torch.optim.AdamW."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ramstream
-from ramstream.engine import refine
-from ramstream.engine.refine import MAX_REFINEMENTS, MEASURE_STEPS, SplitRefiner, choose_refined, make_refiner
+from ramstream.engine import layout
+from ramstream.planner import inflight
+from ramstream.planner.inflight import choose_refined
+from ramstream.planner.rules import MAX_REFINEMENTS, MEASURE_STEPS
+from ramstream.runtime.measure import bucket_facts
+from ramstream.runtime.refiner import SplitRefiner, make_refiner
 
 from _models import batches, clone, make_model, max_diff, train_torch
 
 
 def _buckets(placements, numel=100, dtype=torch.bfloat16, streamed=()):
     """A bf16 model with fp32 moments: 2 B each way per host element, 12 B per mapped one."""
-    return [
-        SimpleNamespace(
-            index=i,
-            numel=numel,
-            dtype=dtype,
-            placement=p,
-            streamed=i in streamed,
-            exp_avg=torch.empty(0, dtype=torch.float32),
-        )  # fmt: skip
-        for i, p in enumerate(placements)
-    ]
+    return bucket_facts(
+        [
+            SimpleNamespace(
+                index=i,
+                numel=numel,
+                dtype=dtype,
+                placement=p,
+                streamed=i in streamed,
+                exp_avg=torch.empty(0, dtype=torch.float32),
+            )  # fmt: skip
+            for i, p in enumerate(placements)
+        ]
+    )
 
 
 CURRENT = ["mapped"] * 3 + ["host"] * 7  # host 700 elements, PCIe 300 x 12 + 700 x 2 = 5000 B
@@ -42,7 +49,7 @@ def test_a_host_slower_than_assumed_gets_more_mapped_buckets():
     k = out.count("mapped")
     assert out == ["mapped"] * k + ["host"] * (10 - k)  # the front of the model, as vram_share
     assert info["predicted_s_before"] == pytest.approx(2.0)
-    assert info["predicted_s_after"] < 0.95 * 2.0 and info["gain"] > refine.MIN_GAIN
+    assert info["predicted_s_after"] < 0.95 * 2.0 and info["gain"] > inflight.MIN_GAIN
     assert info["numel"]["mapped"] == 100 * k and info["numel"]["host"] == 100 * (10 - k)
 
 
@@ -60,7 +67,7 @@ def test_a_gain_within_the_threshold_moves_nothing():
     # finer buckets and a host 3 % slower: a better boundary exists, but by less than 5 %
     fine = ["mapped"] * 30 + ["host"] * 70
     out, info = choose_refined(_buckets(fine, numel=10), host_params_per_s=700 / 1.03, pcie_bytes_per_s=5000)
-    assert 0 < info["gain"] <= refine.MIN_GAIN and not info["move"] and out == fine
+    assert 0 < info["gain"] <= inflight.MIN_GAIN and not info["move"] and out == fine
     out, info = choose_refined(
         _buckets(fine, numel=10), host_params_per_s=700 / 1.03, pcie_bytes_per_s=5000, min_gain=0.0
     )
@@ -76,7 +83,7 @@ def test_streamed_and_device_buckets_never_move(host_rate):
     assert set(out[3:]) == ({"mapped"} if host_rate == 1.0 else {"host"})
     assert info["numel"]["device"] == 200
     # another rank's bucket (no state) keeps its placement too
-    bs[4].exp_avg = None
+    bs[4] = dataclasses.replace(bs[4], has_state=False)
     out, _ = choose_refined(bs, host_params_per_s=host_rate, pcie_bytes_per_s=5000)
     assert out[4] == "host"
 
@@ -187,7 +194,7 @@ def test_at_most_max_refinements_even_when_every_window_asks_for_a_move():
 def test_a_move_that_made_the_measured_step_slower_is_undone_and_settles():
     model, opt = _wrapped()
     calls = []
-    windows = iter([_window(1, 1e12, wall_s=1.0), _window(1, 1e12, wall_s=1.0 * (1 + 2 * refine.MIN_GAIN))])
+    windows = iter([_window(1, 1e12, wall_s=1.0), _window(1, 1e12, wall_s=1.0 * (1 + 2 * inflight.MIN_GAIN))])
     r = SplitRefiner(opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls))
     for steps in range(1, 12):
         r.after_step(steps)
@@ -226,13 +233,13 @@ def test_running_out_of_memory_keeps_the_bucket_and_the_rest_where_they_were():
 
 def test_host_trial_fits_counts_the_host_share_and_the_mapped_one():
     bs = _buckets(["device", "mapped", "mapped", "host", "host"], streamed={4})
-    fits, info = refine.host_trial_fits(bs, host_params_per_s=100, step_s=4.0 / refine.HOST_TRIAL_SHARE)
+    fits, info = inflight.host_trial_fits(bs, host_params_per_s=100, step_s=4.0 / inflight.HOST_TRIAL_SHARE)
     assert fits and info["mapped_numel"] == 200 and info["host_all_s"] == pytest.approx(4.0)  # 400 of 500
-    fits, _ = refine.host_trial_fits(bs, host_params_per_s=100, step_s=3.9 / refine.HOST_TRIAL_SHARE)
+    fits, _ = inflight.host_trial_fits(bs, host_params_per_s=100, step_s=3.9 / inflight.HOST_TRIAL_SHARE)
     assert not fits  # the host would take more than its share of the step
     no_mapped = _buckets(["device", "host", "host"])
-    assert not refine.host_trial_fits(no_mapped, host_params_per_s=1e12, step_s=1.0)[0]
-    assert not refine.host_trial_fits(bs, host_params_per_s=0.0, step_s=1.0)[0]
+    assert not inflight.host_trial_fits(no_mapped, host_params_per_s=1e12, step_s=1.0)[0]
+    assert not inflight.host_trial_fits(bs, host_params_per_s=0.0, step_s=1.0)[0]
 
 
 def _trial(trial_step_s: float, step_s: float = 1.0):
@@ -281,7 +288,7 @@ def test_a_kept_mapped_share_is_tried_on_the_host_and_kept_only_when_not_slower(
 
 
 def test_no_trial_when_the_host_would_take_too_much_of_the_step():
-    model, opt, r, calls = _trial(0.1, step_s=0.5 / refine.HOST_TRIAL_SHARE * 0.95)
+    model, opt, r, calls = _trial(0.1, step_s=0.5 / inflight.HOST_TRIAL_SHARE * 0.95)
     assert [h["change"] for h in opt.plan_history] == ["keep optimizer split"] and r.settled and not calls
     for b in opt._engine.buckets:
         b.placement = "host"
@@ -335,10 +342,10 @@ def test_forced_refinements_move_buckets_and_match_torch(accumulation):
     )
     assert opt._refiner is not None
     for b in opt._engine.buckets:  # from all on the host, whatever the isolated split chose
-        refine.relocate(opt._engine, b, "host")
+        layout.relocate(opt._engine, b, "host")
     windows = iter([_window(1, 1e15), _window(1e15, 1)])
     seen = []
-    real = refine.relocate
+    real = layout.relocate
 
     def relocate(engine, b, where):
         seen.append((b.index, b.placement, where))

@@ -21,6 +21,7 @@ from ramstream.blocks import ranges_text
 from ramstream.planner import PlanError, plan_training
 from ramstream.planner.replan import replan_recompute, replan_stream
 from ramstream.runtime.apply import check_steps
+from ramstream.runtime.history import PlanHistory
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError, StepCheck
 
@@ -288,7 +289,7 @@ def test_the_step_check_re_plans_through_its_lever_and_clears_its_refusals():
         "activation_offload": False,
         "moment_dtype": "float32",
     }
-    history, logs = [], []
+    history, logs = PlanHistory(), []
     check = StepCheck(shape, prof, fixed, logs.append, history, lever=Lever())
     ids = lambda b: torch.zeros(b, 8, dtype=torch.long)  # noqa: E731
     with pytest.raises(PlanOutOfMemoryError):

@@ -1,4 +1,4 @@
-"""The VRAM share of the optimizer state (engine/vram_share.py, layout.relocate): the placement
+"""The VRAM share of the optimizer state (runtime/optimizer_split.py maybe_share deciding through planner/inflight.py, layout.relocate): the placement
 arithmetic on the CPU; on the GPU, moving buckets between host, mapped and device memory
 mid-training keeps the run exact (bit for bit between mapped and device: the same kernel)."""
 
@@ -10,8 +10,19 @@ import pytest
 import torch
 
 import ramstream
-from ramstream.engine import layout, resident, vram_share
-from ramstream.engine.vram_share import choose_placements, device_bytes
+from ramstream.engine import layout
+from ramstream.planner import inflight
+from ramstream.runtime import measure
+from ramstream.runtime.measure import bucket_facts
+
+
+def device_bytes(b) -> int:
+    return bucket_facts([b])[0].device_bytes
+
+
+def choose_placements(buckets, room, mapped_fraction_of):
+    return inflight.choose_placements(bucket_facts(buckets), room, mapped_fraction_of)
+
 
 from _models import batches, clone, make_model, max_diff, train_torch
 
@@ -154,15 +165,15 @@ def test_auto_keeps_the_share_that_fits_in_vram_and_stays_exact(monkeypatch):
         model, torch.optim.AdamW(model.parameters(), lr=3e-3), offload="auto", bucket_bytes=8192
     )
     state = sum(device_bytes(b) for b in opt._engine.buckets)
-    real = resident.device_memory
+    real = measure.device_memory
 
     def fake(device):  # a cap that leaves room for about half of the state, not for all of it
         m = real(device)
         m["usable"] = int((m["peak"] + state // 2) / (1 - opt.vram_headroom))
         return m
 
-    monkeypatch.setattr(resident, "device_memory", fake)
-    monkeypatch.setattr(vram_share, "MARGIN_BYTES", 0)  # (512 MiB: more than this model's state)
+    monkeypatch.setattr(measure, "device_memory", fake)
+    monkeypatch.setattr(inflight, "MARGIN_BYTES", 0)  # (512 MiB: more than this model's state)
     train_torch(model, opt, data)
     opt.synchronize()
     assert not opt.resident
@@ -181,7 +192,7 @@ def test_low_precision_accumulation_stays_on_the_host(monkeypatch):
     """The GPU update reads the gradient autograd summed in .grad, in bf16 for a bf16 model:
     with accumulation, "auto" keeps such a model on the host (fp32 sums) and shares no VRAM."""
     import ramstream.hardware as hardware
-    from ramstream.engine.split import mapped_fraction_for
+    from ramstream.runtime.optimizer_split import mapped_fraction_for
 
     monkeypatch.setattr(hardware, "kernels_problem", lambda: None)
     logs = []

@@ -13,10 +13,14 @@ import torch
 
 import ramstream
 from ramstream.engine import layout
-from ramstream.engine.vram_share import device_bytes
-from ramstream.engine.watchdog import choose_levers
+from ramstream.planner.levers import choose_levers
+from ramstream.runtime.measure import bucket_facts
 
 from _models import TinyGPT, batches, clone, make_model, train_torch
+
+
+def device_bytes(b) -> int:
+    return bucket_facts([b])[0].device_bytes
 
 
 def _buckets(placements, numel=100, dtype=torch.float32, streamed=(), no_state=()):
@@ -29,7 +33,12 @@ def _buckets(placements, numel=100, dtype=torch.float32, streamed=(), no_state=(
 
 def _levers(buckets, need, paged=None, n_blocks=0, block_bytes=(), allow_host=False):
     return choose_levers(
-        buckets, need, paged=paged, n_blocks=n_blocks, block_bytes=list(block_bytes), allow_host=allow_host
+        bucket_facts(buckets),
+        need,
+        paged=paged,
+        n_blocks=n_blocks,
+        block_bytes=list(block_bytes),
+        allow_host=allow_host,
     )
 
 

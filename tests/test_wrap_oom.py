@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.resident as resident_mod
+import ramstream.runtime.measure as measure_mod
 from ramstream import _faults
 
 from _models import batches, clone, make_model, max_diff, train_torch
@@ -168,7 +168,7 @@ def test_every_point_is_covered_and_unarmed_points_are_free():
 
 @pytest.fixture
 def roomy(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 def test_oom_in_the_resident_switch_keeps_offloading(roomy):

@@ -176,7 +176,7 @@ def test_engine_is_bit_identical_to_torch_fused_cpu_adamw():
 
 
 def test_split_planner_balances_host_and_pcie():
-    from ramstream.engine.split import choose_mapped_fraction
+    from ramstream.planner.inflight import choose_mapped_fraction
 
     n = 1_000_000_000
     f, info = choose_mapped_fraction(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ramstream
-import ramstream.engine.resident as resident_mod
+import ramstream.runtime.measure as measure_mod
 
 from _models import Boom as _Boom
 from _models import batches, clone, make_model, max_diff, train_master_reference, train_torch
@@ -24,7 +24,7 @@ LR = 3e-3
 def roomy(monkeypatch):
     """Pretend the (CPU) device has memory to spare, so the CPU engine takes the switch (optim.py
     looks device_memory up in the module when it decides: the patch takes effect)."""
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
 
 
 def _groups(model):
@@ -118,12 +118,12 @@ def test_bf16_moments_after_switch_against_torch_fp32_moments(roomy):
 
 
 def test_no_switch_when_it_does_not_fit_or_offload_true(monkeypatch):
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 10, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 10, "peak": 0, "now": 0})
     model, opt = ramstream.wrap(make_model(0), lr=1e-3)
     train_torch(model, opt, batches(3))
     assert not opt.resident
     assert any("keep offloading" in e for e in ramstream.memory_report(model)["events"])
-    monkeypatch.setattr(resident_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
+    monkeypatch.setattr(measure_mod, "device_memory", lambda d: {"usable": 1 << 40, "peak": 0, "now": 0})
     model, opt = ramstream.wrap(make_model(0), lr=1e-3, offload=True)
     train_torch(model, opt, batches(3))
     assert not opt.resident
@@ -430,7 +430,15 @@ def test_resident_peak_reuses_the_offloaded_runs_transient_memory_for_gradients(
     GiB between steps must be predicted to fit resident on a 140 GiB device."""
     from types import SimpleNamespace
 
-    from ramstream.engine.resident import resident_peak
+    from ramstream.engine.resident import resident_split
+    from ramstream.planner.inflight import resident_fits
+
+    def resident_peak(engine, mem):
+        persistent, grads = resident_split(engine)
+        fits, n = resident_fits(usable=mem.get("usable", 0), peak=mem["peak"], now=mem["now"],
+                                persistent=persistent, grads=grads, headroom=0.1)  # fmt: skip
+        assert fits == (n["predicted_peak"] <= 0.9 * mem.get("usable", 0))
+        return n["predicted_peak"], n["text"]
 
     g = 2**30
     numel = 6_850_000_000

@@ -24,6 +24,7 @@ from .options import (
     parse_threads,
 )
 from .planner.rules import SWITCH_AFTER_STEPS  # noqa: F401  (optim.SWITCH_AFTER_STEPS: tests read it)
+from .runtime.history import PlanHistory
 
 _GROUP_EXTRAS = dict(
     amsgrad=False,
@@ -45,7 +46,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         mode: "cpu" (host threads update, state in host RAM), "gpu" (the CUDA kernel updates
             state kept in pinned host memory over PCIe; the host CPU does nothing) or "auto"
             (a share of each, from measured host and PCIe rates, solved again from the rates
-            measured in training after step 4, engine/refine.py). On a CPU device "auto" updates
+            measured in training after step 4, runtime/refiner.py). On a CPU device "auto" updates
             on the host and "gpu" raises ValueError; with `distributed` every mode updates on
             the host.
         max_grad_norm: clip by the global norm like torch.nn.utils.clip_grad_norm_ (None: off).
@@ -172,7 +173,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         self._closed = False
         self._step_callbacks: list = []
         self._zero_grad_callbacks: list = []
-        self.plan_history: list[dict] = []  # the plan's changes (memory_report(model)["plan"])
+        self.plan_history = PlanHistory()  # the plan's changes (memory_report(model)["plan"])
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         if (
             not torch.is_tensor(params)
@@ -225,9 +226,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             nvme_dir=nvme_dir,
             nvme_share=nvme_share,
         )
-        from .engine.refine import make_refiner
+        from .runtime.refiner import make_refiner
 
-        # "auto": the host / mapped split solved again from the rates of steps 3-4 (refine.py)
+        # "auto": the host / mapped split solved again from the rates of steps 3-4 (runtime/refiner.py)
         self._refiner = make_refiner(self, SWITCH_AFTER_STEPS)
         self._had_grads = False
         from .clipping import register
@@ -235,7 +236,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         register(self)  # torch.nn.utils.clip_grad_norm_ on these parameters comes here
 
     def _mapped_fraction(self, mode: str, device: torch.device) -> float:
-        from .engine.split import mapped_fraction_for
+        from .runtime.optimizer_split import mapped_fraction_for
 
         return mapped_fraction_for(self, mode, device)
 
@@ -434,12 +435,12 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         return self._resident is not None
 
     def _maybe_go_resident(self) -> None:
-        from .engine.resident import maybe_switch
+        from .runtime.optimizer_split import maybe_share, maybe_switch
 
         resident = maybe_switch(self, SWITCH_AFTER_STEPS)
-        if resident is None:  # what VRAM is left holds a share of the state (vram_share.py)
-            from .engine.vram_share import maybe_share
-
+        if (
+            resident is None
+        ):  # what VRAM is left holds a share of the state (runtime/optimizer_split.py maybe_share)
             maybe_share(self, SWITCH_AFTER_STEPS)
         else:
             self._resident = resident

@@ -145,7 +145,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     w = getattr(model, "_ramstream", None)
     if w is None:
         raise ValueError("memory_report(): this model is not wrapped by ramstream")
-    from .engine.refine import split_report
+    from .runtime.refiner import split_report
 
     e = w.optimizer._engine
     host_state = host_state_bytes(e)
@@ -191,7 +191,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "plan": {
             **w.plan,
             # the blocks recomputing now (activation_checkpointing="auto" in LoRA keeps some after
-            # step 1: activations/recompute_keep.py)
+            # step 1: runtime/keep.py)
             **({"recompute": w.recompute.recomputed()} if w.recompute is not None else {}),
             "recompute_keep": w.keep.report() if getattr(w, "keep", None) is not None else None,
             "optimizer": {
@@ -206,11 +206,11 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                     )
                 },
                 "moment_dtype": str(e.moment_dtype).replace("torch.", ""),
-                "split": split_report(w.optimizer),  # optimizer_mode="auto" (engine/refine.py)
+                "split": split_report(w.optimizer),  # optimizer_mode="auto" (runtime/refiner.py)
             },
             "history": list(w.plan.get("history", [])) + list(w.optimizer.plan_history),
             "activations": w.activations.report() if w.activations is not None else None,
-            # VRAM growth after the plan settled (engine/watchdog.py)
+            # VRAM growth after the plan settled (runtime/watchdog.py)
             "watchdog": w.watchdog.report() if w.watchdog is not None else {"enabled": False},
         },
     }

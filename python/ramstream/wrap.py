@@ -62,12 +62,12 @@ def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
     its figures go to memory_report(model)["plan"]["profile"]."""
     if not opts.profile or device.type != "cuda":
         return None
-    from .engine import split
+    from .engine import rates
     from .planner import profile_hardware
 
     try:
         prof = profile_hardware(device)
-        split.seed(device, prof.adamw_gbps * 1e9 / 28, prof.h2d_gbps * 1e9)
+        rates.seed(device, prof.adamw_gbps * 1e9 / 28, prof.h2d_gbps * 1e9)
         log(
             f"profile ({prof.source}): H2D {prof.h2d_gbps:.1f} GB/s, D2H {prof.d2h_gbps:.1f} GB/s, "
             f"host AdamW {prof.adamw_gbps:.0f} GB/s of fp32 state, VRAM free "

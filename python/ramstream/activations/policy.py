@@ -87,7 +87,7 @@ class ActivationPolicy:
             self._decide(unpaged_s=dt, must_free=0)
 
     def _decide(self, unpaged_s: float | None, must_free: int) -> None:
-        from ..engine.split import measure
+        from ..engine.rates import measured_rates as measure
 
         gbps = measure(self.device)["pcie_bytes_per_s"] / 1e9
         bb = self.plan["block_bytes"]

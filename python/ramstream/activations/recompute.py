@@ -68,7 +68,7 @@ def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto")
     its activations, measured on the Qwen2.5-7B shape) on a GPU whose usable memory the block
     weights fill to more than a quarter; and in full fine-tuning whose weights, fp32 moments and
     gradients cannot all be resident (90 % of usable memory; optimizer_mode not "cpu"): the VRAM
-    activations would hold keeps a share of the optimizer state instead (engine/vram_share.py),
+    activations would hold keeps a share of the optimizer state instead (runtime/optimizer_split.py),
     updated on the GPU rather than by the host threads, the bound of such a run (1.8B GPT at
     24 GiB: see bench/RESULTS.md), or, when the weights fill most of the GPU, the activations
     of a batch that would not fit otherwise. Never when
@@ -163,7 +163,7 @@ class Recompute:
     """Checkpoints the forward of `blocks[i]` for i in `indices`; keep() lets chosen ones keep
     their activations again (and recompute_again() undoes that), bit for bit either way: the
     recompute runs the same forward. With ``memory_fn`` (bytes allocated on the device now;
-    recompute_keep.measured_memory_fn), each recompute records in ``kept_bytes[i]`` what the
+    runtime/keep.py measured_memory_fn), each recompute records in ``kept_bytes[i]`` what the
     block's recomputed forward left allocated: its saved activations and output, what the block
     would hold if it kept its activations; ``stop_measuring()`` ends that. close() restores the
     blocks."""

@@ -168,7 +168,7 @@ class CudaDevice:
 
     def end_update(self, timing: bool = False):
         """An event on the update stream after the work queued there (timing=True: one that
-        elapsed_time() can read, for the split's measured refinement, engine/refine.py)."""
+        elapsed_time() can read, for the split's measured refinement, runtime/refiner.py)."""
         ev = torch.cuda.Event(enable_timing=timing)
         ev.record(self.upd)
         return ev

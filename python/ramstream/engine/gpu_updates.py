@@ -16,7 +16,7 @@ class MappedUpdates:
         self.dev, self.device, self.seed = dev, device, seed
         self.inflight, self.weights, self.stats = inflight, weights, stats
         self._norm = None  # float64 device scalar: sum of squared mapped gradients
-        # a list while the split's refinement measures (engine/refine.py): (start event, end
+        # a list while the split's refinement measures (runtime/refiner.py): (start event, end
         # event, numel, PCIe bytes each way) of every mapped bucket's launch; None otherwise
         self.timing: list | None = None
 

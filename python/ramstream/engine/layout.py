@@ -8,7 +8,7 @@ Placements:
             an fp32 model's weights on the GPU are their own master (optimizer_mode="gpu").
   "device": as "mapped", with the moments (and a low-precision model's master) in device memory:
             the same CUDA kernel updates them at device bandwidth, nothing crosses PCIe. Buckets
-            move there with relocate() when the planner finds VRAM to spare (vram_share.py).
+            move there with relocate() when the planner finds VRAM to spare (runtime/optimizer_split.py maybe_share).
 """
 
 from __future__ import annotations
@@ -264,3 +264,41 @@ def _resync_bucket(engine, b: Bucket, loaded: dict) -> int:
     if changed:
         engine.log(f"bucket {b.index}: fp32 master of {changed} parameters reloaded from the model's weights")
     return changed
+
+
+def move_buckets(opt, targets: list[str], relocate_fn=None, who: str = "ramstream") -> int:
+    """Relocates opt's buckets whose target (in bucket order) differs from their placement, in
+    bucket order, with relocate_fn (layout.relocate or a test's stand-in); the engine must be
+    quiescent (after synchronize). Streamed buckets and those without state stay. Running out of
+    memory (device or pinned), or pinned memory falling back to pageable memory the GPU cannot
+    read, keeps that bucket, and the rest, where they were (logged, prefixed by `who`). Updates
+    the engine's mapped_numel; returns the buckets moved. Used by the refinement and the
+    watchdog (runtime/refiner.py, runtime/watchdog.py)."""
+    from .._native import lib
+
+    relocate_fn = relocate_fn or relocate
+    e, moved = opt._engine, 0
+    for b, where in zip(e.buckets, targets):
+        if where == b.placement or b.streamed or getattr(b, "disk", None) is not None or b.exp_avg is None:
+            continue
+        was = b.placement
+        try:
+            relocate_fn(e, b, where)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            opt._log(f"{who}: bucket {b.index} stays {was} ({exc})")
+            break
+        if (
+            where == "mapped"
+            and e.dev.type == "cuda"
+            and not all(
+                lib().is_arena_pinned(t.data_ptr())
+                for t in (b.exp_avg, b.exp_avg_sq, b.master)
+                if t is not None
+            )
+        ):  # above the page-lock budget: back where it was before any kernel reads it
+            relocate_fn(e, b, was)
+            opt._log(f"{who}: bucket {b.index} stays {was} (page-lock budget)")
+            break
+        moved += 1
+    e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
+    return moved

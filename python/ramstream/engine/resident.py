@@ -18,7 +18,6 @@ raises (docs/guide/wrap.md, "When a backward pass raises").
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -27,21 +26,6 @@ from .intake import _grad_hook, _weak_method, track_pass
 from .layout import master_flat, replaced_params
 from .nonfinite import NonFiniteGradientError, describe, find_nonfinite, slot_name, warn_caller
 from .updater import clip_coefficient
-
-
-def device_memory(device: torch.device) -> dict | None:
-    """{"usable": bytes the process may hold, "peak": bytes it held at most} or None when the
-    device has no separate memory to save (the CPU engine never switches)."""
-    if device.type != "cuda":
-        return None
-    from ..hardware import gpu_memory
-
-    m = gpu_memory(device)
-    return {
-        "usable": m["cap"],
-        "peak": torch.cuda.max_memory_allocated(device),
-        "now": torch.cuda.memory_allocated(device),
-    }
 
 
 def resident_split(engine, upcast: bool = False) -> tuple[int, int]:
@@ -56,24 +40,6 @@ def resident_split(engine, upcast: bool = False) -> tuple[int, int]:
             persistent += b.numel * 4
             grads += b.numel * 4
     return persistent, grads
-
-
-def resident_peak(engine, mem: dict, upcast: bool = False) -> tuple[int, str]:
-    """The device peak a resident run is expected to reach, and the arithmetic as text.
-
-    The offloaded run's transient memory (peak - allocated between steps: activations, gradients in
-    flight) is what backward frees as the resident gradients appear: the resident peak is the
-    memory between steps + the persistent state + the larger of that transient and the gradients,
-    + a quarter of the smaller (activations and gradients overlap part-way through backward)."""
-    persistent, grads = resident_split(engine, upcast)
-    transient = max(0, mem["peak"] - mem["now"])
-    peak = mem["now"] + persistent + max(transient, grads) + min(transient, grads) // 4
-    g = 2**30
-    text = (
-        f"between steps {mem['now'] / g:.2f} + state {persistent / g:.2f} + max(transient "
-        f"{transient / g:.2f}, gradients {grads / g:.2f}) + 1/4 of the smaller = {peak / g:.2f} GiB"
-    )
-    return peak, text
 
 
 class Resident:
@@ -373,69 +339,3 @@ class Resident:
         for h in list(self._hooks.values()) + self._frozen_hooks:
             h.remove()
         self._hooks, self._frozen_hooks, self.grads = {}, [], {}
-
-
-def maybe_switch(opt, after_steps: int):
-    """offload="auto" after `after_steps` steps: the Resident that replaces opt's engine when a
-    resident run is predicted to fit (resident_peak) and its state could be built, else None; the
-    decision and its numbers go to opt's log and plan_history."""
-    engine = opt._engine
-    mem = device_memory(engine.device)
-    if mem is None:
-        return None
-    if engine.dp is not None:
-        opt._log("offload=auto: data parallel keeps offloading (no resident switch)")
-        return None
-    if engine.streamed:
-        opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
-        return None
-    if engine.disk is not None:  # OffloadAdamW sets offload=True with it: a second guard
-        opt._log(
-            "offload=auto: optimizer state on disk (nvme_offload) keeps it offloaded (no resident switch)"
-        )
-        return None
-    upcast = bool(getattr(opt, "_moments_for_ram", False)) and any(
-        b.exp_avg.dtype != torch.float32 for b in engine.buckets
-    )
-    peak, text = resident_peak(engine, mem, upcast)
-    room = mem["usable"] * (1 - opt.vram_headroom)
-    verdict = peak <= room
-    opt.plan_history.append(
-        {
-            "step": after_steps,
-            "change": "resident" if verdict else "keep offloading",
-            "measured_peak_bytes": mem["peak"],
-            "predicted_resident_peak_bytes": peak,
-            "room_bytes": int(room),
-            **(
-                {"moments": "bfloat16 -> float32 (chosen for host RAM; resident on the device)"}
-                if upcast
-                else {}
-            ),
-        }
-    )
-    opt._log(
-        f"offload=auto after {after_steps} steps: a resident run would peak at {text}; "
-        f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {opt.vram_headroom:g}) = "
-        f"{room / 2**30:.2f} GiB -> "
-        + ("switching to fused AdamW on the device" if verdict else "keep offloading")
-    )
-    if not verdict:
-        return None
-    try:
-        resident = Resident(engine, opt.param_groups, upcast_moments=upcast)
-        if upcast:
-            opt._moment_dtype = torch.float32
-            opt._log(
-                "offload=auto: the moments were bfloat16 only because host RAM was short "
-                "(moment_dtype='auto'); on the device they are float32 again (an exact upcast)"
-            )
-        return resident
-    except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
-        msg = (
-            f"offload=auto: the device ran out of memory building the resident state "
-            f"({exc}); the partial copies are freed and the optimizer keeps offloading"
-        )
-        opt._log(msg)
-        warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=4)
-        return None

@@ -61,7 +61,7 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
             "placement": placement,
             "vram_share": c["share"],
             "moment_dtype": c["moment"],
-            # the split the run trains at once optimizer_mode="auto" has refined it (engine/refine.py
+            # the split the run trains at once optimizer_mode="auto" has refined it (runtime/refiner.py
             # after steps 4 and 6, on the rates timing.refiner_rates predicts); the step is timed on it
             "split": _shares(split, total),
             "numel": {k: split[k] for k in ("device", "mapped", "host")},

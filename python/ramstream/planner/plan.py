@@ -29,8 +29,9 @@ from . import policy
 from .act_modes import choose_modes
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
+from .inflight import resident_peak
 from .measure import ADAMW_STATE_BYTES
-from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split, resident_peak
+from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split
 from .profile import HardwareProfile
 from .result import Plan, PlanError
 from .shape import ModelShape
@@ -165,11 +166,11 @@ def _host_memory(ctx: _Ctx, split: dict, moment: str, ss: set, paged: int) -> tu
 
 def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int):
     """(the split the run trains at, its step bounds, the refinement rounds): optimizer_mode="auto"
-    re-solves the host / mapped split after steps 4 and 6 (policy.refinement_rounds); refine.py
+    re-solves the host / mapped split after steps 4 and 6 (policy.refinement_rounds); runtime/refiner.py
     undoes the first move when the steps after it took more than MIN_GAIN longer (here: their
     predicted steps), and then settles."""
-    from ..engine.refine import MAX_REFINEMENTS, MIN_GAIN
     from .policy import host_trial, refinement_rounds
+    from .rules import MAX_REFINEMENTS, MIN_GAIN
 
     bounds = _times(ctx, streamed, paged, modes, moment, split)
     if not ctx.refine or ctx.opt_mode != "auto" or not (split["mapped"] or split["host"] > streamed_tr):
@@ -184,7 +185,7 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
             return split, bounds, [{**rounds[0], "reverted": True}]
         now = rounds[-1]
         t_now = first if len(rounds) == 1 else _times(ctx, streamed, paged, modes, moment, now)
-    if len(rounds) < MAX_REFINEMENTS:  # the last refinement kept its split: refine.py's host-only trial
+    if len(rounds) < MAX_REFINEMENTS:  # the last refinement kept its split: the refiner's host-only trial
         trial = host_trial(now, step_s=step_of(t_now)[0], **kw)
         if trial is not None:
             t_trial = _times(ctx, streamed, paged, modes, moment, trial)
@@ -279,7 +280,7 @@ def plan_training(
             True (all of it), False (none) or a share in [0, 1]; plan.optimizer["nvme_share"].
 
     _assume_disk=True plans as if the profile had a disk of unbounded free space (suggest.py).
-    _refine=False times the split after step 2 instead of the refined one (engine/refine.py; the
+    _refine=False times the split after step 2 instead of the refined one (runtime/refiner.py; the
     engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
 
     activation_checkpointing="auto" also makes every block recompute when the plan without it

@@ -1,18 +1,17 @@
 """wrap()'s default decisions as arithmetic on a ModelShape, so that the plan predicts what wrap()
 does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
-(activations/recompute.py auto_checkpointing), the resident switch (engine/resident.py
-resident_peak) and the optimizer state's split between VRAM, the GPU over PCIe and the host
-(engine/vram_share.py choose_placements, engine/split.py choose_mapped_fraction) and where the
-measured refinement after steps 4 and 6 moves it (engine/refine.py choose_refined, on the rates
-the step-time model says the run measures: refinement_rounds). Pure functions.
+(activations/recompute.py auto_checkpointing), the resident switch (inflight.py resident_peak) and
+the optimizer state's split between VRAM, the GPU over PCIe and the host (inflight.py
+choose_mapped_fraction; runtime/optimizer_split.py applies it) and where the measured refinement
+after steps 4 and 6 moves it (inflight.py choose_refined, which runtime/refiner.py applies, on the
+rates the step-time model says the run measures: refinement_rounds). Pure functions.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
-from ..engine.split import choose_mapped_fraction
+from .inflight import BucketFacts, choose_mapped_fraction, choose_refined, host_trial_fits
 from .rules import LORA_LIKE, MARGIN_BYTES, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS, STREAM_SHARE  # noqa: F401
 from .shape import lora_like
 
@@ -72,16 +71,10 @@ def grad_inflight_bytes(prof) -> int:
     return max(1 << 20, min(INFLIGHT_MAX, prof.vram_free // 10))
 
 
-def resident_peak(now: int, persistent: int, grads: int, transient: int) -> int:
-    """engine/resident.py resident_peak: between steps + persistent state + the larger of the
-    offloaded run's transient and the gradients + a quarter of the smaller."""
-    return now + persistent + max(transient, grads) + min(transient, grads) // 4
-
-
 def optimizer_split(
     *, trained: int, streamed_trained: int, room: int, mode: str, wb: int, mb: int, prof
 ) -> dict:
-    """Numel per placement after step 2 (vram_share.maybe_share): "device" for the first params
+    """Numel per placement after step 2 (runtime/optimizer_split.py maybe_share): "device" for the first params
     whose state (2 moments + an fp32 master for a low-precision model) fits in `room`; the rest
     "mapped" by choose_mapped_fraction (mode "auto"), all of it (mode "gpu") or none ("cpu"), the
     others "host". Trained params of streamed blocks stay on the host. What the run settles on
@@ -92,7 +85,7 @@ def optimizer_split(
     if mode != "cpu" and room > 0 and movable:
         dev = min(movable, int(room // (2 * mb + master)))
     rest = movable - dev
-    # without room the placement stays wrap()'s (vram_share: "keep optimizer placement"): the
+    # without room the placement stays wrap()'s (maybe_share: "keep optimizer placement"): the
     # fraction split.mapped_fraction_for chose over every parameter, streamed ones included, of
     # which core.py maps the first non-streamed buckets (row F: 57 % of 1.82G, all 208M movable)
     seen = rest if dev else trained
@@ -119,20 +112,18 @@ def optimizer_split(
     }
 
 
-def _stand_ins(split: dict, streamed_trained: int, wb: int, mb: int) -> list:
-    """The engine's buckets as engine/refine.py sees them, in forward order: the streamed blocks'
-    (host, not movable), the "device" share (not movable), then the mapped and the host share in
-    buckets of BUCKET_BYTES of the working dtype."""
-    import torch
-
-    dtype = {2: torch.bfloat16, 4: torch.float32}[wb]
-    moment = torch.empty(0, dtype=torch.bfloat16 if mb == 2 else torch.float32)
+def _stand_ins(split: dict, streamed_trained: int, wb: int, mb: int) -> list[BucketFacts]:
+    """The engine's buckets as runtime/refiner.py hands them to choose_refined, in forward order:
+    the streamed blocks' (host, not movable), the "device" share (not movable), then the mapped and
+    the host share in buckets of BUCKET_BYTES of the working dtype."""
     per = max(1, BUCKET_BYTES // wb)
     parts = [("host", True, streamed_trained), ("device", False, split["device"])]
     for where, numel in (("mapped", split["mapped"]), ("host", split["host"] - streamed_trained)):
         parts += [(where, False, min(per, numel - i)) for i in range(0, numel, per)]
     return [
-        SimpleNamespace(index=i, numel=n, dtype=dtype, placement=w, streamed=s, exp_avg=moment)
+        BucketFacts(
+            index=i, numel=n, placement=w, working_bytes=wb, moment_bytes=mb, low_precision=wb < 4, streamed=s
+        )
         for i, (w, s, n) in enumerate(p for p in parts if p[2] > 0)
     ]
 
@@ -140,12 +131,12 @@ def _stand_ins(split: dict, streamed_trained: int, wb: int, mb: int) -> list:
 def refinement_rounds(
     split: dict, *, streamed_trained: int, wb: int, mb: int, state_bytes: int, prof
 ) -> list:
-    """The splits optimizer_mode="auto" moves to after steps 4 and 6 (engine/refine.py, at most
+    """The splits optimizer_mode="auto" moves to after steps 4 and 6 (runtime/refiner.py, at most
     MAX_REFINEMENTS moves), from `split` (optimizer_split's numel per placement): each round is
-    refine.choose_refined itself, on stand-ins of the buckets, with the rates the run measures
+    inflight.choose_refined itself, on stand-ins of the buckets, with the rates the run measures
     at the split of that round (timing.refiner_rates). Returns the numel per placement after each
-    move ([] when the first round keeps the split); plan.py applies refine's revert rule."""
-    from ..engine.refine import MAX_REFINEMENTS, choose_refined
+    move ([] when the first round keeps the split); plan.py applies the refiner's revert rule."""
+    from .rules import MAX_REFINEMENTS
     from .timing import refiner_rates
 
     rounds, now = [], split
@@ -165,11 +156,10 @@ def refinement_rounds(
 
 def host_trial(split: dict, *, streamed_trained: int, wb: int, mb: int, state_bytes: int, prof,
                step_s: float) -> dict | None:  # fmt: skip
-    """The all-host split engine/refine.py tries when a refinement keeps `split` with a mapped share
-    (refine.host_trial_fits on stand-ins of the buckets, at the host rate timing.refiner_rates says
+    """The all-host split runtime/refiner.py tries when a refinement keeps `split` with a mapped share
+    (inflight.host_trial_fits on stand-ins of the buckets, at the host rate timing.refiner_rates says
     the run measures and the predicted step_s), None when it does not try; plan.py keeps it when
-    its predicted step is not slower, as refine.py does with the measured one."""
-    from ..engine.refine import host_trial_fits
+    its predicted step is not slower, as the refiner does with the measured one."""
     from .timing import refiner_rates
 
     host, _ = refiner_rates(prof, split, wb=wb, mb=mb, state_bytes=state_bytes)

@@ -24,10 +24,10 @@ class Plan:
     activations: list  # per block: "keep", "page" or "recompute"
     optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
     #                  "split": shares {"device", "mapped", "host"} the run settles on (after the
-    #                  refinement of engine/refine.py), "numel": the same in params, "initial_split":
+    #                  refinement of runtime/refiner.py), "numel": the same in params, "initial_split":
     #                  the shares after step 2, "refinements": per move {"split", "host_params_per_s",
     #                  "pcie_bytes_per_s"(, "reverted")}, the last one {"split", "host_trial":
-    #                  True(, "reverted")} when refine.py's host-only trial runs}
+    #                  True(, "reverted")} when the refiner's host-only trial runs}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}, and
     #               with state on disk "disk": {"optimizer_state", "total", "budget" (None: unknown),

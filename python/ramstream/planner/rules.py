@@ -1,7 +1,8 @@
 """Every threshold the planner's decisions use, once (a leaf: imports nothing). The planner's
-policy.py and plan.py read them; the older runtime rules that still exist beside the planner
-(weights/setup.py weight_share, activations/recompute.py auto_checkpointing, engine/vram_share.py,
-host_fit.py) read the same constants, so that no copy can disagree."""
+policy.py, plan.py and its in-training decisions (inflight.py, levers.py) read them; the older
+wrap-time rules that still exist beside the planner (weights/setup.py weight_share,
+activations/recompute.py auto_checkpointing, host_fit.py) read the same constants, so that no copy
+can disagree."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ STREAM_SHARE = {True: 0.7, False: 0.5}
 # share.
 RECOMPUTE_LORA_WEIGHTS = 0.25
 RECOMPUTE_FULL_FT = 0.9
-# Kept free beyond the headroom when the optimizer state takes a share of VRAM (vram_share.py).
+# Kept free beyond the headroom when the optimizer state takes a share of VRAM (runtime/optimizer_split.py maybe_share).
 MARGIN_BYTES = 512 << 20
 # The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype).
 HOST_RAM_SHARE = 0.9
@@ -32,7 +33,7 @@ PLAN_MIN_TOKENS = 256
 PLAN_LOSS = "dense"
 
 # offload="auto" decides after this many steps whether the state goes resident or a share of it
-# moves to VRAM (optim.py, engine/refine.py schedules its refinements after it).
+# moves to VRAM (optim.py, runtime/refiner.py schedules its refinements after it).
 SWITCH_AFTER_STEPS = 2
 
 # The H200 machine's profile, used when no cached profile exists: the rates `ramstream doctor`
@@ -60,3 +61,25 @@ DISK_FREE_SHARE = 0.9
 # buckets of 8M params x 12 B each way, ~400 MiB), and the engine places whole buckets, so its
 # share may land one bucket above the plan's.
 NVME_RAM_MARGIN = 1 << 30
+
+# optimizer_mode="auto"'s measured refinement (runtime/refiner.py, planner/inflight.py): steps
+# measured before a refinement; refinements that may move buckets (the split settles afterwards: no
+# oscillation); the predicted optimizer time must fall by more than MIN_GAIN, and a measured step
+# more than MIN_GAIN slower than before the move undoes it. The host-only trial runs when the host
+# AdamW of every movable bucket, at the measured rate, takes at most HOST_TRIAL_SHARE of the
+# measured step (the host lane is the forward and the host AdamW beside the backward: the forward
+# is about a quarter of a recomputed step).
+MEASURE_STEPS = 2
+MAX_REFINEMENTS = 2
+MIN_GAIN = 0.05
+HOST_TRIAL_SHARE = 0.6
+
+# activation_checkpointing="auto" in LoRA (runtime/keep.py, planner/levers.py keep_count): after
+# KEEP_DECIDE_AFTER steps the last blocks whose activations fit keep them; a block's measured bytes
+# are taken KEEP_SAFETY times larger.
+KEEP_DECIDE_AFTER = 1
+KEEP_SAFETY = 1.1
+
+# The watchdog (runtime/watchdog.py, planner/levers.py): it acts when a step's peak uses up this
+# share of the plan's vram_headroom (half: 95 % of the cap with the default 10 % headroom).
+WATCHDOG_HEADROOM_USED = 0.5

@@ -30,7 +30,7 @@ def parts_split(shape, split: dict, streamed) -> list[dict]:
     """Numel per placement for each part in forward (bucket) order, embed, blocks, head: a
     streamed block's trained parameters are updated on the host (engine/core.py: streamed buckets
     are never mapped); the rest fill the "device" share first, then "mapped", then "host"
-    (vram_share.choose_placements, core.py's first buckets in forward order to the GPU kernel)."""
+    (inflight.choose_placements, core.py's first buckets in forward order to the GPU kernel)."""
     ss = set(streamed)
     parts = shape.parts
     left = {"device": split["device"], "mapped": split["mapped"]}

@@ -14,7 +14,7 @@ block of the stack stays for its backward. Around the stack: the embeddings', he
 flops, the logits' bytes x 3. AdamW on the GPU (resident, or the "device" share): its state
 traffic / DEVICE_ADAMW_GBPS.
 
-The offloaded optimizer (engine/: vram_share.choose_placements puts the "device" share first in
+The offloaded optimizer (inflight.choose_placements puts the "device" share first in
 forward order, then "mapped", the host share last) runs beside the backward on four resources, and
 the step is the longest of their lanes:
   gpu:  compute + the stream's stalls + the mapped update. The mapped update is ramstream's CUDA
@@ -33,7 +33,7 @@ the step is the longest of their lanes:
         at 24 GiB): the steps exceed compute + mapped update by 0.043 and 0.042 s, half the
         eager time of their 32 blocks' four passes (0.087 s at EAGER_OP_S); where exactly the
         training thread falls behind the GPU is not traced yet. The sixth session's rows A and
-        A_chunked, their mapped share moved to the host by refine.py's host-only trial, still
+        A_chunked, their mapped share moved to the host by the refiner's host-only trial, still
         exceed compute by 0.057 and 0.066 s: the term counts whenever the backward's hooks
         launch GPU updates of full fine-tuning beside host ones (a mapped share, or a device
         share next to a host share). Resident training and LoRA's host updates hide it.
@@ -59,15 +59,15 @@ the profile) computes and updates on the same cores: its step is their sum.
 
 The split these lanes time is the one the run settles on. wrap() splits after step 2 from the
 isolated rates (policy.optimizer_split: split.py's crossing); optimizer_mode="auto" then solves the
-host / mapped split again after steps 4 and 6 from the rates it measured (engine/refine.py), so that
+host / mapped split again after steps 4 and 6 from the rates it measured (runtime/refiner.py), so that
 the host AdamW and the PCIe traffic (refine's model: the mapped bytes and the host share's copies at
 the kernels' measured rate) finish together. policy.refinement_rounds runs refine.choose_refined
 itself on stand-ins of the buckets, with the rates refiner_rates says the run measures at each
 round's split: the host at HOST_UNDER_DMA of the profile's rate over the AdamW state bytes (28, 20
-with bf16 moments: the refinement measures the real throughput, split.py's step-2 rate counts 28),
+with bf16 moments: the refinement measures the real throughput, optimizer_split.py's step-2 rate counts 28),
 the mapped kernels at mapped_kernel_s (their bytes at MAPPED_EFFICIENCY, plus the link time of the
 host share's copies beside them); plan.py undoes the first move when it predicts the steps after it
-more than MIN_GAIN slower, as refine.py does, and runs refine.py's host-only trial
+more than MIN_GAIN slower, as runtime/refiner.py does, and runs the refiner's host-only trial
 (policy.host_trial) when the last round kept a split with a mapped share: the all-host split is
 kept when its predicted step is not slower. The gpu lane keeps the mapped update at
 MAPPED_EFFICIENCY alone: the kernels' stalls behind the copies do not all delay the compute
@@ -137,7 +137,7 @@ def mapped_kernel_s(
     copies that meets the kernels is the kernels' seconds over the host AdamW's, at most all of them
     (all of them without a host rate). Checked on row G_defaults's first refinement window (42 %
     mapped, 51 % host, tests/test_planner_h200.py: the kernels and the host AdamW take about as
-    long, every copy meets them): 32.8 GB/s each way predicted, 32.6 measured by refine.py's CUDA
+    long, every copy meets them): 32.8 GB/s each way predicted, 32.6 measured by the refiner's CUDA
     events; on row A's of the fifth session (10 % mapped, 11 % host, the host AdamW half again as
     long as the kernels): 28.4 GB/s predicted, 29.0 measured (26.6 when every copy counted), and
     at the split it moved to (8 % mapped, 13 % host) 28.4 against 32.0. No constant is fitted here."""
@@ -151,7 +151,7 @@ def mapped_kernel_s(
 
 
 def refiner_rates(prof, split: dict, *, wb: int, mb: int, state_bytes: int) -> tuple[float, float]:
-    """(host params/s, mapped PCIe bytes/s each way) that engine/refine.py measures at `split`
+    """(host params/s, mapped PCIe bytes/s each way) that runtime/refiner.py measures at `split`
     (numel per placement): the host AdamW's elements / its seconds, memory-bound at state_bytes per
     parameter (28, 20 with bf16 moments) at HOST_UNDER_DMA of the profile's rate beside the DMA;
     the mapped kernels' bytes / their seconds (mapped_kernel_s). Without a host (mapped) share the

@@ -31,7 +31,7 @@ class _Wrapped:
         self.activations = None
         self.streamer = None
         self.recompute = None
-        self.keep = None  # activations/recompute_keep.KeepPolicy
+        self.keep = None  # runtime/keep.py KeepPolicy
         self.watchdog = None
         self.applied_plan = None  # the planner.Plan wrap() applied (None: the CPU engine's defaults)
 
@@ -89,7 +89,7 @@ def attach_model(
             ckpt = auto_checkpointing(model, blocks, device, log, opts.optimizer_mode)
     if ckpt is not False:
         from ..activations.recompute import is_lora_like
-        from ..activations.recompute_keep import KeepPolicy, measured_memory_fn
+        from .keep import KeepPolicy, measured_memory_fn
 
         # "auto" in LoRA: after step 1 the blocks that fit keep their activations
         memory_fn = measured_memory_fn(device) if auto and is_lora_like(blocks) else None
@@ -110,8 +110,8 @@ def attach_model(
         opt._step_callbacks.append(w.activations.off._pool.commit)
         engine.on_abandon.append(w.activations.off.release_abandoned)
     if opts.watchdog:  # after the activation policy's callback: it sees this step's phase
-        from ..engine.watchdog import Watchdog
         from ..planner.rules import SWITCH_AFTER_STEPS
+        from .watchdog import Watchdog
 
         w.watchdog = Watchdog(opt, w.activations, start_after=SWITCH_AFTER_STEPS, keep=w.keep)
         opt._step_callbacks.append(w.watchdog.after_step)

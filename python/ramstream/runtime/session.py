@@ -72,4 +72,4 @@ class PlanSession:
 
     def record(self, entry: dict) -> None:
         """An entry of the plan history."""
-        self.history.append(entry)
+        self.history.record(entry)

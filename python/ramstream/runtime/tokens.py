@@ -99,7 +99,7 @@ class StepCheck:
     block, the first too, can change for this very step)."""
 
     def __init__(
-        self, shape, profile, fixed: dict, log, history: list, strict: bool = True, lever=None, fixed_why="",
+        self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
         streams=None, on_plan=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(

@@ -1,7 +1,7 @@
 """optimizer_mode="auto" refinement: the host / mapped split again, from the rates the run achieved.
 
-The first split (split.py) and the one after the VRAM share (vram_share.py) use rates measured in
-isolation. Under load the host AdamW is slower (it is memory-bound, and the DMA of the mapped
+The first split and the one after the VRAM share (runtime/optimizer_split.py) use rates measured
+in isolation. Under load the host AdamW is slower (it is memory-bound, and the DMA of the mapped
 share and of the gradients shares the host's memory bandwidth) and the mapped kernel's PCIe rate
 differs from a lone copy's, so the crossing point moves. Schedule (SWITCH_AFTER_STEPS = 2 in
 optim.py): the VRAM share is decided after step 2; steps 3-4 are measured; after step 4 the split
@@ -31,129 +31,22 @@ Without host (or mapped) buckets in the window the isolated rate stands in (sour
 The record's per-step seconds are the window's sums over its steps (a job of the step before the
 window that finishes inside it counts there; the rates, ratios of sums, are not biased by it).
 
-The decision (choose_refined): the same model as split.choose_mapped_fraction, minimised over
-bucket boundaries instead of a continuous fraction. Movable buckets (not streamed, not "device",
-with state) in forward order: the first k mapped, the others on the host, as vram_share places
-them. For each k: host time = (host-updated elements, streamed buckets' included) / host rate;
-PCIe time = (mapped elements x (2 moments + a low-precision model's fp32 master) + host elements x
-their working dtype) / mapped PCIe rate. The best k minimises max(host, PCIe); it is taken when
-the predicted optimizer time falls by more than MIN_GAIN. The "device" share runs at device
-bandwidth beside both and stays where it is.
+The decisions are the planner's (planner/inflight.py choose_refined: the model of
+choose_mapped_fraction minimised over bucket boundaries; host_trial_fits; the thresholds
+MEASURE_STEPS, MAX_REFINEMENTS, MIN_GAIN and HOST_TRIAL_SHARE in planner/rules.py); this module
+measures the windows, asks, moves the buckets (engine/layout.py move_buckets) and records every
+decision in the plan history. The "device" share runs at device bandwidth beside both and stays
+where it is.
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
-
-from .layout import relocate
-
-MEASURE_STEPS = 2  # steps measured before a refinement
-MAX_REFINEMENTS = 2  # refinements that may move buckets; the split is settled afterwards
-MIN_GAIN = 0.05  # the predicted optimizer time must fall by more than this share
-# the host-only trial runs when the host AdamW of every movable bucket, at the rate the window
-# measured, takes at most this share of the measured step (the host lane is the forward and the
-# host AdamW beside the backward: the forward is about a quarter of a recomputed step)
-HOST_TRIAL_SHARE = 0.6
-
-
-def _movable(b) -> bool:
-    return (
-        not b.streamed
-        and getattr(b, "disk", None) is None
-        and b.exp_avg is not None
-        and b.placement in ("host", "mapped")
-    )
-
-
-def _bytes(b) -> tuple[int, int]:
-    """(PCIe bytes each way per element on the host, mapped)."""
-    master = 4 if b.dtype != torch.float32 else 0
-    return b.dtype.itemsize, 2 * b.exp_avg.element_size() + master
-
-
-def _times(buckets, placement_of, host_rate: float, pcie_rate: float) -> tuple[float, float]:
-    """(host seconds, PCIe seconds) per step with placement_of(bucket) for every bucket."""
-    host_numel, pcie = 0, 0
-    for b in buckets:
-        if b.exp_avg is None:
-            continue
-        where = placement_of(b)
-        if where == "host":
-            host_numel += b.numel
-            pcie += b.numel * _bytes(b)[0]  # the gradient down (and the new weights up)
-        elif where == "mapped":
-            pcie += b.numel * _bytes(b)[1]
-    return host_numel / host_rate, pcie / pcie_rate
-
-
-def choose_refined(
-    buckets, *, host_params_per_s: float, pcie_bytes_per_s: float, min_gain: float = MIN_GAIN
-) -> tuple[list[str], dict]:
-    """Placements in bucket order from measured rates (module docstring), and the arithmetic.
-    Buckets need index, numel, dtype, placement, streamed and exp_avg (None: another rank's).
-    Streamed and "device" buckets keep their placement; with a predicted gain of at most
-    min_gain every bucket does (info["move"] False). Pure."""
-    movable = [b for b in buckets if _movable(b)]
-    now = {b.index: b.placement for b in buckets}
-    cur_host, cur_pcie = _times(buckets, lambda b: now[b.index], host_params_per_s, pcie_bytes_per_s)
-    t_now = max(cur_host, cur_pcie)
-    # every boundary k in one pass: the fixed part (streamed host buckets; "device" adds nothing),
-    # then the movable buckets' elements on the host and their bytes each way, host and mapped
-    fixed_host, fixed_pcie = _times([b for b in buckets if not _movable(b)], lambda b: b.placement, 1.0, 1.0)
-    host_left = sum(b.numel for b in movable)
-    pcie_left = sum(b.numel * _bytes(b)[0] for b in movable)
-    pcie_mapped = 0
-    best = None
-    for k in range(len(movable) + 1):
-        if k:
-            b = movable[k - 1]
-            host_left -= b.numel
-            pcie_left -= b.numel * _bytes(b)[0]
-            pcie_mapped += b.numel * _bytes(b)[1]
-        th = (fixed_host + host_left) / host_params_per_s
-        tp = (fixed_pcie + pcie_left + pcie_mapped) / pcie_bytes_per_s
-        if best is None or max(th, tp) < best[0] * (1 - 1e-12):
-            best = (max(th, tp), k, th, tp)
-    t_new, k, t_host, t_pcie = best
-    move = t_now > 0 and t_new < (1.0 - min_gain) * t_now
-    mapped = {b.index for b in movable[:k]} if move else None
-    out = [
-        ("mapped" if b.index in mapped else "host") if move and _movable(b) else b.placement for b in buckets
-    ]
-    numel = {p: sum(b.numel for b, w in zip(buckets, out) if w == p and b.exp_avg is not None)
-             for p in ("device", "mapped", "host")}  # fmt: skip
-    movable_numel = sum(b.numel for b in movable)
-    info = {
-        "host_params_per_s": host_params_per_s,
-        "pcie_bytes_per_s": pcie_bytes_per_s,
-        "predicted_host_s": cur_host,
-        "predicted_pcie_s": cur_pcie,
-        "predicted_s_before": t_now,
-        "best_host_s": t_host,
-        "best_pcie_s": t_pcie,
-        "predicted_s_after": t_new if move else t_now,
-        "gain": (1.0 - t_new / t_now) if t_now > 0 else 0.0,
-        "min_gain": min_gain,
-        "move": move,
-        "mapped_fraction_of_movable": (
-            sum(b.numel for b in movable[:k]) / movable_numel if movable_numel else 0.0
-        ),
-        "numel": numel,
-    }
-    return out, info
-
-
-def host_trial_fits(buckets, *, host_params_per_s: float, step_s: float) -> tuple[bool, dict]:
-    """Whether the host-only trial runs (module docstring): some movable bucket is mapped, and the
-    host AdamW of every bucket it would update (streamed buckets' and the movable ones), at
-    host_params_per_s, takes at most HOST_TRIAL_SHARE of step_s. Pure."""
-    mapped = sum(b.numel for b in buckets if _movable(b) and b.placement == "mapped")
-    numel = sum(b.numel for b in buckets if b.exp_avg is not None and (b.streamed or _movable(b)))
-    host_all = numel / host_params_per_s if host_params_per_s > 0 else float("inf")
-    fits = bool(mapped) and step_s > 0 and host_all <= HOST_TRIAL_SHARE * step_s
-    return fits, {"mapped_numel": mapped, "host_all_s": host_all, "host_trial_share": HOST_TRIAL_SHARE}
+from ..engine.layout import move_buckets, relocate
+from ..planner.inflight import choose_refined, host_only, host_trial_fits
+from ..planner.rules import MAX_REFINEMENTS, MEASURE_STEPS, MIN_GAIN
+from .measure import bucket_facts
 
 
 class SplitRefiner:
@@ -250,15 +143,15 @@ class SplitRefiner:
     def _start_trial(self, m: dict, *, last: int, step_s: float) -> bool:
         buckets = self.opt._engine.buckets
         host, _, _ = self._rates(m)
-        fits, info = host_trial_fits(buckets, host_params_per_s=host, step_s=step_s)
+        fits, info = host_trial_fits(bucket_facts(buckets), host_params_per_s=host, step_s=step_s)
         if not fits:
             return False
         placements = [b.placement for b in buckets]
-        moved = self._move(["host" if _movable(b) else b.placement for b in buckets])
+        moved = self._move(host_only(bucket_facts(buckets)))
         if not moved:
             return False
         self._trial = {"placements": placements, "step_s": step_s}
-        self.opt.plan_history.append({"step": last, "change": "optimizer split host-only trial",
+        self.opt.plan_history.record({"step": last, "change": "optimizer split host-only trial",
                                       "moved_buckets": moved, "step_s_before": step_s, **info})  # fmt: skip
         self.opt._log(
             f"optimizer_mode=auto after step {last}: the host could update every movable bucket in "
@@ -271,7 +164,7 @@ class SplitRefiner:
         before, self._trial = self._trial, None
         keep = step_s <= before["step_s"]
         moved = 0 if keep else self._move(before["placements"])
-        self.opt.plan_history.append({
+        self.opt.plan_history.record({
             "step": last, "change": "host-only trial kept" if keep else "host-only trial undone",
             "measured_steps": [first, last], "step_s": step_s, "step_s_before": before["step_s"],
             "measured": dict(m), "moved_buckets": moved,
@@ -287,7 +180,7 @@ class SplitRefiner:
         mapped kernel's seconds on the GPU, the issue time): the placements go back, settled."""
         opt = self.opt
         moved = self._move(before["placements"])
-        opt.plan_history.append({
+        opt.plan_history.record({
             "step": last, "change": "optimizer split reverted", "measured_steps": [first, last],
             "refinement": self.refinements, "step_s": step_s, "step_s_before": before["step_s"],
             "measured": dict(m), "moved_buckets": moved,
@@ -301,9 +194,9 @@ class SplitRefiner:
     def _rates(self, m: dict) -> tuple[float, float, dict]:
         alone = self.opt.split_info
         if "host_params_per_s" not in alone or "pcie_bytes_per_s" not in alone:
-            from .split import measure
+            from .optimizer_split import measured_rates
 
-            alone = {**measure(self.opt._engine.device), **alone}
+            alone = {**measured_rates(self.opt._engine.device), **alone}
         src = {}
         if m["host_numel"] > 0 and m["host_s"] > 0:
             host, src["host"] = m["host_numel"] / m["host_s"], "measured"
@@ -336,9 +229,9 @@ class SplitRefiner:
         }
         if host <= 0 or pcie <= 0:
             entry["reason"] = "no rate to refine with"
-            opt.plan_history.append(entry)
+            opt.plan_history.record(entry)
             return False
-        targets, info = choose_refined(e.buckets, host_params_per_s=host, pcie_bytes_per_s=pcie)
+        targets, info = choose_refined(bucket_facts(e.buckets), host_params_per_s=host, pcie_bytes_per_s=pcie)
         entry.update(info)
         moved, t0 = 0, time.perf_counter()
         if info["move"]:
@@ -348,7 +241,7 @@ class SplitRefiner:
         got = {p: sum(b.numel for b in e.buckets if b.placement == p and b.exp_avg is not None)
                for p in ("device", "mapped", "host")}  # fmt: skip
         entry["numel_now"] = got
-        opt.plan_history.append(entry)
+        opt.plan_history.record(entry)
         total = max(1, sum(got.values()))
         share = " / ".join(f"{got[p] / total:.0%} {p}" for p in ("device", "mapped", "host"))
         verdict = (
@@ -367,43 +260,6 @@ class SplitRefiner:
 
     def _move(self, targets: list[str]) -> int:
         return move_buckets(self.opt, targets, self.relocate, "optimizer split refinement")
-
-
-def move_buckets(opt, targets: list[str], relocate_fn=relocate, who: str = "ramstream") -> int:
-    """Relocates opt's buckets whose target (in bucket order) differs from their placement, in
-    bucket order, with relocate_fn (layout.relocate or a test's stand-in); the engine must be
-    quiescent (after synchronize). Streamed buckets and those without state stay. Running out of
-    memory (device or pinned), or pinned memory falling back to pageable memory the GPU cannot
-    read, keeps that bucket, and the rest, where they were (logged, prefixed by `who`). Updates
-    the engine's mapped_numel; returns the buckets moved. Used by the refinement and the
-    watchdog (watchdog.py)."""
-    from .._native import lib
-
-    e, moved = opt._engine, 0
-    for b, where in zip(e.buckets, targets):
-        if where == b.placement or b.streamed or getattr(b, "disk", None) is not None or b.exp_avg is None:
-            continue
-        was = b.placement
-        try:
-            relocate_fn(e, b, where)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            opt._log(f"{who}: bucket {b.index} stays {was} ({exc})")
-            break
-        if (
-            where == "mapped"
-            and e.dev.type == "cuda"
-            and not all(
-                lib().is_arena_pinned(t.data_ptr())
-                for t in (b.exp_avg, b.exp_avg_sq, b.master)
-                if t is not None
-            )
-        ):  # above the page-lock budget: back where it was before any kernel reads it
-            relocate_fn(e, b, was)
-            opt._log(f"{who}: bucket {b.index} stays {was} (page-lock budget)")
-            break
-        moved += 1
-    e.mapped_numel = sum(b.numel for b in e.buckets if b.placement == "mapped")
-    return moved
 
 
 REFINED = (
@@ -428,7 +284,7 @@ def split_report(opt) -> dict:
 
 
 def make_refiner(opt, start_after: int):
-    """The refiner of an "auto" split measured with isolated rates (split.mapped_fraction_for),
+    """The refiner of an "auto" split measured with isolated rates (mapped_fraction_for),
     None otherwise: optimizer_mode "cpu"/"gpu", data parallel, a CPU device, no CUDA kernels, a
     low-precision model with accumulation (host only) never refine."""
     if opt.mode != "auto" or opt._distributed or "host_params_per_s" not in opt.split_info:

@@ -4,8 +4,9 @@ activations fit in the VRAM that step left free keep them (they no longer recomp
 The first step recomputes every block; each recompute records what the block's forward leaves
 allocated (``Recompute.kept_bytes``: its saved activations and output). After that step the room
 is the usable VRAM after headroom less the step's measured peak; the last ``k`` blocks (the ones
-nearest the loss) keep their activations, ``k`` = room / (the largest block's bytes x 1.1).
-Keeping or recomputing runs the same forward: results do not change. ``give_back`` is the
+nearest the loss) keep their activations, ``k`` = room / (the largest block's bytes x KEEP_SAFETY):
+the planner's keep_count (planner/levers.py) decides, this policy measures, applies it through
+activations/recompute.py Recompute.keep and records it in the plan history. Keeping or recomputing runs the same forward: results do not change. ``give_back`` is the
 watchdog's first lever: kept blocks recompute again, front first.
 """
 
@@ -15,14 +16,15 @@ import math
 
 import torch
 
-SAFETY = 1.1  # a kept block's bytes are taken 10 % larger than measured
-DECIDE_AFTER = 1  # steps
+from ..planner.levers import keep_count
+from ..planner.rules import KEEP_DECIDE_AFTER
+from . import measure as _measure
 
 
 class KeepPolicy:
     """A step callback of the optimizer (see module docstring). measure: a callable returning
     {"usable", "peak"} in bytes or None (default: the CUDA allocator's figures); log: the event
-    log; history: the plan history list."""
+    log; history: the plan history (runtime/history.py PlanHistory)."""
 
     def __init__(self, recompute, device, headroom: float, log, history: list, measure=None) -> None:
         self.recompute, self.device, self.headroom = recompute, device, headroom
@@ -33,14 +35,12 @@ class KeepPolicy:
         self.decision: dict | None = None
 
     def _measure(self) -> dict | None:
-        from ..engine.resident import device_memory
-
-        mem = device_memory(self.device)
+        mem = _measure.device_memory(self.device)
         return None if mem is None else {"usable": mem["usable"], "peak": mem["peak"]}
 
     def after_step(self) -> None:
         self.steps += 1
-        if self.decided or self.steps < DECIDE_AFTER:
+        if self.decided or self.steps < KEEP_DECIDE_AFTER:
             return
         self.decided = True
         self.recompute.stop_measuring()  # decided once: the recomputes need not measure any more
@@ -48,10 +48,12 @@ class KeepPolicy:
         sizes = self.recompute.kept_bytes
         if m is None or not sizes:
             return
-        per_block = int(max(sizes.values()) * SAFETY)
-        room = int(m["usable"] * (1 - self.headroom)) - int(m["peak"])
         candidates = self.recompute.recomputed()
-        k = max(0, min(len(candidates), math.floor(room / per_block))) if per_block > 0 else 0
+        d = keep_count(
+            usable=int(m["usable"]), peak=int(m["peak"]), headroom=self.headroom,
+            block_bytes=list(sizes.values()), candidates=len(candidates),
+        )  # fmt: skip
+        k, room, per_block = d["k"], d["room"], d["block_bytes"]
         self.kept = candidates[len(candidates) - k :] if k else []
         self.recompute.keep(self.kept)
         self.decision = {
@@ -63,7 +65,7 @@ class KeepPolicy:
             "block_bytes": per_block,
             "kept": list(self.kept),
         }
-        self.history.append(self.decision)
+        self.history.record(self.decision)
         self.log(
             f"activation_checkpointing=auto after step {self.steps}: peak {m['peak'] / 2**30:.2f} GiB of "
             f"{m['usable'] / 2**30:.2f} usable ({self.headroom:.0%} headroom) leaves "

@@ -1,93 +1,40 @@
 """The plan's watchdog: once the plan has settled, frees VRAM when a step's peak grows toward the cap.
 
 The plan settles after the decisions of the first steps: offload="auto"'s resident switch or VRAM
-share after step 2 (vram_share.py), optimizer_mode="auto"'s refinement (refine.py) and
+share after step 2 (optimizer_split.py), optimizer_mode="auto"'s refinement (refiner.py) and
 activation_offload="auto"'s measured steps (activations/policy.py). From then on, after every step,
 the watchdog reads (cheap host calls, no synchronize)
   peak:   torch.cuda.max_memory_allocated, since the last reset;
-  usable: the bytes the process may hold (the per-process cap: resident.device_memory, what the
+  usable: the bytes the process may hold (the per-process cap: measure.device_memory, what the
           VRAM share planned with);
   ooms:   torch.cuda.memory_stats()["num_ooms"]: an allocation failed since the last step (a step
           raised torch.OutOfMemoryError, the failure left weights and state as they were, and the
           loop went on).
-It acts when peak > usable x (1 - vram_headroom / 2) (half the plan's headroom used up: 95 % of the
-cap by default) or when ooms grew. Acting frees need = peak - usable x (1 - vram_headroom) bytes
-(after an out of memory at least usable x vram_headroom / 2, and at least one lever's worth),
-taking the cheapest levers first until their estimated savings cover it (choose_levers):
-  1. "device" buckets -> "mapped", from the back of the model (the VRAM share keeps the front):
-     their moments, and a low-precision model's fp32 master, leave VRAM; the same CUDA kernel
-     updates them: bit for bit.
-  2. more blocks page their saved activations to host RAM, front blocks first as
-     planner.choose_paged_blocks (activation_offload not False: ActivationOffloader.set_paged;
-     each block is estimated at the mean of the paged blocks' measured bytes): bit for bit.
-  3. optimizer_mode="auto" only: "mapped" buckets -> "host", from the back: their gradients no
-     longer wait in VRAM for the GPU update. The host AdamW updates them instead of the CUDA
-     kernel: the refinement's tolerance (refine.py moves buckets the same way), not bit for bit.
-Buckets move with refine.move_buckets (layout.relocate, after synchronize). After acting the peak
+It acts when peak > planner/levers.py watchdog_trigger (half the plan's headroom used up: 95 % of
+the cap by default) or when ooms grew. Acting frees watchdog_need bytes (the peak back to usable x
+(1 - vram_headroom); after an out of memory at least half the headroom), giving back first the
+blocks the LoRA keep policy let keep their activations (runtime/keep.py), then with the levers the
+planner chooses, cheapest first (planner/levers.py choose_levers: "device" buckets -> "mapped",
+more blocks page their activations, for optimizer_mode="auto" "mapped" buckets -> "host").
+Buckets move with engine/layout.py move_buckets (after synchronize). After acting the peak
 statistics are reset (torch.cuda.reset_peak_memory_stats: the record keeps the peak before), so the
 next step measures the plan as it now is, and acts again if that is still too close; while nothing
-happens nothing is reset. With no lever left it says so once. Every action is logged and appended
-to the plan history; memory_report(model)["plan"]["watchdog"] is report(). The CPU engine has no
+happens nothing is reset. With no lever left it says so once. Every action is logged and recorded
+in the plan history; memory_report(model)["plan"]["watchdog"] is report(). The CPU engine has no
 VRAM: the watchdog measures nothing there (tests inject measure and relocate_fn).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 
-from .layout import relocate
-from .refine import move_buckets
-from .vram_share import device_bytes
+from ..engine.layout import move_buckets, relocate
+from ..planner.levers import choose_levers, trigger_fraction, watchdog_need, watchdog_trigger
+from . import measure as _measure
 
 RECENT = 8  # per-step peaks kept for the record
-
-
-def choose_levers(buckets, need: int, *, paged, n_blocks: int, block_bytes, allow_host: bool) -> list[dict]:
-    """The moves that free about `need` bytes of VRAM, cheapest lever first (module docstring).
-    buckets: objects with index, numel, dtype, placement, streamed, exp_avg (None: no state here);
-    paged: the blocks that page their activations now (None: no activation paging); block_bytes:
-    the paged blocks' measured bytes per step. At least one move when any is possible, none when
-    need <= 0. Pure. Each move: {"lever", "bytes" (the estimate), and "bucket", "from", "to" or
-    "blocks"}."""
-    out: list[dict] = []
-    if need <= 0:
-        return out
-    freed = 0
-    movable = [
-        b
-        for b in reversed(buckets)
-        if not b.streamed and getattr(b, "disk", None) is None and b.exp_avg is not None
-    ]
-    for b in movable:  # 1. the VRAM share of the optimizer state, from the back
-        if freed >= need:
-            return out
-        if b.placement == "device":
-            nbytes = device_bytes(b)
-            out.append({"lever": "optimizer state", "bucket": b.index, "from": "device", "to": "mapped",
-                        "bytes": nbytes})  # fmt: skip
-            freed += nbytes
-    if paged is not None and freed < need:  # 2. more blocks page their activations, front first
-        unpaged = [i for i in range(n_blocks) if i not in set(paged)]
-        known = [x for x in block_bytes if x > 0]
-        per = sum(known) / len(known) if known else 0
-        if unpaged:
-            chosen = unpaged[: max(1, math.ceil((need - freed) / per) if per else 1)]
-            nbytes = int(per * len(chosen))
-            out.append({"lever": "activations", "blocks": chosen, "bytes": nbytes})
-            freed += nbytes
-    if allow_host:  # 3. mapped buckets to the host: their gradients leave VRAM at once
-        for b in movable:
-            if freed >= need:
-                break
-            if b.placement == "mapped":
-                nbytes = b.numel * b.dtype.itemsize
-                out.append({"lever": "gradients", "bucket": b.index, "from": "mapped", "to": "host",
-                            "bytes": nbytes})  # fmt: skip
-                freed += nbytes
-    return out
 
 
 class Watchdog:
@@ -110,12 +57,13 @@ class Watchdog:
     ) -> None:
         self._opt = weakref.ref(opt)  # opt holds this watchdog's after_step: no cycle
         self.activations = activations
-        self.keep = keep  # activations/recompute_keep.KeepPolicy: kept blocks recompute again first
+        self.keep = keep  # runtime/keep.py KeepPolicy: kept blocks recompute again first
         self.start_after = start_after
         self.measure = measure or self._measure
         self.relocate = relocate_fn or relocate
         self.reset_peak = reset_peak or self._reset_peak
-        self.fraction = 1.0 - opt.vram_headroom / 2  # the trigger, of the usable VRAM
+        self.headroom = opt.vram_headroom
+        self.fraction = trigger_fraction(self.headroom)  # the trigger, of the usable VRAM
         self.settled_at: int | None = None
         self.checks = 0
         self.exhausted = False  # a trigger found no lever left (said once)
@@ -130,10 +78,8 @@ class Watchdog:
 
     # ---- the default measurements -------------------------------------------------------------
     def _measure(self) -> dict | None:
-        from .resident import device_memory
-
         dev = self.opt._engine.device
-        mem = device_memory(dev)
+        mem = _measure.device_memory(dev)
         if mem is None:
             return None
         return {
@@ -174,16 +120,13 @@ class Watchdog:
         self.checks += 1
         usable, peak = int(m["usable"]), int(m["peak"])
         self.recent = (self.recent + [[steps, peak]])[-RECENT:]
-        trigger = int(usable * self.fraction)
+        trigger = watchdog_trigger(usable, self.headroom)
         ooms = m.get("ooms", 0)
         oom, self._ooms = ooms > self._ooms, ooms
         self.last = {"step": steps, "peak_bytes": peak, "usable_bytes": usable, "trigger_bytes": trigger}
         if peak <= trigger and not oom:
             return
-        target = int(usable * (1 - self.opt.vram_headroom))
-        need = max(1, peak - target)
-        if oom:
-            need = max(need, int(usable * self.opt.vram_headroom / 2))
+        need, target = watchdog_need(usable=usable, peak=peak, headroom=self.headroom, oom=oom)
         self._act(steps, m, oom=oom, need=need, trigger=trigger, target=target)
 
     def _act(self, steps: int, m: dict, *, oom: bool, need: int, trigger: int, target: int) -> None:
@@ -204,7 +147,7 @@ class Watchdog:
             return
         off = a.off if a is not None else None
         moves = choose_levers(
-            e.buckets if opt._resident is None else [],
+            _measure.bucket_facts(e.buckets) if opt._resident is None else [],
             need,
             paged=off.paged if off is not None else None,
             n_blocks=len(off.blocks) if off is not None else 0,
@@ -245,7 +188,7 @@ class Watchdog:
 
     def _apply(self, moves: list[dict]) -> list[dict]:
         """Moves the buckets (quiescent: after synchronize) and pages the blocks; returns the
-        moves done (a bucket that could not move ends the bucket moves, as in refine.py)."""
+        moves done (a bucket that could not move ends the bucket moves, as in refiner.py)."""
         opt, e, done = self.opt, self.opt._engine, []
         buckets = [x for x in moves if "bucket" in x]
         if buckets:
@@ -273,7 +216,7 @@ class Watchdog:
 
     def _record(self, entry: dict) -> None:
         self.actions.append(entry)
-        self.opt.plan_history.append(entry)
+        self.opt.plan_history.record(entry)
 
     def report(self) -> dict:
         """memory_report(model)["plan"]["watchdog"]."""

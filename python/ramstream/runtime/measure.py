@@ -1,0 +1,42 @@
+"""What the runtime reads from the live run for the planner's in-training decisions: the device's
+memory figures and the optimizer's buckets as numbers (planner/inflight.py BucketFacts)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..planner.inflight import BucketFacts
+
+
+def device_memory(device: torch.device) -> dict | None:
+    """{"usable": bytes the process may hold, "peak": bytes it held at most, "now": bytes it holds}
+    or None when the device has no separate memory to save (the CPU engine never switches)."""
+    if device.type != "cuda":
+        return None
+    from ..hardware import gpu_memory
+
+    m = gpu_memory(device)
+    return {
+        "usable": m["cap"],
+        "peak": torch.cuda.max_memory_allocated(device),
+        "now": torch.cuda.memory_allocated(device),
+    }
+
+
+def bucket_facts(buckets) -> list[BucketFacts]:
+    """The engine's buckets (or stand-ins with index, numel, dtype, placement, streamed, exp_avg and
+    optionally disk) as the planner's BucketFacts, in bucket order."""
+    return [
+        BucketFacts(
+            index=b.index,
+            numel=b.numel,
+            placement=b.placement,
+            working_bytes=b.dtype.itemsize,
+            moment_bytes=b.exp_avg.element_size() if b.exp_avg is not None else 0,
+            low_precision=b.dtype != torch.float32,
+            streamed=bool(b.streamed),
+            on_disk=getattr(b, "disk", None) is not None,
+            has_state=b.exp_avg is not None,
+        )
+        for b in buckets
+    ]

@@ -1,0 +1,126 @@
+"""The layers of docs/architecture.md, read from the sources (tests/test_import_cycles.py's import
+graph: every import at any depth, nothing imported): the planner decides and imports no mechanism;
+the mechanisms (engine/, weights/, activations/, quant/) import neither the runtime that applies
+plans nor the planner's decisions; the runtime is the only writer of the plan history."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from test_import_cycles import ROOT, _modules, import_graph
+
+MECHANISMS = ("ramstream.engine", "ramstream.weights", "ramstream.activations", "ramstream.quant")
+# planner modules that measure the machine or read files (the hardware profile, the CLI): they may
+# call the mechanisms that measure; every other planner module is pure arithmetic
+PLANNER_IO = {"ramstream.planner.measure", "ramstream.planner.profile", "ramstream.planner.cli_plan"}
+# what the planner's pure modules may import besides the planner: the leaves
+PLANNER_MAY_IMPORT = ("ramstream.planner", "ramstream.options", "ramstream.blocks")
+# what mechanisms may read from the planner: the threshold file (setup.py's weight share and
+# recompute.py's auto checkpointing still apply an old rule: they read the same constants, never a
+# copy), the paging arithmetic activations/policy.py measures for, and the machine's measured RAM
+# (quant/plan.py); never a decision module that holds a plan
+MECHANISM_MAY_IMPORT_FROM_PLANNER = {
+    "ramstream.planner",
+    "ramstream.planner.rules",
+    "ramstream.planner.activations",
+    "ramstream.planner.profile",
+}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = _modules()
+    edges, where = import_graph(mods)
+    return mods, edges, where
+
+
+def _violations(edges, where, sources, allowed) -> list[str]:
+    out = []
+    for m in sorted(sources):
+        for t in sorted(edges[m]):
+            if not allowed(t):
+                out.append(f"{m} -> {t}  ({', '.join(where[(m, t)])})")
+    return out
+
+
+def test_the_planners_decisions_import_no_mechanism(graph):
+    mods, edges, where = graph
+    pure = [m for m in mods if _under(m, "ramstream.planner") and m not in PLANNER_IO]
+    assert "ramstream.planner.inflight" in pure and "ramstream.planner.levers" in pure
+    bad = _violations(edges, where, pure, lambda t: any(_under(t, p) for p in PLANNER_MAY_IMPORT))
+    assert not bad, "planner modules that decide must import only the planner and the leaves:\n" + "\n".join(
+        bad
+    )
+
+
+def test_mechanisms_never_import_the_runtime_or_the_planners_decisions(graph):
+    mods, edges, where = graph
+    mech = [m for m in mods if any(_under(m, p) for p in MECHANISMS)]
+    assert "ramstream.engine.layout" in mech and "ramstream.activations.recompute" in mech
+
+    def allowed(t: str) -> bool:
+        if _under(t, "ramstream.runtime"):
+            return False
+        return not _under(t, "ramstream.planner") or t in MECHANISM_MAY_IMPORT_FROM_PLANNER
+
+    bad = _violations(edges, where, mech, allowed)
+    assert not bad, "mechanisms must not import the runtime or the planner's decisions:\n" + "\n".join(bad)
+
+
+def _history_writes(path) -> list[int]:
+    """Lines that append to, extend or record into something named *history (plan_history,
+    self.history, ...)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in ("append", "extend", "record", "insert"):
+            continue
+        target = node.func.value
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name.endswith("history") and name != "recent_history":
+            out.append(node.lineno)
+    return out
+
+
+def test_only_the_runtime_writes_the_plan_history(graph):
+    mods, _, _ = graph
+    outside = {
+        m: lines
+        for m, path in mods.items()
+        if not _under(m, "ramstream.runtime") and (lines := _history_writes(path))
+    }
+    listed = "\n".join(f"{mods[m].relative_to(ROOT.parent)}: lines {lines}" for m, lines in outside.items())
+    assert not outside, "the plan history is written only by ramstream.runtime:\n" + listed
+    inside = [m for m, path in mods.items() if _under(m, "ramstream.runtime") and _history_writes(path)]
+    assert {"ramstream.runtime.session", "ramstream.runtime.refiner", "ramstream.runtime.watchdog"} <= set(
+        inside
+    )
+
+
+def test_the_plan_history_is_a_record_not_a_list():
+    """An optimizer's plan history takes entries through record() only (a dict with a "change");
+    it reads as a sequence and compares equal to the list of its entries."""
+    import torch
+
+    import ramstream
+    from ramstream.runtime.history import PlanHistory
+
+    opt = ramstream.OffloadAdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3, device="cpu")
+    h = opt.plan_history
+    assert isinstance(h, PlanHistory) and not hasattr(h, "append") and len(h) == 0
+    entry = h.record({"step": 3, "change": "x"})
+    assert h == [entry] and h[-1] is entry and list(h) == [entry]
+    with pytest.raises(TypeError, match="'change' string"):
+        h.record({"step": 4})
+    with pytest.raises(TypeError, match="'change' string"):
+        h.record(["change", "x"])
+    assert len(h) == 1
+    opt.close()

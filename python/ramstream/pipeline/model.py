@@ -11,11 +11,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..planner.pipeline_split import split_pipeline, stage_bytes
+from ..planner.pipeline_split import split_pipeline
 from .checks import check_devices
 from .run import PipelineResult
 from .runtime import Pipeline
-from .split import Sequence, children_of, split_model
+from .split import Sequence, children_of, piece_bytes, split_model
 from .timing import measure_piece_times
 
 __all__ = ["PipelineModel", "PipelinePaddingWarning"]
@@ -123,7 +123,7 @@ class PipelineModel(nn.Module):
             self.plan = split_pipeline(
                 n,
                 params=[sum(p.numel() for p in m.parameters()) for m in mods],
-                detail=[_bytes(m) for m in mods],
+                detail=[piece_bytes(m) for m in mods],
                 times=self.piece_times,
                 balance=balance,
                 budgets=device_memory,
@@ -287,16 +287,6 @@ def _times(mods, example_input, device, given) -> list[float]:
     if len(times) != len(mods):
         raise ValueError(f"PipelineModel: piece_times has {len(times)} entries for {len(mods)} children")
     return times
-
-
-def _bytes(m) -> tuple[int, int, int]:
-    params = list(m.parameters())
-    trained = [p for p in params if p.requires_grad]
-    return stage_bytes(
-        sum(p.numel() * p.element_size() for p in params),
-        sum(p.numel() for p in trained),
-        sum(p.numel() * p.element_size() for p in trained),
-    )
 
 
 def _rows(out, rows):

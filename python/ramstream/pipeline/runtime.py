@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from ..planner.pipeline_split import check_budgets
 from . import schedule as schedules
 from .checks import (
     check_autocast,
@@ -27,7 +28,7 @@ from .paging import StagePager
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
-from .streamed import StreamedStage
+from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
 
 __all__ = ["Pipeline", "PipelineResult"]
@@ -82,7 +83,17 @@ class Pipeline:
             False: chunked stages run resident. Plain module stages are always resident.
         offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
             (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
-            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
+            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's. An int
+            is kept; "auto" (the default) is the planner's choice (planner/pipeline_split.py
+            choose_streaming): window 2 (1 when two slots do not fit device_memory), then as
+            many pinned chunks as the stage's device_memory leaves (none without it). The
+            choices are in `offload_plan`.
+        device_memory: bytes per stage (None entries: unlimited) a streamed stage's pinned
+            chunks (parameters, gradients, 8 bytes of AdamW state per trained element) and its
+            window slots (the largest streamed chunk's parameters and gradients) must fit; the
+            stage's resident chunks are subtracted first and several streamed chunks of one
+            stage (chunks_per_stage > 1) share the rest equally. Activations are not counted.
+            Not even the window fits: MemoryError with the arithmetic. None: no budget.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
@@ -110,13 +121,14 @@ class Pipeline:
         overlap: bool = True,
         autocast=None,
         offload: bool = True,
-        offload_window: int = 2,
-        offload_pin: int = 0,
+        offload_window="auto",
+        offload_pin="auto",
         offload_keep_activations=True,
         offload_grad_accum: str = "stream",
         offload_acc_slots=None,
         offload_activations: bool = False,
         offload_act_slots: int = 2,
+        device_memory=None,
     ) -> None:
         self._threads: list = []
         self._closed = False
@@ -160,6 +172,9 @@ class Pipeline:
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
+        budgets = check_budgets(device_memory, n)
+        choices = stream_choices(pieces, n, offload, budgets, offload_window, offload_pin)
+        self.offload_plan = [ch for ch in choices if ch is not None]
         streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devs]
         self._chunks = []
         for c, piece in enumerate(pieces):
@@ -168,8 +183,8 @@ class Pipeline:
                 mod = StreamedStage(
                     piece,
                     devs[s],
-                    window=offload_window,
-                    pin=offload_pin,
+                    window=choices[c].window,
+                    pin=choices[c].pin,
                     keep_activations=offload_keep_activations,
                 )
             else:

@@ -24,6 +24,7 @@ __all__ = [
     "PipelineSplit",
     "PipelineStage",
     "StageStreaming",
+    "check_budgets",
     "choose_streaming",
     "partition",
     "split_pipeline",
@@ -63,27 +64,34 @@ def _device_weights(device_weights, n: int) -> list[float]:
     return dw
 
 
-def _budgets(device_memory, n: int) -> list[float] | None:
+def _budgets(device_memory, n: int, where: str = "PipelineModel") -> list[float] | None:
+    """device_memory (bytes per stage, None entries unlimited) as floats (inf: unlimited);
+    TypeError / ValueError naming it."""
     if device_memory is None:
         return None
     if isinstance(device_memory, (str, bytes)) or not hasattr(device_memory, "__len__"):
         raise TypeError(
-            "PipelineModel: device_memory must be a list of bytes (or None) per stage, got "
+            f"{where}: device_memory must be a list of bytes (or None) per stage, got "
             f"{type(device_memory).__name__}"
         )
     if len(device_memory) != n:
-        raise ValueError(f"PipelineModel: device_memory has {len(device_memory)} entries for {n} stages")
+        raise ValueError(f"{where}: device_memory has {len(device_memory)} entries for {n} stages")
     out = []
     for b in device_memory:
         if b is None:
             out.append(_INF)
         elif isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0:
-            raise ValueError(
-                f"PipelineModel: device_memory entries must be bytes >= 0 or None, got {device_memory!r}"
-            )
+            raise ValueError(f"{where}: device_memory entries must be bytes >= 0 or None, got {device_memory!r}")
         else:
             out.append(float(b))
     return out
+
+
+def check_budgets(device_memory, n: int, where: str = "Pipeline") -> list[int | None] | None:
+    """device_memory checked (a list of bytes >= 0 or None per stage, or None): the list with
+    None for unlimited entries; TypeError / ValueError naming it."""
+    caps = _budgets(device_memory, n, where)
+    return None if caps is None else [None if c == _INF else int(c) for c in caps]
 
 
 def _solve(weights, n, dw, fits):

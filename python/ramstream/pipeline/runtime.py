@@ -12,7 +12,6 @@ import weakref
 
 import torch
 
-from ..planner.pipeline_split import check_budgets
 from . import schedule as schedules
 from .checks import (
     check_autocast,
@@ -83,17 +82,9 @@ class Pipeline:
             False: chunked stages run resident. Plain module stages are always resident.
         offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
             (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
-            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's. An int
-            is kept; "auto" (the default) is the planner's choice (planner/pipeline_split.py
-            choose_streaming): window 2 (1 when two slots do not fit device_memory), then as
-            many pinned chunks as the stage's device_memory leaves (none without it). The
-            choices are in `offload_plan`.
-        device_memory: bytes per stage (None entries: unlimited) a streamed stage's pinned
-            chunks (parameters, gradients, 8 bytes of AdamW state per trained element) and its
-            window slots (the largest streamed chunk's parameters and gradients) must fit; the
-            stage's resident chunks are subtracted first and several streamed chunks of one
-            stage (chunks_per_stage > 1) share the rest equally. Activations are not counted.
-            Not even the window fits: MemoryError with the arithmetic. None: no budget.
+            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's; "auto"
+            (default): the planner's choice within device_memory (bytes or None per stage; the
+            pipeline guide has the arithmetic), listed in `offload_plan`.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
@@ -172,8 +163,7 @@ class Pipeline:
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
-        budgets = check_budgets(device_memory, n)
-        choices = stream_choices(pieces, n, offload, budgets, offload_window, offload_pin)
+        choices = stream_choices(pieces, n, offload, device_memory, offload_window, offload_pin)
         self.offload_plan = [ch for ch in choices if ch is not None]
         streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devs]
         self._chunks = []

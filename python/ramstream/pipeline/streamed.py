@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..activations.recompute import Recompute
 from ..frontends.offload_model.checks import spaced
 from ..frontends.offload_model.grads import GradWriteback
-from ..planner.pipeline_split import choose_streaming
+from ..planner.pipeline_split import check_budgets, choose_streaming
 from ..weights.slab import make_copier
 from ..weights.streamer import Block, WeightStreamer, frozen_slabs
 from .split import piece_bytes
@@ -26,12 +26,13 @@ from .split import piece_bytes
 __all__ = ["StreamedStage", "stream_choices"]
 
 
-def stream_choices(pieces, n: int, offload: bool, budgets, window, pin) -> list:
+def stream_choices(pieces, n: int, offload: bool, device_memory, window, pin) -> list:
     """Per piece (chunk order, piece c on stage c % n) the planner's StageStreaming when it is a
     streamed stage (a list of chunks, offload=True), else None: the chunks' bytes read here, the
     window and pinned chunks chosen by planner/pipeline_split.py choose_streaming within the
-    stage's budget, less its resident pieces, shared equally by its streamed pieces. window / pin:
+    stage's device_memory (checked: bytes or None per stage), less its resident pieces, shared equally by its streamed pieces. window / pin:
     ints (kept; a pin above the chunk count pins them all) or "auto"."""
+    budgets = check_budgets(device_memory, n)
     out = [None] * len(pieces)
     if not offload:
         return out

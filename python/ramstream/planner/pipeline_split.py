@@ -81,7 +81,9 @@ def _budgets(device_memory, n: int, where: str = "PipelineModel") -> list[float]
         if b is None:
             out.append(_INF)
         elif isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0:
-            raise ValueError(f"{where}: device_memory entries must be bytes >= 0 or None, got {device_memory!r}")
+            raise ValueError(
+                f"{where}: device_memory entries must be bytes >= 0 or None, got {device_memory!r}"
+            )
         else:
             out.append(float(b))
     return out

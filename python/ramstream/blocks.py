@@ -1,6 +1,7 @@
 """The block stack activation paging, recompute and weight streaming work in: find_blocks() (a
 model's repeated layer stack), chosen_blocks() / fraction_to_blocks() (which of its blocks an option
-picks) and ranges_text() for logs.
+picks), spaced() (evenly spaced resident chunks: OffloadModel's and the pipeline's `pin`) and
+ranges_text() for logs.
 
 A leaf: imports torch and the standard library only, so that planner/, quant/, weights/,
 activations/ and options.py can all use it without importing each other.
@@ -12,7 +13,7 @@ import math
 
 import torch.nn as nn
 
-__all__ = ["check_blocks", "chosen_blocks", "find_blocks", "fraction_to_blocks", "ranges_text"]
+__all__ = ["check_blocks", "chosen_blocks", "find_blocks", "fraction_to_blocks", "ranges_text", "spaced"]
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -89,6 +90,13 @@ def ranges_text(idx: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(out)
+
+
+def spaced(pin: int, n: int) -> set[int]:
+    """`pin` evenly spaced chunks of `n` (RamTorch's `pin`): chunk i * n // pin for i = 0 .. pin-1,
+    the first chunk of each of `pin` strides of n / pin chunks (pin=2 of 5: 0 and 2; 6 of 12:
+    0, 2, 4, 6, 8, 10; pin=n: every chunk)."""
+    return {i * n // pin for i in range(pin)}
 
 
 def fraction_to_blocks(fraction: float, n_blocks: int) -> list[int]:

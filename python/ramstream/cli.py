@@ -8,6 +8,8 @@
     ramstream plan  (--config PATH | --gpt SIZE) [--vram-gb G] [--ram-gb G] [--batch B] [--seq S]
                     [--lora R] [--dtype bf16|fp32] [--h2d-gbps X --d2h-gbps X --adamw-gbps X
                     --tflops X] [--json]
+                    [--stages N [--stage-vram-gb G,G,...] [--balance params|children|time]
+                     [--offload auto|true|false] [--microbatches M]]
 """
 
 from __future__ import annotations

@@ -80,10 +80,17 @@ def check_devices(devices, n: int | None):
     return out
 
 
+def _auto_or_int(name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"Pipeline: {name} must be an int >= {lo} or 'auto', got {v!r}")
+
+
 def check_offload(window, pin, keep, grad_accum, acc_slots, activations, act_slots) -> None:
     """RamTorch's offload_* options, checked (their meanings: Pipeline's docstring)."""
-    check_int("Pipeline", "offload_window", window, 1)
-    check_int("Pipeline", "offload_pin", pin, 0)
+    if window != "auto":
+        _auto_or_int("offload_window", window, 1)
+    if pin != "auto":
+        _auto_or_int("offload_pin", pin, 0)
     if keep not in (True, False, "checkpoint") or isinstance(keep, int) and not isinstance(keep, bool):
         raise ValueError(
             f"Pipeline: offload_keep_activations must be True, False or 'checkpoint', got {keep!r}"

@@ -11,11 +11,11 @@ import warnings
 import torch
 import torch.nn as nn
 
+from ..planner.pipeline_split import split_pipeline
 from .checks import check_devices
-from .partition import partition, stage_bytes
 from .run import PipelineResult
 from .runtime import Pipeline
-from .split import Sequence, children_of, split_model
+from .split import Sequence, children_of, piece_bytes, split_model
 from .timing import measure_piece_times
 
 __all__ = ["PipelineModel", "PipelinePaddingWarning"]
@@ -59,7 +59,9 @@ class PipelineModel(nn.Module):
             microbatch.
 
     `counts` holds the children per stage, `split_spec` the cut points chosen (BEGINNING
-    points as strings) and `piece_times` the seconds per child (balance="time"; else None).
+    points as strings), `piece_times` the seconds per child (balance="time"; else None) and `plan`
+    the planner's PipelineSplit it applied (planner/pipeline_split.py: per stage the children,
+    bytes, load and the arithmetic; None with split_spec).
     parameters(), named_parameters(), buffers(), state_dict() and load_state_dict() are the
     model's; .to()/.cuda() raise (the stages are placed already).
     """
@@ -113,21 +115,21 @@ class PipelineModel(nn.Module):
             )
         n = len(devs)
         self.piece_times = None
+        self.plan = None
         if split_spec is None:
             mods = [m for _, m in kids]
             if balance == "time":
-                w = self.piece_times = _times(mods, example_input, devs[0], piece_times)
-            else:
-                w = [sum(p.numel() for p in m.parameters()) if balance == "params" else 1 for m in mods]
-            detail = [_bytes(m) for m in mods] if device_memory is not None else None
-            counts = partition(
-                w,
+                self.piece_times = _times(mods, example_input, devs[0], piece_times)
+            self.plan = split_pipeline(
                 n,
-                device_weights,
-                sizes=None if detail is None else [sum(d) for d in detail],
+                params=[sum(p.numel() for p in m.parameters()) for m in mods],
+                detail=[piece_bytes(m) for m in mods],
+                times=self.piece_times,
+                balance=balance,
                 budgets=device_memory,
-                detail=detail,
+                device_weights=device_weights,
             )
+            counts = self.plan.counts
             pieces, i = [], 0
             for c in counts:
                 part = [m for _, m in kids[i : i + c]]
@@ -285,16 +287,6 @@ def _times(mods, example_input, device, given) -> list[float]:
     if len(times) != len(mods):
         raise ValueError(f"PipelineModel: piece_times has {len(times)} entries for {len(mods)} children")
     return times
-
-
-def _bytes(m) -> tuple[int, int, int]:
-    params = list(m.parameters())
-    trained = [p for p in params if p.requires_grad]
-    return stage_bytes(
-        sum(p.numel() * p.element_size() for p in params),
-        sum(p.numel() for p in trained),
-        sum(p.numel() * p.element_size() for p in trained),
-    )
 
 
 def _rows(out, rows):

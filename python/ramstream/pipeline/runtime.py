@@ -27,7 +27,7 @@ from .paging import StagePager
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
-from .streamed import StreamedStage
+from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
 
 __all__ = ["Pipeline", "PipelineResult"]
@@ -82,7 +82,9 @@ class Pipeline:
             False: chunked stages run resident. Plain module stages are always resident.
         offload_window, offload_pin, offload_keep_activations: a streamed stage's `window`
             (device slots, the running chunk included), `pin` (evenly spaced resident chunks) and
-            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's.
+            keep_activations (True, or "checkpoint"/False: recompute), as OffloadModel's; "auto"
+            (default): the planner's choice within device_memory (bytes or None per stage; the
+            pipeline guide has the arithmetic), listed in `offload_plan`.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
@@ -110,13 +112,14 @@ class Pipeline:
         overlap: bool = True,
         autocast=None,
         offload: bool = True,
-        offload_window: int = 2,
-        offload_pin: int = 0,
+        offload_window="auto",
+        offload_pin="auto",
         offload_keep_activations=True,
         offload_grad_accum: str = "stream",
         offload_acc_slots=None,
         offload_activations: bool = False,
         offload_act_slots: int = 2,
+        device_memory=None,
     ) -> None:
         self._threads: list = []
         self._closed = False
@@ -160,6 +163,8 @@ class Pipeline:
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
+        choices = stream_choices(pieces, n, offload, device_memory, offload_window, offload_pin)
+        self.offload_plan = [ch for ch in choices if ch is not None]
         streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devs]
         self._chunks = []
         for c, piece in enumerate(pieces):
@@ -168,8 +173,8 @@ class Pipeline:
                 mod = StreamedStage(
                     piece,
                     devs[s],
-                    window=offload_window,
-                    pin=offload_pin,
+                    window=choices[c].window,
+                    pin=choices[c].pin,
                     keep_activations=offload_keep_activations,
                 )
             else:

@@ -7,8 +7,21 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .partition import partition as balance  # one routine: split.balance is partition
+from .partition import stage_bytes
 
-__all__ = ["Sequence", "balance", "children_of", "split_model"]
+__all__ = ["Sequence", "balance", "children_of", "piece_bytes", "split_model"]
+
+
+def piece_bytes(m: nn.Module) -> tuple[int, int, int]:
+    """(parameters, gradients, AdamW state) bytes of a module resident on its device, the numbers
+    the planner's split and streaming choices take (planner/pipeline_split.py stage_bytes)."""
+    params = list(m.parameters())
+    trained = [p for p in params if p.requires_grad]
+    return stage_bytes(
+        sum(p.numel() * p.element_size() for p in params),
+        sum(p.numel() for p in trained),
+        sum(p.numel() * p.element_size() for p in trained),
+    )
 
 
 class Sequence(nn.Module):

@@ -18,10 +18,40 @@ import torch.nn as nn
 from ..activations.recompute import Recompute
 from ..frontends.offload_model.checks import spaced
 from ..frontends.offload_model.grads import GradWriteback
+from ..planner.pipeline_split import check_budgets, choose_streaming
 from ..weights.slab import make_copier
 from ..weights.streamer import Block, WeightStreamer, frozen_slabs
+from .split import piece_bytes
 
-__all__ = ["StreamedStage"]
+__all__ = ["StreamedStage", "stream_choices"]
+
+
+def stream_choices(pieces, n: int, offload: bool, device_memory, window, pin) -> list:
+    """Per piece (chunk order, piece c on stage c % n) the planner's StageStreaming when it is a
+    streamed stage (a list of chunks, offload=True), else None: the chunks' bytes read here, the
+    window and pinned chunks chosen by planner/pipeline_split.py choose_streaming within the
+    stage's device_memory (checked: bytes or None per stage), less its resident pieces, shared equally by its streamed pieces. window / pin:
+    ints (kept; a pin above the chunk count pins them all) or "auto"."""
+    budgets = check_budgets(device_memory, n)
+    out = [None] * len(pieces)
+    if not offload:
+        return out
+    for s in range(n):
+        mine = [c for c in range(len(pieces)) if c % n == s]
+        streamed = [c for c in mine if isinstance(pieces[c], list)]
+        if not streamed:
+            continue
+        cap = None if budgets is None else budgets[s]
+        if cap is not None:
+            resident = sum(sum(piece_bytes(pieces[c])) for c in mine if c not in streamed)
+            cap = max(0, cap - resident) // len(streamed)
+        for c in streamed:
+            chunks = [piece_bytes(m) for m in pieces[c]]
+            p = None if pin == "auto" else min(pin, len(chunks))
+            out[c] = choose_streaming(
+                chunks, cap, window=None if window == "auto" else window, pin=p, stage=s
+            )
+    return out
 
 
 def _land(ref, p) -> None:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from .._paths import read_json
+from . import cli_pipeline
 from .plan import PlanError, plan_training
 from .profile import HardwareProfile
 from .rules import DEFAULT_RATES, DEFAULT_VRAM  # noqa: F401  (cli_plan.DEFAULT_RATES: its old name)
@@ -66,6 +67,7 @@ def add_arguments(p) -> None:
                       help="the share of the host optimizer state on disk: auto (the smallest that fits RAM, when a "
                       "disk is given), true (all), false (none) or a share in [0, 1] (default: auto)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    cli_pipeline.add_arguments(p)
 
 
 def _nvme_offload(text: str):
@@ -176,6 +178,22 @@ def _machine(args) -> tuple[HardwareProfile, dict]:
     return prof, sources
 
 
+def _refuse(message: str) -> int:
+    print(f"ramstream plan: {message}", file=sys.stderr)
+    return 2
+
+
+def _cached_vram() -> int | None:
+    """The cached profile's free GPU memory (None without a cached GPU profile)."""
+    from .profile import cached_profile
+
+    try:
+        cached = cached_profile()
+    except (RuntimeError, ValueError):
+        return None
+    return cached.vram_free if cached is not None and cached.vram_total > 0 else None
+
+
 def read_config(path: str) -> dict:
     """The JSON object of --config: a config.json, or a folder holding one. OSError or ValueError
     naming the file (checked before any work)."""
@@ -248,6 +266,8 @@ def run(args) -> int:
         where = f"--config {args.config!r}: " if args.config else ""
         print(f"ramstream plan: {where}{e}", file=sys.stderr)
         return 2
+    if getattr(args, "stages", None) is not None:
+        return cli_pipeline.run(args, shape, _cached_vram(), _refuse)
     try:
         nvme = _nvme_offload(args.nvme_offload)
         prof, sources = _machine(args)

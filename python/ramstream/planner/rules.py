@@ -83,3 +83,12 @@ KEEP_SAFETY = 1.1
 # The watchdog (runtime/watchdog.py, planner/levers.py): it acts when a step's peak uses up this
 # share of the plan's vram_headroom (half: 95 % of the cap with the default 10 % headroom).
 WATCHDOG_HEADROOM_USED = 0.5
+# A streamed pipeline stage (Pipeline(offload=True), offload_window="auto"): the streaming window it
+# gets when its device budget allows (the running chunk and the next one loading: window 1
+# serialises every load behind the compute before it); it falls to 1 when two slots do not fit.
+# Pinned chunks (offload_pin="auto") then take what the budget leaves, as many as fit. Without a
+# budget (device_memory=None) a stage gets this window and no pinned chunk.
+PIPELINE_STREAM_WINDOW = 2
+# AdamW's two fp32 moments per trainable element: what a resident pipeline stage (and a pinned
+# chunk of a streamed one) keeps on its device beside parameters and gradients.
+PIPELINE_OPTIMIZER_BYTES = 8

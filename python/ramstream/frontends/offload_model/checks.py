@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ...blocks import spaced  # the one evenly-spaced rule (the leaf blocks.py)
+
 KEEP = (False, True, "checkpoint")
 _NO_LOSS = object()
 
@@ -60,13 +62,6 @@ def check_device(device) -> torch.device:
             f"cuda:0-cuda:{torch.cuda.device_count() - 1})"
         )
     return torch.device("cuda", index)
-
-
-def spaced(pin: int, n: int) -> set[int]:
-    """`pin` evenly spaced chunks of `n` (RamTorch's `pin`): chunk i * n // pin for i = 0 .. pin-1,
-    the first chunk of each of `pin` strides of n / pin chunks (pin=2 of 5: 0 and 2; 6 of 12:
-    0, 2, 4, 6, 8, 10; pin=n: every chunk)."""
-    return {i * n // pin for i in range(pin)}
 
 
 def pinned_set(pin, pin_layers, n: int) -> set[int]:

@@ -60,3 +60,8 @@ DISK_FREE_SHARE = 0.9
 # buckets of 8M params x 12 B each way, ~400 MiB), and the engine places whole buckets, so its
 # share may land one bucket above the plan's.
 NVME_RAM_MARGIN = 1 << 30
+# The disk tier's weights (nvme_weights, planner/disk_weights.py): blocks' frozen weights on disk are
+# staged through a ring of this many pinned buffers (the streamer's weight_window=2 ahead + the running
+# block), and the last this many streamed blocks stay loaded from the forward into the backward (read
+# once per step; the others twice).
+NVME_WEIGHTS_WINDOW = 3

@@ -83,7 +83,11 @@ def test_wraps_profile_measures_the_folder_only_for_auto(tmp_path):
     assert got.disk_dir == str(tmp_path.resolve()) and got.disk_read_gbps > 0 and got.disk_write_gbps > 0
     assert got.disk_free > 0 and any("GB/s" in line for line in logs)
     assert list(tmp_path.iterdir()) == []  # the measurement's scratch file removed
-    assert with_disk(prof, WrapOptions.parse(nvme_dir=str(tmp_path), nvme_offload=False), print) is prof
+    off = WrapOptions.parse(nvme_dir=str(tmp_path), nvme_offload=False, nvme_weights=False)
+    assert with_disk(prof, off, print) is prof
+    # nvme_weights="auto" alone (the frozen weights' disk share) measures the folder too
+    weights_only = WrapOptions.parse(nvme_dir=str(tmp_path), nvme_offload=False)
+    assert with_disk(prof, weights_only, print).disk_read_gbps > 0
     assert with_disk(prof, WrapOptions.parse(), print) is prof  # no folder (RAMSTREAM_NVME_DIR unset)
     missing = WrapOptions.parse(nvme_dir=str(tmp_path / "missing"))
     logs.clear()

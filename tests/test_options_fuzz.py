@@ -84,6 +84,7 @@ VALID = {
     "delayed_update": st.one_of(st.booleans(), st.integers(0, 3)),
     "nvme_dir": st.none(),
     "nvme_offload": st.one_of(st.just("auto"), st.just(False)),
+    "nvme_weights": st.one_of(st.just("auto"), st.just(False), st.just(0), st.just([])),
     "activation_offload": st.one_of(st.booleans(), st.just("auto"), st.floats(0, 1)),
     "prefetch_depth": st.integers(1, 8),
     "min_offload_bytes": st.integers(0, 1 << 30),

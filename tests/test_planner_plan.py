@@ -304,7 +304,11 @@ def test_plan_json_and_explain():
     p = plan_training(qwen(QWEN14), prof(24, 128))
     d = json.loads(json.dumps(p.to_dict()))
     assert set(d) >= {"weights", "activations", "optimizer", "predicted", "bounds", "reasons"}
-    assert set(d["weights"]) == {"resident", "streamed"} and len(d["activations"]) == 48
+    assert (
+        set(d["weights"]) == {"resident", "streamed", "disk"}
+        and d["weights"]["disk"] == []
+        and len(d["activations"]) == 48
+    )
     text = p.explain()
     assert "streamed: " in text and "step:" in text and "bound by h2d" in text
 

@@ -111,6 +111,27 @@ def parse_nvme_offload(value: Any, where: str = "wrap(): option") -> str | float
     raise ValueError(f"{where} nvme_offload={value!r} is not accepted; accepted: {_NVME_ACCEPTED}")
 
 
+_NVME_WEIGHTS_ACCEPTED = (
+    "'auto' (the plan decides; nothing without a plan or a folder), True (every streamed block), "
+    "False (none), an int k >= 0 (the last k streamed blocks) or a list of streamed block indices"
+)
+
+
+def parse_nvme_weights(value: Any, where: str = "wrap(): option") -> str | bool | int | list[int]:
+    """nvme_weights: where streamed blocks' frozen weights live: "auto", True, False, an int k >= 0
+    (the last k streamed blocks) or a list of block indices (sorted, unique); ValueError naming the
+    accepted values otherwise."""
+    if (isinstance(value, str) and value == "auto") or value is True or value is False:
+        return value
+    if isinstance(value, int) and value >= 0:
+        return int(value)
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    ):
+        return sorted(set(value))
+    raise ValueError(f"{where} nvme_weights={value!r} is not accepted; accepted: {_NVME_WEIGHTS_ACCEPTED}")
+
+
 def parse_nvme_dir(value: Any, where: str = "wrap(): option") -> str | None:
     """nvme_dir: None (the RAMSTREAM_NVME_DIR variable, else no disk) or a folder's path."""
     if value is None:
@@ -159,6 +180,7 @@ class WrapOptions:
     delayed_update: Any = False
     nvme_dir: Any = None
     nvme_offload: Any = "auto"
+    nvme_weights: Any = "auto"
     activation_offload: Any = False
     prefetch_depth: int = 1
     min_offload_bytes: int = 1 << 20
@@ -240,6 +262,12 @@ class WrapOptions:
                         f"state on disk: {why}; or pass nvme_offload=False"
                     )
             o.optimizer_mode, o.offload = "cpu", True  # the state stays on the host (and disk)
+        o.nvme_weights = parse_nvme_weights(o.nvme_weights)
+        if o.nvme_weights not in ("auto", False, 0, []) and o.distributed is True:
+            raise ValueError(
+                f"wrap(): option nvme_weights={o.nvme_weights!r} puts streamed blocks' frozen weights on "
+                "disk: distributed=True is not supported with it yet; pass nvme_weights=False"
+            )
         o.accumulation_steps = parse_accumulation_steps(o.accumulation_steps)
         o.moment_dtype = parse_moment_dtype(o.moment_dtype)
         o.threads = parse_threads(o.threads)

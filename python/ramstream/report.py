@@ -166,6 +166,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "streamed_blocks": [b.index for b in w.streamer.blocks] if w.streamer is not None else [],
             "stream": dict(w.streamer.stats) if w.streamer is not None else {},
             "quantization": w.plan.get("quantize"),  # None with quantize="none", else a dict
+            # nvme_weights: frozen weights of streamed blocks on disk (runtime/disk_weights.py); None without
+            "nvme_weights": w.disk_weights.report() if getattr(w, "disk_weights", None) is not None else None,
             **ts["params"],
         },
         "activations": {

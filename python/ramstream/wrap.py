@@ -326,6 +326,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     nvme = _resolve_nvme(opts, plan, use_dp, log)  # before anything moves
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     block_of = restreamable(model, blocks, opts, plan, use_dp)
+    from .runtime.disk_weights import prepare as prepare_disk_weights
+
+    disk_w = prepare_disk_weights(
+        opts, plan, blocks, stream_idx, streamed, log
+    )  # its store open: nothing moved
     moment_option = opts.moment_dtype
     # the plan's moment dtype is the host state's; a resident plan's is the settled run's (the host
     # state of the first steps follows host RAM, and the switch gives fp32 back: resident.py)
@@ -337,7 +342,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         numel=sum(p.numel() for p in dict.fromkeys(trained)),
         working_bytes=trained[0].element_size(),
         accumulate=opts.accumulation_steps > 1,
-        streamed=streamed_bytes(model, streamed),  # packed quantized codes included
+        # packed quantized codes included; frozen weights on disk replaced by their staging ring
+        streamed=streamed_bytes(model, streamed)
+        - (disk_w.nbytes - disk_w.store.staging_bytes() if disk_w is not None else 0),
         check=opts.check_memory,
         log=log,
         ram=_ram_with_model(model, device, streamed),
@@ -410,7 +417,19 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if profile is not None:
         w.plan["profile"] = profile
     if stream_idx:
-        w.streamer = build_streamer(blocks, stream_idx, streamed, engine, opts.weight_window, log)
+        try:  # nvme_weights: the frozen weights written to disk (a failure loses nothing)
+            on_disk = disk_w.build(engine) if disk_w is not None else None
+            w.streamer = build_streamer(
+                blocks, stream_idx, streamed, engine, opts.weight_window, log, on_disk
+            )
+            if disk_w is not None:
+                w.handles += disk_w.attach(model, w.streamer, opt)
+                w.disk_weights = disk_w
+        except BaseException:
+            if disk_w is not None:
+                disk_w.release()
+            unwrap(model)
+            raise
         engine.on_abandon.append(w.streamer.evict_all)
         w.plan["weights"] = {
             "streamed": stream_idx,

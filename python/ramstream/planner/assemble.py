@@ -55,7 +55,12 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
         memory["disk"] = disk
     return Plan(
         mode=mode,
-        weights={"resident": [i for i in range(n) if i not in set(c["streamed"])], "streamed": c["streamed"]},
+        weights={
+            "resident": [i for i in range(n) if i not in set(c["streamed"])],
+            "streamed": c["streamed"],
+            # streamed blocks whose frozen weights are in nvme_dir's file (planner/disk_weights.py)
+            "disk": list((c.get("disk_weights") or {}).get("blocks", [])),
+        },  # fmt: skip
         activations=c["modes"],
         optimizer={
             "placement": placement,

@@ -66,8 +66,21 @@ def add_arguments(p) -> None:
     disk.add_argument("--nvme-offload", default="auto", metavar="{auto,true,false,FLOAT}",
                       help="the share of the host optimizer state on disk: auto (the smallest that fits RAM, when a "
                       "disk is given), true (all), false (none) or a share in [0, 1] (default: auto)")  # fmt: skip
+    disk.add_argument("--nvme-weights", default="auto", metavar="{auto,true,false,K}",
+                      help="streamed blocks' frozen weights on disk: auto (the fewest, from the back, when RAM is "
+                      "short and a disk is given), true (all), false (none) or K (the last K streamed blocks)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     cli_pipeline.add_arguments(p)
+
+
+def _nvme_weights(text: str):
+    """--nvme-weights as plan_training's nvme_weights; ValueError naming the flag and the values."""
+    low = text.strip().lower()
+    if low in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[low]
+    if low.isdigit():
+        return int(low)
+    raise ValueError(f"--nvme-weights {text!r} is not accepted; accepted: auto, true, false or an int K >= 0")
 
 
 def _nvme_offload(text: str):
@@ -270,6 +283,7 @@ def run(args) -> int:
         return cli_pipeline.run(args, shape, _cached_vram(), _refuse)
     try:
         nvme = _nvme_offload(args.nvme_offload)
+        nvme_w = _nvme_weights(args.nvme_weights)
         prof, sources = _machine(args)
     except (OSError, ValueError) as e:
         print(f"ramstream plan: {e}", file=sys.stderr)
@@ -282,7 +296,7 @@ def run(args) -> int:
         )
         return 2
     try:
-        plan = plan_training(shape, prof, nvme_offload=nvme)
+        plan = plan_training(shape, prof, nvme_offload=nvme, nvme_weights=nvme_w)
     except PlanError as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "arithmetic": e.arithmetic, "options": e.options,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import disk_weights as _weights
 from .policy import BUCKET_BYTES
 from .rules import DISK_FREE_SHARE, NVME_RAM_MARGIN
 
@@ -39,6 +40,7 @@ class Disk:
     free: int | None = None
     directory: str | None = None
     assumed: bool = False  # suggest.py's "what if there were a disk with room" (free space unbounded)
+    weights: object = False  # nvme_weights (disk_weights.py): "auto", True, False, k or block indices
 
     @property
     def budget(self) -> int | None:
@@ -57,7 +59,7 @@ def parse(value, where: str) -> object:
     raise ValueError(f"{where} nvme_offload={value!r} is not accepted; accepted: {ACCEPTED}")
 
 
-def tier(prof, option, where: str, assume: bool = False) -> Disk:
+def tier(prof, option, where: str, assume: bool = False, weights=False) -> Disk:
     """The Disk of `prof` (its disk_* fields checked: ValueError naming the field) for `option`."""
     for name in ("disk_read_gbps", "disk_write_gbps", "disk_free"):
         v = getattr(prof, name, None)
@@ -70,8 +72,11 @@ def tier(prof, option, where: str, assume: bool = False) -> Disk:
             )
     r, w = getattr(prof, "disk_read_gbps", None), getattr(prof, "disk_write_gbps", None)
     known = bool(r and w)
+    from ..options import parse_nvme_weights
+
     return Disk(parse(option, where), known or assume, r if known else None, w if known else None,
-                getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume)  # fmt: skip
+                getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume,
+                parse_nvme_weights(weights, where))  # fmt: skip
 
 
 def passes(disk: Disk) -> list:
@@ -124,17 +129,27 @@ def apply(c: dict, rows: list, ram_budget: int, option, disk: Disk, mb: int) -> 
 
 
 def fits(c: dict) -> bool:
-    return c.get("disk") is None or c["disk"]["fits"]
+    """The state and the frozen weights on disk (disk_weights.py) fit the disk's budget together."""
+    d, w = c.get("disk"), c.get("disk_weights")
+    if d is None and not w:
+        return True
+    budget = (d or w)["budget"]
+    total = (d["state_on_disk"] if d else 0) + (w["bytes"] if w else 0)
+    return budget is None or total <= budget
 
 
 def memory(c: dict) -> dict | None:
-    """Plan.memory["disk"]: the state on disk, the RAM it frees, the disk's free space and budget."""
-    d = c.get("disk")
-    if d is None:
+    """Plan.memory["disk"]: the state and frozen weights on disk, the RAM they free, the bytes read and
+    written per step, the disk's free space and budget."""
+    d, w = c.get("disk"), c.get("disk_weights")
+    if d is None and not w:
         return None
-    return {"optimizer_state": d["state_on_disk"], "total": d["state_on_disk"], "budget": d["budget"],
-            "free": d["free"], "ram_saved": d["ram_saved"], "written_per_step": d["state_on_disk"],
-            "read_per_step": d["state_on_disk"]}  # fmt: skip
+    state = d["state_on_disk"] if d else 0
+    wb = w["bytes"] if w else 0
+    return {"optimizer_state": state, "weights": wb, "total": state + wb, "budget": (d or w)["budget"],
+            "free": (d or w)["free"], "ram_saved": (d["ram_saved"] if d else 0) + (wb - w["staging"] if w else 0),
+            "written_per_step": state, "read_per_step": state + (w["read_per_step"] if w else 0),
+            "weights_read_per_step": w["read_per_step"] if w else 0}  # fmt: skip
 
 
 def _g(x) -> str:
@@ -142,12 +157,17 @@ def _g(x) -> str:
 
 
 def reasons(ctx, c: dict) -> list[str]:
-    """One line for the disk choice (none when no disk is known and none was asked for)."""
+    """The lines for the disk choice: the frozen weights' (disk_weights.py), then the optimizer
+    state's (none when no disk is known and none was asked for)."""
     disk, d = ctx.disk, c.get("disk")
+    wl = _weights.reason(ctx, c)
     if d is None:
         if disk.known and not disk.assumed:
-            return [f"disk: none of the optimizer state on disk (nvme_offload={_opt(disk.option)}: RAM fits)"]
-        return []
+            fits = "RAM fits" if not wl else "RAM fits with the weights on disk"
+            return wl + [
+                f"disk: none of the optimizer state on disk (nvme_offload={_opt(disk.option)}: {fits})"
+            ]
+        return wl
     where = f" in {d['dir']}" if d["dir"] else ""
     why = (
         f"as RAM needs {_g(d['ram_without'])} without it vs {ctx.ram / _GIB:.2f} GiB available, "
@@ -163,7 +183,7 @@ def reasons(ctx, c: dict) -> list[str]:
     room = (
         f", {_g(d['budget'])} of the disk's {_g(d['free'])} free allowed" if d["budget"] is not None else ""
     )
-    return [
+    return wl + [
         f"disk: {d['share']:.1%} of the host-updated optimizer state (master + moments, {_g(d['host_state'])}) "
         f"on disk{where}: {_g(d['state_on_disk'])}, {why}; RAM {_g(d['ram_saved'])} less; {rates}; "
         f"{d['state_on_disk'] / 1e9:.1f} GB written per step (SSD wear){room}"
@@ -200,15 +220,22 @@ def on_offload(ctx, c: dict, moment: str, option, host_memory) -> dict:
     keep = 4 * sum(ctx.shape.blocks[i].trained_numel for i in ss) if ctx.wb == 4 else 0
     rows = [(host_memory(ctx, sp, moment, ss, paged)[0], state_bytes(sp["host"], mb), keep)
             for sp in (c.get("initial_split", c["split"]), c["split"])]  # fmt: skip
+    # frozen weights first (read only: no write wear), then the optimizer state's share for the rest
+    c, rows = _weights.apply(ctx, c, rows, ctx.disk.weights)
     return timed(apply(c, rows, ctx.ram, option, ctx.disk, mb))
 
 
 def timed(c: dict) -> dict:
-    """c with its bounds and select_s counting the disk's reads and writes."""
-    from .timing import step_of, with_disk
+    """c with its bounds and select_s counting the disk's reads and writes (the state's, then the
+    frozen weights' reads: timing.with_disk_reads)."""
+    from .timing import step_of, with_disk, with_disk_reads
 
-    d = c.get("disk")
-    if d is None:
+    d, w = c.get("disk"), c.get("disk_weights")
+    if d is None and not w:
         return c
-    bounds = with_disk(c["bounds"], d["state_on_disk"], d["read_gbps"], d["write_gbps"], d["bucket_state"])
+    bounds = c["bounds"]
+    if d is not None:
+        bounds = with_disk(bounds, d["state_on_disk"], d["read_gbps"], d["write_gbps"], d["bucket_state"])
+    if w:
+        bounds = with_disk_reads(bounds, w["read_per_step"], w["read_gbps"], w["largest"])
     return {**c, "bounds": bounds, "select_s": step_of(bounds)[0]}

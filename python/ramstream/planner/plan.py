@@ -255,6 +255,7 @@ def plan_training(
     vram_headroom: float = 0.10,
     max_activation_slowdown: float = 0.15,
     nvme_offload="auto",
+    nvme_weights="auto",
     _suggest: bool = True,
     _refine: bool = True,
     _assume_disk: bool = False,
@@ -278,6 +279,10 @@ def plan_training(
         nvme_offload: "auto" (when the plan does not fit in RAM and the profile knows a disk:
             the smallest share of the host-updated optimizer state on disk that fits, disk.py),
             True (all of it), False (none) or a share in [0, 1]; plan.optimizer["nvme_share"].
+        nvme_weights: "auto" (when the plan does not fit in RAM and the profile knows a disk: the
+            fewest streamed blocks' frozen weights on disk, from the back, before any optimizer
+            state: disk_weights.py), True (every streamed block's), False, an int k (the last k
+            streamed blocks) or block indices; plan.weights["disk"].
 
     _assume_disk=True plans as if the profile had a disk of unbounded free space (suggest.py).
     _refine=False times the split after step 2 instead of the refined one (runtime/refiner.py; the
@@ -295,6 +300,7 @@ def plan_training(
               activation_checkpointing=activation_checkpointing, optimizer_mode=optimizer_mode,
               moment_dtype=moment_dtype, quantize=quantize, vram_headroom=vram_headroom,
               max_activation_slowdown=max_activation_slowdown, nvme_offload=nvme_offload, _refine=_refine,
+              nvme_weights=nvme_weights,
               _assume_disk=_assume_disk)  # fmt: skip
     auto = isinstance(activation_checkpointing, str) and activation_checkpointing == "auto"
     if not auto or not profile.vram_total:
@@ -311,7 +317,7 @@ def plan_training(
 
 
 _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "optimizer_mode", "moment_dtype",
-            "quantize", "vram_headroom", "max_activation_slowdown", "nvme_offload")  # fmt: skip
+            "quantize", "vram_headroom", "max_activation_slowdown", "nvme_offload", "nvme_weights")  # fmt: skip
 
 
 def _plan_training(
@@ -319,7 +325,7 @@ def _plan_training(
 ) -> Plan:
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
-     vram_headroom, max_activation_slowdown, nvme_offload) = (opts[k] for k in _OPTIONS)  # fmt: skip
+     vram_headroom, max_activation_slowdown, nvme_offload, nvme_weights) = (opts[k] for k in _OPTIONS)  # fmt: skip
     from ..blocks import chosen_blocks
     from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
 
@@ -377,7 +383,7 @@ def _plan_training(
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
                policy.grad_inflight_bytes(p), refine=bool(_refine),
-               disk=_disk.tier(p, nvme_offload, where, _assume_disk))  # fmt: skip
+               disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "

@@ -20,7 +20,8 @@ class Plan:
     """What lives where and the predicted step (see the module docstring); to_dict() is JSON-able."""
 
     mode: str  # "resident", "offload" or "cpu"
-    weights: dict  # {"resident": [block indices], "streamed": [block indices]}
+    weights: dict  # {"resident": [block indices], "streamed": [block indices], "disk": [streamed blocks
+    #                whose frozen weights are on disk (nvme_weights)]}
     activations: list  # per block: "keep", "page" or "recompute"
     optimizer: dict  # {"placement": "device" | "host" | "mapped", "vram_share", "moment_dtype",
     #                  "split": shares {"device", "mapped", "host"} the run settles on (after the
@@ -30,8 +31,9 @@ class Plan:
     #                  True(, "reverted")} when the refiner's host-only trial runs}
     quantize: str
     memory: dict  # {"vram": {component: bytes, ..., "total", "budget"}, "ram": {...}, "pinned": {...}}, and
-    #               with state on disk "disk": {"optimizer_state", "total", "budget" (None: unknown),
-    #               "free", "ram_saved", "written_per_step", "read_per_step"} (planner/disk.py)
+    #               with state or weights on disk "disk": {"optimizer_state", "weights", "total", "budget"
+    #               (None: unknown), "free", "ram_saved", "written_per_step", "read_per_step",
+    #               "weights_read_per_step"} (planner/disk.py, disk_weights.py)
     predicted: dict  # {"step_s", "tokens_per_s", "bound"}
     bounds: dict  # seconds per resource: gpu_compute_s, h2d_s, d2h_s, host_adamw_s, mapped_update_s;
     #               exposed_s (the step beyond the largest of those), gpu_lane_s, host_lane_s,
@@ -55,7 +57,13 @@ class Plan:
         ]
         st = self.weights["streamed"]
         lines.append(
-            f"  weights: {n - len(st)} of {n} blocks resident" + (f", streamed: {_ranges(st)}" if st else "")
+            f"  weights: {n - len(st)} of {n} blocks resident"
+            + (f", streamed: {_ranges(st)}" if st else "")
+            + (
+                f", frozen weights on disk: {_ranges(self.weights['disk'])}"
+                if self.weights.get("disk")
+                else ""
+            )
         )
         counts = {
             k: [i for i, a in enumerate(self.activations) if a == k] for k in ("keep", "page", "recompute")
@@ -92,11 +100,16 @@ class Plan:
                 + (f" ({parts})" if parts else "")
             )
         d = self.memory.get("disk")
-        if d:
+        if d and d.get("optimizer_state"):
             lines.append(
-                f"  disk: {gib(d['total'])} of the optimizer state ({o.get('nvme_share', 0):.1%} of the host's)"
+                f"  disk: {gib(d['optimizer_state'])} of the optimizer state ({o.get('nvme_share', 0):.1%} of the host's)"
                 + (f" of {gib(d['budget'])}" if d.get("budget") is not None else "")
                 + f", {d['written_per_step'] / 1e9:.1f} GB written per step"
+            )
+        if d and d.get("weights"):
+            lines.append(
+                f"  disk: {gib(d['weights'])} of frozen weights (blocks {_ranges(self.weights.get('disk', []))}), "
+                f"{d['weights_read_per_step'] / 1e9:.2f} GB read per step, none written"
             )
         b = self.bounds
         lines.append(

@@ -83,6 +83,7 @@ KEEP_SAFETY = 1.1
 # The watchdog (runtime/watchdog.py, planner/levers.py): it acts when a step's peak uses up this
 # share of the plan's vram_headroom (half: 95 % of the cap with the default 10 % headroom).
 WATCHDOG_HEADROOM_USED = 0.5
+
 # A streamed pipeline stage (Pipeline(offload=True), offload_window="auto"): the streaming window it
 # gets when its device budget allows (the running chunk and the next one loading: window 1
 # serialises every load behind the compute before it); it falls to 1 when two slots do not fit.
@@ -92,3 +93,8 @@ PIPELINE_STREAM_WINDOW = 2
 # AdamW's two fp32 moments per trainable element: what a resident pipeline stage (and a pinned
 # chunk of a streamed one) keeps on its device beside parameters and gradients.
 PIPELINE_OPTIMIZER_BYTES = 8
+# The disk tier's weights (nvme_weights, planner/disk_weights.py): blocks' frozen weights on disk are
+# staged through a ring of this many pinned buffers (the streamer's weight_window=2 ahead + the running
+# block), and the last this many streamed blocks stay loaded from the forward into the backward (read
+# once per step; the others twice).
+NVME_WEIGHTS_WINDOW = 3

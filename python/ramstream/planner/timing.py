@@ -80,6 +80,11 @@ ahead, one written behind). Reads and writes share one disk, so they add: disk_s
 disk_read_gbps + bytes / disk_write_gbps. The host AdamW in the host lane then takes the longer of
 itself and disk_s, plus the edges no AdamW hides: the first bucket's read and the last one's write
 (with_disk). Not measured on a GPU run yet.
+Frozen weights on disk (planner/disk_weights.py, nvme_weights) are read again each time their block
+loads (forward, and backward unless kept loaded between), read ahead in the streamer's order while
+the blocks before them compute: disk_s gains bytes / disk_read_gbps (one disk: it adds to the
+state's reads and writes) and the step waits at least one block's read that nothing hides, the
+first one (with_disk_reads). Not measured on a GPU run yet.
 
 The constants and their measurements are next to them; tests/test_planner_h200.py holds the
 H200 machine's measured rows (the profile's matmul rate calibrated once, on the 1.8B GPT
@@ -309,6 +314,20 @@ def with_disk(bounds: dict, disk_bytes: int, read_gbps, write_gbps, bucket_bytes
         out[k] = v
     out["host_lane_s"] = lane
     out["exposed_s"] = max(0.0, step - max(out[k] for k in OVERLAPPED))
+    return out
+
+
+def with_disk_reads(bounds: dict, read_bytes: int, read_gbps, first_bytes: int) -> dict:
+    """`bounds` with the frozen weights' disk reads (module docstring): disk_s += read_bytes / rate,
+    the first block's read exposed, the step and exposed_s again. Unchanged without bytes or rate."""
+    if not (read_bytes and read_gbps):
+        return bounds
+    r = read_gbps * 1e9
+    reads, first = read_bytes / r, min(first_bytes, read_bytes) / r
+    step = max(step_of(bounds)[0], bounds.get("disk_s", 0.0) + reads) + first
+    out = {**bounds, "disk_s": bounds.get("disk_s", 0.0) + reads}
+    out["disk_weights_read_s"] = reads
+    out["exposed_s"] = max(0.0, step - max(out.get(k, 0.0) for k in OVERLAPPED))
     return out
 
 

@@ -80,7 +80,7 @@ def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
 
 
 def with_disk(prof, opts: WrapOptions, log):
-    """nvme_offload="auto" with a folder (nvme_dir, else RAMSTREAM_NVME_DIR): the profile with that
+    """nvme_offload="auto" or nvme_weights="auto" with a folder (nvme_dir, else RAMSTREAM_NVME_DIR): the profile with that
     disk's measured rates and free space (planner/measure.py disk_rates), so that the plan may put
     optimizer state there when host RAM is short; the profile as it is otherwise, or when the folder
     cannot be measured (logged; the folder's error is raised when the optimizer state is laid out)."""
@@ -89,7 +89,7 @@ def with_disk(prof, opts: WrapOptions, log):
     from .. import env
 
     folder = opts.nvme_dir or env.get("RAMSTREAM_NVME_DIR")
-    if opts.nvme_offload != "auto" or not folder:
+    if (opts.nvme_offload != "auto" and opts.nvme_weights != "auto") or not folder:
         return prof
     from ..planner.measure import disk_rates
 

@@ -24,6 +24,7 @@ PLAN_OPTIONS = (
     "vram_headroom",
     "max_activation_slowdown",
     "nvme_offload",
+    "nvme_weights",
 )
 _GIB = 2**30
 

@@ -68,9 +68,12 @@ class DiskWeights:
             here, before any weight moved; removed by close(), garbage collection or exit).
         copier: where the H2D copies run (weights/slab.py).
         ahead: the streamer's `ahead`: the ring holds `ahead` + 1 staging buffers.
+        where: the front end and option that named the folder, for the OSError.
     """
 
-    def __init__(self, groups, directory: str, *, copier, ahead: int) -> None:
+    def __init__(
+        self, groups, directory: str, *, copier, ahead: int, where: str = "OffloadModel: nvme_path"
+    ) -> None:
         from ..disk import DiskStore
 
         self.sizes = [layout(g)[1] for g in groups]
@@ -79,8 +82,8 @@ class DiskWeights:
         except OSError as e:
             raise type(e)(
                 e.errno,
-                f"OffloadModel: nvme_path={directory!r}: cannot hold the weights of {len(self.sizes)} "
-                f"chunks on disk ({sum(self.sizes)} bytes needed): {e.strerror or e}",
+                f"{where}={directory!r}: cannot hold the weights of {len(self.sizes)} "
+                f"blocks on disk ({sum(self.sizes)} bytes needed): {e.strerror or e}",
             ) from e
         self.directory, self.copier = directory, copier
         self.largest = max(self.sizes, default=0)

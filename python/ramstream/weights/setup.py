@@ -184,11 +184,12 @@ def block_frozen_slabs(blocks, k: int, streamed: dict, engine) -> list:
 
 
 def stream_blocks(
-    blocks, indices: list[int], streamed: dict, engine, frozen: dict | None = None
+    blocks, indices: list[int], streamed: dict, engine, frozen: dict | None = None, disk: dict | None = None
 ) -> list[Block]:
     """The streamer's Block of each index: the engine's slabs of its trained parameters, and slabs
     made here for its frozen ones (and a quantized layer's packed codes), or taken from `frozen`
-    ({index: slabs}, made beforehand)."""
+    ({index: slabs}, made beforehand) or, for a block in `disk` ({index: [DiskSlab]}: its frozen
+    tensors at home on disk, disk_slab.py), from there."""
     copier = engine.copier or make_copier(engine.device)
     engine.copier = copier
     by_block: dict[int, list] = {k: [] for k in indices}
@@ -201,7 +202,12 @@ def stream_blocks(
         skip = {id(s.param) for b in trained for s in b.slots}
         skip |= {pid for pid, blk in streamed.items() if blk != k}
         packed = [t for _, _, t in packed_buffers(blocks[k]) if streamed.get(id(t)) == k]
-        if frozen is not None:
+        if disk and k in disk:  # (anything else untrained, e.g. outside the optimizer: pinned as usual)
+            on_disk = {id(p) for s in disk[k] for p in s.params}
+            rest = [t for t in packed if id(t) not in on_disk]
+            not_ours = skip | on_disk | _not_streamed(blocks[k], streamed)
+            extra = list(disk[k]) + frozen_slabs(blocks[k], not_ours, copier, extra=rest)
+        elif frozen is not None:
             extra = frozen[k]
         else:
             extra = frozen_slabs(blocks[k], skip | _not_streamed(blocks[k], streamed), copier, extra=packed)
@@ -211,9 +217,11 @@ def stream_blocks(
     return out
 
 
-def build_streamer(blocks, indices: list[int], streamed: dict, engine, window: int, log) -> WeightStreamer:
-    """The streamer over the streamed blocks."""
-    out = stream_blocks(blocks, indices, streamed, engine)
+def build_streamer(
+    blocks, indices: list[int], streamed: dict, engine, window: int, log, disk: dict | None = None
+) -> WeightStreamer:
+    """The streamer over the streamed blocks (`disk`: stream_blocks's disk slabs by block)."""
+    out = stream_blocks(blocks, indices, streamed, engine, disk=disk)
     st = WeightStreamer(out, copier=engine.copier, ahead=window, log=log)
     nbytes = sum(b.nbytes for b in out)
     packed = sum(t.nbytes for k in indices for _, _, t in packed_buffers(blocks[k]) if id(t) in streamed)
@@ -233,8 +241,9 @@ def extend_streamer(
     ({index: slabs}, block_frozen_slabs): `old` is closed (its weights at home), its Blocks and
     statistics carried over."""
     new = stream_blocks(blocks, indices, streamed, engine, frozen)
-    kept = []
+    kept, owned = [], None
     if old is not None:
+        owned, old.disk = old.disk, None  # its disk slabs stay on disk, in the new streamer
         old.close()
         kept = old.blocks
     st = WeightStreamer(
@@ -242,6 +251,7 @@ def extend_streamer(
     )
     if old is not None:
         st.stats.update(old.stats)
+    st.disk = owned
     return st
 
 

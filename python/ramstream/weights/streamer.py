@@ -89,6 +89,7 @@ class WeightStreamer:
             "peak_loaded_bytes": 0,
         }
         self._task = None  # the backward pass whose end callback is queued
+        self.disk = None  # DiskWeights of its disk slabs when the streamer owns them (wrap's nvme_weights)
         self._handles: list = []
         for k, blk in enumerate(blocks):
             m = blk.module
@@ -247,12 +248,12 @@ class WeightStreamer:
             for name, t in m._buffers.items()
             if t is not None and id(t) in ids
         ]
-        for s in slabs:
-            for p in s.params:
-                p.data = torch.empty(0, dtype=s.dtype)
+        for s in slabs:  # (a disk slab's dtype is its record's bytes: its stand-ins have the tensors')
+            for p, v in zip(s.params, s.hviews):
+                p.data = torch.empty(0, dtype=v.dtype)
         try:
             out = run()
-            changed = {str(p.dtype) for s in slabs for p in s.params if p.dtype != s.dtype}
+            changed = {str(p.dtype) for s in slabs for p, v in zip(s.params, s.hviews) if p.dtype != v.dtype}
             changed |= {str(m._buffers[n].dtype) for m, n, t in buffers if m._buffers[n].dtype != t.dtype}
             changed = sorted(changed)
         finally:
@@ -269,9 +270,16 @@ class WeightStreamer:
         return out
 
     def close(self) -> None:
-        """Removes the hooks; the streamed parameters stay views of their pinned home copies."""
+        """Removes the hooks; the streamed parameters stay views of their pinned home copies. When
+        the streamer owns its disk slabs' store (`disk`), their weights come back into host memory
+        (ordinary tensors) and the store is closed (its file removed)."""
         self.evict_all()
         self.copier.synchronize()
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.disk is not None:
+            for s in (s for b in self.blocks for s in b.slabs if getattr(s, "on_disk", False)):
+                s.restore()
+            self.disk.close()
+            self.disk = None

@@ -14,12 +14,17 @@ from test_import_cycles import ROOT, _modules, import_graph
 MECHANISMS = ("ramstream.engine", "ramstream.weights", "ramstream.activations", "ramstream.quant")
 # planner modules that measure the machine or read files (the hardware profile, the CLI): they may
 # call the mechanisms that measure; every other planner module is pure arithmetic
-PLANNER_IO = {"ramstream.planner.measure", "ramstream.planner.profile", "ramstream.planner.cli_plan"}
+PLANNER_IO = {
+    "ramstream.planner.measure",
+    "ramstream.planner.profile",
+    "ramstream.planner.cli_plan",
+    "ramstream.planner.cli_pipeline",
+}
 # what the planner's pure modules may import besides the planner: the leaves
 PLANNER_MAY_IMPORT = ("ramstream.planner", "ramstream.options", "ramstream.blocks")
 # what mechanisms may read from the planner: the threshold file (setup.py's weight share and
 # recompute.py's auto checkpointing still apply an old rule: they read the same constants, never a
-# copy), the paging arithmetic activations/policy.py measures for, and the machine's measured RAM
+# copy), the paging arithmetic runtime/activation_policy.py measures for, and the machine's measured RAM
 # (quant/plan.py); never a decision module that holds a plan
 MECHANISM_MAY_IMPORT_FROM_PLANNER = {
     "ramstream.planner",
@@ -124,3 +129,48 @@ def test_the_plan_history_is_a_record_not_a_list():
         h.record(["change", "x"])
     assert len(h) == 1
     opt.close()
+
+
+def _from_imports(graph_mods):
+    """(module, line, imported module, name) for every `from X import name` of a ramstream module, at
+    any depth (a lazy import inside a function runs only on its path: a GPU-only one never in CI)."""
+    from test_import_cycles import _imports
+
+    for module, path in graph_mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        is_pkg = path.name == "__init__.py"
+        for node in _imports(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = module.split(".")
+                if not is_pkg:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "ramstream" or not target.startswith("ramstream."):
+                continue
+            for a in node.names:
+                yield module, node.lineno, target, a.name
+
+
+def test_every_import_inside_the_package_resolves(graph):
+    """Every `from ramstream.x import name` in the package names something x has: a module moved or a
+    name removed breaks no lazy import on a path CI does not run."""
+    import importlib
+
+    mods, _, _ = graph
+    bad = []
+    for module, line, target, name in _from_imports(mods):
+        if name == "*":
+            continue
+        try:
+            m = importlib.import_module(target)
+        except ImportError as e:
+            bad.append(f"{mods[module].relative_to(ROOT.parent)}:{line}: {target} ({e})")
+            continue
+        if not hasattr(m, name) and f"{target}.{name}" not in mods:
+            bad.append(f"{mods[module].relative_to(ROOT.parent)}:{line}: {target} has no {name}")
+    assert not bad, "imports that do not resolve:\n" + "\n".join(bad)

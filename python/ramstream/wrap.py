@@ -425,10 +425,13 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             if disk_w is not None:
                 w.handles += disk_w.attach(model, w.streamer, opt)
                 w.disk_weights = disk_w
-        except BaseException:
+        except BaseException as exc:
             if disk_w is not None:
                 disk_w.release()
-            unwrap(model)
+            try:  # the model as it came (an error here must not hide the first one)
+                unwrap(model)
+            except Exception as again:  # noqa: BLE001
+                exc.add_note(f"ramstream: unwrap() after the failure raised too: {again!r}")
             raise
         engine.on_abandon.append(w.streamer.evict_all)
         w.plan["weights"] = {

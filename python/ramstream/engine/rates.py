@@ -1,6 +1,6 @@
 """The host AdamW rate and the pinned PCIe bandwidth, measured once per process (about 0.1 s) or
 seeded from the hardware profile: what the optimizer split (runtime/optimizer_split.py) and the
-activation policy (activations/policy.py) weigh their choices with."""
+activation policy (runtime/activation_policy.py) weigh their choices with."""
 
 from __future__ import annotations
 

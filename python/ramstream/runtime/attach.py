@@ -102,7 +102,7 @@ def attach_model(
             w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log, opt.plan_history)
             opt._step_callbacks.append(w.keep.after_step)
     if opts.activation_offload is not False:
-        from ..activations import ActivationPolicy
+        from .activation_policy import ActivationPolicy
 
         w.activations = ActivationPolicy(model, device, opts, log)
         opt._step_callbacks.append(w.activations.on_step)

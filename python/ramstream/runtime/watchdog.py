@@ -2,7 +2,7 @@
 
 The plan settles after the decisions of the first steps: offload="auto"'s resident switch or VRAM
 share after step 2 (optimizer_split.py), optimizer_mode="auto"'s refinement (refiner.py) and
-activation_offload="auto"'s measured steps (activations/policy.py). From then on, after every step,
+activation_offload="auto"'s measured steps (runtime/activation_policy.py). From then on, after every step,
 the watchdog reads (cheap host calls, no synchronize)
   peak:   torch.cuda.max_memory_allocated, since the last reset;
   usable: the bytes the process may hold (the per-process cap: measure.device_memory, what the

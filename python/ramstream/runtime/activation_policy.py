@@ -5,7 +5,8 @@ measured (time, peak VRAM, bytes each block saved). If the run would fit without
 unpaged step is measured too; then planner.choose_paged_blocks picks how many blocks page
 (as many as keep the step within max_activation_slowdown of the unpaged one, or as many as
 needed to fit). Every number goes into memory_report(model)["events"]. On the CPU engine there is
-no VRAM to save: "auto" pages nothing.
+no VRAM to save: "auto" pages nothing. The planner decides (planner/activations.py), this policy
+measures and applies through the mechanism (activations/hooks.py ActivationOffloader.set_paged).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 
 import torch
 
+from ..activations.hooks import ActivationOffloader
 from ..blocks import find_blocks, fraction_to_blocks
-from ..planner import choose_paged_blocks, copy_seconds, estimate_overlap
-from .hooks import ActivationOffloader
+from ..planner.activations import choose_paged_blocks, copy_seconds, estimate_overlap
 
 
 class ActivationPolicy:
@@ -70,7 +71,7 @@ class ActivationPolicy:
         if self.phase == "all_paged":
             st = self.off.stats()
             self.plan.update(t_all_paged_s=dt, peak_all_paged=peak, block_bytes=list(st["block_bytes"]))
-            from ..engine.resident import device_memory
+            from .measure import device_memory
 
             usable = device_memory(self.device)["usable"] * (1 - self.headroom)
             predicted = peak + sum(st["block_bytes"])

@@ -7,7 +7,6 @@ planner's value and the schedule simulator; bad flags."""
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import random
 
@@ -21,6 +20,7 @@ from ramstream.cli import main
 from ramstream.planner.pipeline_split import choose_streaming, split_pipeline
 from ramstream.planner.shape import ModelShape
 from ramstream.simulate.pipeline import simulate_schedule
+from test_pipeline_balance import brute  # the brute-force reference over every contiguous split
 
 GiB = 2**30
 VOCAB, D = 40, 8
@@ -58,17 +58,6 @@ def hand_detail(model):
         t = sum(p.numel() for p in m.parameters() if p.requires_grad)
         out.append((4 * n, 4 * t, 8 * t))
     return out
-
-
-def brute(loads, n, dw, sizes=None, caps=None):
-    best = None
-    for cuts in itertools.combinations(range(1, len(loads)), n - 1):
-        edges = list(zip([0, *cuts], [*cuts, len(loads)]))
-        if caps is not None and any(sum(sizes[a:b]) > caps[s] for s, (a, b) in enumerate(edges)):
-            continue
-        cost = max(sum(loads[a:b]) / dw[s] for s, (a, b) in enumerate(edges))
-        best = cost if best is None else min(best, cost)
-    return best
 
 
 def cost(split, loads, dw):

@@ -135,7 +135,11 @@ for stage in $STAGES; do
            # NVME_DIR: a folder on the fastest local disk (default /tmp)
       timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --model 6.85b --batch 8 --seq 512 \
         --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme.json" ${NVME_ARGS:-} > "$OUT/nvme.log" 2>&1
-      summary "nvme rc=$?"; tail -4 "$OUT/nvme.log" | tee -a "$OUT/summary.txt" ;;
+      summary "nvme rc=$?"; tail -4 "$OUT/nvme.log" | tee -a "$OUT/summary.txt"
+      # and a frozen base's streamed weights on disk (nvme_weights) vs in pinned RAM, same model
+      timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --what weights --model 6.85b --batch 8 \
+        --seq 512 --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme_weights.json" > "$OUT/nvme_weights.log" 2>&1
+      summary "nvme weights rc=$?"; tail -4 "$OUT/nvme_weights.log" | tee -a "$OUT/summary.txt" ;;
     trainer)  # issue 12: Qwen2-1.5B shape, stock Trainer vs OffloadTrainer, uncapped and at 12 GiB
       timeout $(( ${TRAINER_DEADLINE:-300} + 30 )) python3 bench/train/bench_trainer.py \
         --deadline "${TRAINER_DEADLINE:-300}" --out "$OUT/trainer.json" ${TRAINER_ARGS:-} > "$OUT/trainer.log" 2>&1

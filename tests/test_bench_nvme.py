@@ -38,3 +38,24 @@ def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
     assert s["bound_s"] == pytest.approx(max(ram["step_s"], disk_s))
     assert s["ratio_to_bound"] == pytest.approx(disk["step_s"] / s["bound_s"])
     assert os.listdir(scratch) == []  # every scratch file removed
+
+
+def test_bench_nvme_weights_cpu_smoke(tmp_path, monkeypatch):
+    """--what weights: a frozen base's streamed weights on disk (nvme_weights) train to the same
+    losses as in RAM, nothing is written per step, and each step reads every disk block once or
+    twice (forward, and backward unless it stayed loaded)."""
+    out = tmp_path / "nvme_w.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    argv = [SCRIPT, "--device", "cpu", "--tiny", "--steps", "4", "--what", "weights", "--dir", str(scratch),
+            "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert runpy.run_path(SCRIPT)["main"]() == 0
+    r = json.loads(out.read_text())
+    ram, disk, s = r["ram"], r["disk"], r["summary"]
+    assert s["losses_equal"] and len(disk["losses"]) == 4
+    assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0
+    on_disk = disk["disk_state_bytes"]
+    assert on_disk > 0 and disk["disk_written_per_step"] == 0
+    assert on_disk <= disk["disk_read_per_step"] <= 2 * on_disk
+    assert os.listdir(scratch) == []

@@ -5,6 +5,12 @@ process on a GPU (the VRAM cap is per process), the disk's own rates measured fi
     python bench/train/bench_nvme.py --model 6.85b --dtype bf16 --batch 8 --seq 512 --cap-gib 24 \
         --dir /nvme/scratch --out nvme.json                            # the GPU run
     python bench/train/bench_nvme.py --device cpu --tiny --dir /tmp    # the CPU: a smoke test
+    python bench/train/bench_nvme.py --what weights --model 6.85b --cap-gib 24 --dir /nvme/scratch \
+        --out nvme_w.json     # wrap(nvme_weights=True): a frozen base's streamed weights on disk
+
+--what weights trains a frozen-base model (every Linear weight frozen, the norms and biases trained:
+the LoRA shape of a host state, with no adapter library) with param_offload=True, once with the
+streamed blocks' frozen weights in pinned RAM and once on disk (nvme_weights=True).
 
 Reports per variant: s/step (median after --skip), the engine's disk bytes read and written per
 step, the losses (equal in both: the disk tier is bit-exact); and for the disk variant the disk
@@ -43,8 +49,14 @@ def run_variant(args, share) -> dict:
     model, vocab = build_gpt("gpt_tiny" if args.tiny else f"gpt{args.model}", args.seq, torch.device("cpu"))
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if args.what == "weights":  # a frozen base: Linear weights frozen, norms and biases trained
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
     options = dict(device=str(dev), nvme_dir=args.dir, nvme_offload=share if share else False)
+    if args.what == "weights":
+        options.update(nvme_offload=False, param_offload=True, nvme_weights=bool(share))
     if cuda:
         options.update(loss="chunked", batch=args.batch, seq=args.seq, moment_dtype=args.moments)
     t0 = time.perf_counter()
@@ -69,6 +81,10 @@ def run_variant(args, share) -> dict:
     opt.synchronize()
     st = opt.stats()
     steps = max(1, st["steps"])
+    if args.what == "weights":  # the weights' reads, from the disk weights' own report
+        w = ramstream.memory_report(model)["params"].get("nvme_weights") or {}
+        st = {**st, "nvme_bytes_read": w.get("bytes_read", 0), "nvme_bytes_written": 0,
+              "nvme_state_bytes": w.get("bytes_on_disk", 0)}  # fmt: skip
     out = dict(
         share=share,
         losses=losses,
@@ -118,6 +134,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--dir", required=True, help="the folder the scratch file goes to (nvme_dir)")
     ap.add_argument("--share", type=float, default=1.0, help="nvme_offload's share on disk (0, 1]")
+    ap.add_argument(
+        "--what",
+        default="state",
+        choices=["state", "weights"],
+        help="state: the optimizer state on disk (nvme_offload); weights: a frozen base's streamed weights (nvme_weights)",
+    )
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant-out", default=None, help=argparse.SUPPRESS)

@@ -22,7 +22,7 @@ no cap: the H200's 143771 MiB less the context. The GPU's bf16 matmul rate is ca
 row B (the only fitted number here); it lands at ~800 TFLOP/s, the rate DESIGN.md measured (790).
 
 Fourth session (2026-12-02, bench/RESULTS.md "Fourth session", calls 2 and 4), with the split
-refinement of engine/refine.py from call 3 on:
+refinement of runtime/refiner.py from call 3 on:
   A_chunked  row A with the chunked loss: 0.208 s (79/9/12 and 92/3/6 for A and A_chunked)
   G_defaults row G again, the refinement on: 1.258 s, 20.54 GiB; after step 2 7 / 42 / 51 %
              (VRAM / mapped / host), the first refinement measured the host at 3.73 G params/s
@@ -34,7 +34,7 @@ Their profile differs in the host AdamW rate: 4.56 G params/s alone (G_defaults'
 wrap() seeded the split with, from the profile; its step-2 split 42 / 51 follows from it and
 54.9 GB/s). A's own logs do not give it; its measured split (9 / 12 of the 21 % not in VRAM) needs
 at least that rate (2.86 gives 13 / 7), so the fourth session's rows take 4.56. A and A_chunked
-ran before engine/refine.py existed (call 2; refine1 merged in call 3): they are timed at the
+ran before runtime/refiner.py existed (call 2; refine1 merged in call 3): they are timed at the
 split after step 2 (plan_training(_refine=False)), as is the second session's G row (G_step2).
 
 What is fitted on which row (planner/timing.py names each constant's measurement):
@@ -59,7 +59,7 @@ this run measured; its quick-mode profile cache said 3.70 and 3.05 alone). Nothi
 the matmul rate is B's, ISSUE_EXPOSED A's; the peak follows engine/core.py's max_inflight_bytes (a
 tenth of the 4 GiB cap, 0.40 GiB, where the planner counted 1 GiB and refused the row), the step
 stream_host.py's queue: 0.474 s (-13 %), 0.431 s of it host AdamW.
-Sixth session (2026-12-02, bench/RESULTS.md "Sixth session", call 1), with engine/refine.py's
+Sixth session (2026-12-02, bench/RESULTS.md "Sixth session", call 1), with runtime/refiner.py's
 host-only trial: A6 (row A) 0.195 s/step, A6_chunked (A_chunked with activation_checkpointing=True,
 every block recomputes as by default) 0.204 s; both kept a mapped share at the first refinement
 (9 / 12 and 3 / 6 % of the params mapped / host) and moved it to the host in the trial (0.214 ->
@@ -124,7 +124,7 @@ ROWS = [
     # bench/RESULTS.md "Optimizer state in VRAM": call 4 1.482 s, call 5 1.540 s (the docstring),
     # at the split after step 2 (no refinement then)
     ("G_step2", gpt_bf16("6.85b"), 24, {}, 1.51),
-    # fourth session call 4: the split refined after steps 4 and 6 (engine/refine.py)
+    # fourth session call 4: the split refined after steps 4 and 6 (runtime/refiner.py)
     ("G_defaults", gpt_bf16("6.85b"), 24, {}, 1.258),
     ("G_bf16_moments", gpt_bf16("6.85b"), 24, {"moment_dtype": "bfloat16"}, 0.964),
     # F_stream4 (the docstring): 0.560 and 0.528 s/step in two calls
@@ -135,7 +135,7 @@ ROWS = [
 ]
 FOURTH = {"A", "A_chunked", "G_defaults", "G_bf16_moments", "F"}  # profiled at HOST_4TH
 SIXTH = {"A6", "A6_chunked"}  # profiled at HOST_6TH
-STEP2 = {"A", "A_chunked", "G_step2"}  # measured before engine/refine.py: timed at step 2's split
+STEP2 = {"A", "A_chunked", "G_step2"}  # measured before runtime/refiner.py: timed at step 2's split
 BY = {r[0]: r for r in ROWS}
 
 

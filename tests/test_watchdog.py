@@ -1,4 +1,4 @@
-"""The plan's watchdog (engine/watchdog.py): which levers free VRAM, on the CPU engine with injected
+"""The plan's watchdog (runtime/watchdog.py): which levers free VRAM, on the CPU engine with injected
 peaks (the CPU has no VRAM: the peaks, and for bucket moves the placements a GPU would have, are
 stand-ins) through real training that must stay bit-identical to a run without the watchdog, and
 on the GPU a batch that grows under a per-process cap, and a step that runs out of memory."""

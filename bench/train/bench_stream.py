@@ -286,7 +286,7 @@ def _train(args, cfg: dict, res: dict) -> None:
     warmup = cfg["warmup"] if cfg["warmup"] is not None else args.warmup
     if kind == "ramstream" and cfg["cap_gib"]:
         # optimizer_mode="auto" settles after step 2 + MAX_REFINEMENTS x MEASURE_STEPS
-        # (engine/refine.py: the VRAM share, then up to two measured re-splits that move buckets)
+        # (runtime/refiner.py: the VRAM share, then up to two measured re-splits that move buckets)
         from ramstream.planner.rules import MAX_REFINEMENTS, MEASURE_STEPS
 
         warmup = max(warmup, 2 + MAX_REFINEMENTS * MEASURE_STEPS + 1)

@@ -50,6 +50,9 @@ def at_home(stage) -> list[int]:
         assert len(where) == 1, f"chunk {i} is half streamed"
         if where == {True}:
             out.append(i)
+        # a streamed chunk's gradients go home through the write-back's hook (one per parameter)
+        hooks = {len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in c.parameters()}
+        assert hooks == ({1} if where == {True} else {0}), f"chunk {i}: {hooks} gradient hooks"
     return out
 
 

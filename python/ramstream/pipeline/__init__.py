@@ -1,8 +1,8 @@
 """Single-process pipeline parallelism over the GPUs of one machine (RamTorch's Pipeline API):
 Pipeline (runtime.py: persistent stage threads running schedule.py's op orders; paging.py: its
-activation paging; streaming.py: its streaming inference), PipelineModel (model.py: an
-nn.Sequential split over devices, balanced by parameters or measured time: partition.py,
-timing.py)."""
+activation paging; streaming.py: its streaming inference; pinning.py: set_offload_pinned),
+PipelineModel (model.py: an nn.Sequential split over devices, balanced by parameters or measured
+time: partition.py, timing.py)."""
 
 from .model import PipelineModel, PipelinePaddingWarning
 from .runtime import Pipeline, PipelineResult

@@ -24,6 +24,7 @@ from .checks import (
     split_tensors,
 )
 from .paging import StagePager
+from .pinning import set_offload_pinned
 from .run import Chunk, PipelineResult, Run, cat_outputs
 from .split import Sequence, split_model
 from .stage import StageThread
@@ -461,6 +462,10 @@ class Pipeline:
         packs, kept, paged, paged_bytes, fetched, fetched_bytes, resident_peak, host pool bytes);
         [] without offload_activations."""
         return [pg.stats() for pg in self._pagers or []]
+
+    def set_offload_pinned(self, pinned, *, optimizers=(), force: bool = False) -> dict:
+        """Between steps, re-pins the streamed stages' chunks (RamTorch's; pinning.py, the guide)."""
+        return set_offload_pinned(self, pinned, optimizers=optimizers, force=force)
 
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:

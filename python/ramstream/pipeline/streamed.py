@@ -99,9 +99,12 @@ class StreamedStage(nn.Module):
         self.pinned = sorted(pinned)
         self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=window - 1)
         self.recompute = Recompute(list(chunks), list(range(n))) if keep_activations is not True else None
+        self._handles = self._hook_grads(blocks)
+
+    def _hook_grads(self, blocks) -> list:
         ref = weakref.ref(self)
         streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
-        self._handles = [p.register_post_accumulate_grad_hook(lambda p, r=ref: _land(r, p)) for p in streamed]
+        return [p.register_post_accumulate_grad_hook(lambda p, r=ref: _land(r, p)) for p in streamed]
 
     def forward(self, *args):
         x = args
@@ -123,6 +126,58 @@ class StreamedStage(nn.Module):
             self.grads.commit({})
         else:
             self.grads.discard()
+
+    def set_pinned(self, want) -> tuple[list, list, list]:
+        """Makes exactly the chunks `want` (indices) resident, between steps (pinning.py): a newly
+        pinned chunk's weights and `.grad` are copied to the device, a newly streamed one's into
+        new home slabs (its `.grad` home); the other chunks keep their slabs. Values are copied,
+        never changed. Every copy is made before anything switches: one that fails (out of
+        memory) leaves the stage as it was. Returns (newly pinned, newly streamed, their
+        parameters). Not during a step (the caller holds the pipeline's lock)."""
+        want = set(want)
+        to_pin, to_unpin = sorted(want - set(self.pinned)), sorted(set(self.pinned) - want)
+        moved = [p for i in to_pin + to_unpin for p in self.parts[i].parameters()]
+        if not to_pin and not to_unpin:
+            return to_pin, to_unpin, moved
+        self.streamer.evict_all()
+        self.copier.synchronize()
+        out = [p for i in to_unpin for p in self.parts[i].parameters()]
+        saved = [(p, p.data, p.grad) for p in out]
+        data, grads, fresh = {}, {}, {}
+        try:
+            with torch.no_grad():
+                for i in to_pin:
+                    for p in self.parts[i].parameters():
+                        data[p] = p.data.to(self.device, copy=True)
+                        grads[p] = None if p.grad is None else p.grad.to(self.device)
+                for p in out:
+                    p.grad = None  # (its data moves home next: a .grad elsewhere would not match)
+                for i in to_unpin:  # the slabs copy the weights home and point the parameters there
+                    fresh[i] = Block(i, self.parts[i], frozen_slabs(self.parts[i], set(), self.copier), [])
+                for p, _, g in saved:
+                    grads[p] = None if g is None else g.to(p.device)
+        except BaseException:
+            for p, d, g in saved:
+                p.data, p.grad = d, g
+            raise
+        old = {b.index: b for b in self.streamer.blocks}
+        stats = self.streamer.stats
+        self.streamer.close()
+        for h in self._handles:
+            h.remove()
+        with torch.no_grad():
+            for p in data:
+                p.grad = None
+                p.data = data[p]
+            for p, g in grads.items():
+                p.grad = g
+        self.grads.forget([id(p) for p in data])  # their pooled pinned buffers go back
+        blocks = [old.get(i) or fresh[i] for i in range(len(self.parts)) if i not in want]
+        self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=self.streamer.ahead)
+        self.streamer.stats = stats  # its counters go on
+        self._handles = self._hook_grads(blocks)
+        self.pinned = sorted(want)
+        return to_pin, to_unpin, moved
 
     def _apply(self, fn, recurse=True):
         raise TypeError(

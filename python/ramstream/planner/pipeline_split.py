@@ -27,6 +27,7 @@ __all__ = [
     "check_budgets",
     "choose_streaming",
     "partition",
+    "pinned_streaming",
     "split_pipeline",
     "stage_bytes",
 ]
@@ -282,6 +283,26 @@ def choose_streaming(chunks, budget=None, *, window=None, pin=None, stage: int =
         f"window {windows[-1]} x {_gib(slot)} (the largest streamed chunk, {big}: parameters + gradients) = "
         f"{_gib(need)} > {_gib(budget)}; give the stage fewer or smaller chunks, or more memory"
     )
+
+
+def pinned_streaming(chunks, pinned, window: int, budget=None, *, stage: int = 0, force: bool = False):
+    """choose_streaming's arithmetic for pinned chunks chosen by hand (Pipeline.set_offload_pinned):
+    the StageStreaming of a streamed stage whose chunks need `chunks` bytes, each (parameters,
+    gradients, optimizer state), with the chunk indices `pinned` resident and `window` slots.
+    Needing more than `budget` (bytes; None: unlimited): MemoryError with the arithmetic, unless
+    force (then the StageStreaming shows device_bytes > budget)."""
+    pins = set(pinned)
+    slot, res, need = _streaming_need(chunks, pins, window)
+    cap = None if budget is None or budget == _INF else int(budget)
+    if cap is not None and need > cap and not force:
+        raise MemoryError(
+            f"Pipeline.set_offload_pinned: stage {stage} with chunks {sorted(pins)} pinned needs {res} B resident "
+            f"(parameters + gradients + {OPTIMIZER_BYTES_PER_ELEMENT} B of AdamW state per trained element) + "
+            f"window {window} x {slot} B (the largest streamed chunk: parameters + gradients) = {need} B "
+            f"({_gib(need)}) > its budget {cap} B ({_gib(cap)}: device_memory less the device's resident "
+            "pieces, shared by its streamed pieces; offload_plan's budget); pin fewer chunks, or pass force=True"
+        )
+    return StageStreaming(window, len(pins), tuple(sorted(pins)), slot, res, need, cap, ())
 
 
 # ---- the whole split ------------------------------------------------------------------------------

@@ -24,22 +24,13 @@ from .checks import (
     split_tensors,
 )
 from .paging import StagePager
-from .run import Chunk, PipelineResult, Run, cat_outputs
+from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
 from .split import Sequence, split_model
 from .stage import StageThread
 from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
 
 __all__ = ["Pipeline", "PipelineResult"]
-
-
-def _sum_loss(out, _target):
-    if not torch.is_tensor(out):
-        raise TypeError(
-            "Pipeline.step: without loss_fn the loss is output.sum(), which needs a tensor output; "
-            f"got {type(out).__name__}: pass loss_fn or grad_outputs"
-        )
-    return out.sum()
 
 
 def _stop(threads, streamed) -> None:
@@ -340,7 +331,7 @@ class Pipeline:
                 raise ValueError(
                     "Pipeline.step: targets given without loss_fn; pass loss_fn=(output, target) -> loss"
                 )
-            loss_fn = _sum_loss
+            loss_fn = sum_loss
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
             train=True, trace=trace_path is not None, pagers=self._pagers,
@@ -389,7 +380,7 @@ class Pipeline:
         self._check_open()
         n = check_int("Pipeline.infer", "n_microbatches", n_microbatches, 1)
         inputs, _ = split_batch(data, n)
-        ops = self._forward_ops(n)
+        ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
             self._chunks,
             ops,
@@ -445,16 +436,6 @@ class Pipeline:
         finally:
             if opened:
                 stream.close()
-
-    def _forward_ops(self, n: int) -> list:
-        """Forwards only: every stage in the order (microbatch group, chunk, microbatch)."""
-        S = self.num_stages
-        ops = []
-        for s in range(S):
-            mine = [c for c in range(len(self._chunks)) if c % S == s]
-            keys = sorted((m // S, c, m) for c in mine for m in range(n))
-            ops.append([schedules.Op("F", m, c) for _, c, m in keys])
-        return ops
 
     def activation_stats(self) -> list:
         """Per stage, what offload_activations moved since construction (StagePager.stats():

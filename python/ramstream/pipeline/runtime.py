@@ -29,6 +29,7 @@ from .split import Sequence, split_model
 from .stage import StageThread
 from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
+from .twobw import TrainSession
 
 __all__ = ["Pipeline", "PipelineResult"]
 
@@ -178,6 +179,7 @@ class Pipeline:
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
         self._stream: InferStream | None = None
+        self._session: TrainSession | None = None
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
         self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
@@ -223,7 +225,7 @@ class Pipeline:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "Pipeline: a step() or infer() is already running (from another thread, or from inside a "
-                "stage), or an infer_open() stream is open (close it first)"
+                "stage), or an infer_open() stream or a train_session() is open (close it first)"
             )
         try:
             run.mark_start()
@@ -407,7 +409,7 @@ class Pipeline:
         if self._stream is not None:
             return self._stream
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError("Pipeline.infer_open: a step() or infer() is running")
+            raise RuntimeError("Pipeline.infer_open: a step(), infer() or train_session() is active")
         self._stream = InferStream(self._chunks, self._threads, self._end_stream)
         return self._stream
 
@@ -443,6 +445,20 @@ class Pipeline:
         [] without offload_activations."""
         return [pg.stats() for pg in self._pagers or []]
 
+    def train_session(
+        self, *, optimizer_factory, n_microbatches=4, loss_fn, schedule="pipedream_2bw", max_inflight=None,
+        optimizer_device=None,
+    ) -> TrainSession:  # fmt: skip
+        """A PipeDream-2BW training session (twobw.py; the pipeline guide): run(loader, updates=N)
+        trains with per-stage local updates and two weight versions per stage, one update stale.
+        optimizer_factory(params) -> Optimizer per stage (or a list, one per stage); optimizer_device
+        "cpu": it steps fp32 CPU masters. step()/infer() raise RuntimeError until it is closed."""
+        self._check_open()
+        return TrainSession(
+            self, optimizer_factory=optimizer_factory, n_microbatches=n_microbatches, loss_fn=loss_fn,
+            schedule=schedule, max_inflight=max_inflight, optimizer_device=optimizer_device,
+        )  # fmt: skip
+
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:
         """RamTorch's "accumulators -> .grad", with one meaning (OffloadModel's): every step()
@@ -467,6 +483,8 @@ class Pipeline:
             return
         if self._stream is not None:
             self._stream.close()
+        if self._session is not None:
+            self._session.close()
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:

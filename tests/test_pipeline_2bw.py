@@ -394,6 +394,35 @@ def test_eval_mode_batchnorm_and_dropout_are_accepted():
             run_with_timeout(lambda: tr.run(loader(1), updates=1))
 
 
+class Counting(nn.Module):
+    """Tanh with a constant buffer (accepted) and, when `counts`, a buffer its forward increments."""
+
+    def __init__(self, counts: bool) -> None:
+        super().__init__()
+        self.counts = counts
+        self.register_buffer("scale", torch.ones(1))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.counts:
+            self.seen += 1
+        return torch.tanh(x) * self.scale
+
+
+@pytest.mark.parametrize("counts", [False, True], ids=["constant", "changed"])
+def test_buffers_a_forward_changes_are_caught(counts):
+    model = blocks(4)
+    model[3].append(Counting(counts))
+    with Pipeline(stage_modules=groups(model, 2), devices=["cpu", "cpu"]) as pipe:
+        with pipe.train_session(optimizer_factory=sgd, n_microbatches=M, loss_fn=F.mse_loss) as tr:
+            if counts:
+                with pytest.raises(RuntimeError, match="stage 1's forward modified its buffer '1.2.seen'"):
+                    run_with_timeout(lambda: tr.run(loader(2), updates=2), seconds=30)
+                assert tr.total_updates == 0
+            else:
+                assert run_with_timeout(lambda: tr.run(loader(2), updates=2)).total_updates == 2
+
+
 def test_unsupported_pipelines_are_refused():
     chunks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)]
     cases = [

@@ -46,7 +46,8 @@ def reference_2bw(stages, factory, batches, m, versions, loss_fn=F.mse_loss, aut
     `autocast` each stage's forward and the loss run under torch.autocast on the CPU.
     Returns the trained stages, their optimizers and the per-update mean losses."""
     cur = [copy.deepcopy(st) for st in stages]
-    opts = [factory([p for p in st.parameters() if p.requires_grad]) for st in cur]
+    trained = [[p for p in st.parameters() if p.requires_grad] for st in cur]
+    opts = [factory(ps) if ps else None for ps in trained]
     history = [[copy.deepcopy(st) for st in cur]]  # history[k]: the stages after k updates
     losses = []
     for g, (x, y) in enumerate(batches):
@@ -68,6 +69,8 @@ def reference_2bw(stages, factory, batches, m, versions, loss_fn=F.mse_loss, aut
                     if p.grad is not None:
                         acc[s][name] = p.grad if name not in acc[s] else acc[s][name] + p.grad
         for s, st in enumerate(cur):
+            if opts[s] is None:
+                continue
             for name, p in st.named_parameters():
                 p.grad = acc[s].get(name)
             opts[s].step()
@@ -86,6 +89,9 @@ def assert_params_equal(got_modules, want_modules):
 
 def assert_state_equal(got_opts, want_opts):
     for a, b in zip(got_opts, want_opts):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
         pa = [p for g in a.param_groups for p in g["params"]]
         pb = [p for g in b.param_groups for p in g["params"]]
         for p, q in zip(pa, pb):
@@ -137,6 +143,22 @@ def test_bit_identical_to_the_2bw_reference(stages, factory, cpu_masters):
     got_losses = r1.losses + r2.losses
     assert len(got_losses) == 5 and all(torch.equal(a, b) for a, b in zip(got_losses, want_losses))
     assert 1 <= r1.peak_inflight <= 2 * M + stages
+
+
+def test_frozen_parameters_and_a_frozen_stage():
+    model = blocks()
+    for i in (0, 1, 5):
+        model[i].requires_grad_(False)  # stage 0 (blocks 0-1) has nothing to train
+    ref_stages = [copy.deepcopy(st) for st in groups(model, 4)]
+    batches = loader(4)
+    with Pipeline(stage_modules=groups(model, 4), devices=["cpu"] * 4) as pipe:
+        with pipe.train_session(optimizer_factory=adamw, n_microbatches=M, loss_fn=F.mse_loss) as tr:
+            r = run_with_timeout(lambda: tr.run(batches, updates=4))
+            opts = tr.optimizers
+    assert opts[0] is None
+    want, want_opts, _ = reference_2bw(ref_stages, adamw, batches, M, r.versions)
+    assert_params_equal(pipe.modules, want)
+    assert_state_equal(opts, want_opts)
 
 
 def test_bf16_autocast_is_bit_identical_to_the_reference():

@@ -250,20 +250,21 @@ class TrainSession:
             ex.fail(e)
         finally:
             ex.finished()
+        interrupt = None
         try:
             while left:
                 done.get()
                 left -= 1
-        except BaseException as e:  # an interrupt while waiting: stop the stages, wait, re-raise
+        except BaseException as e:  # an interrupt while waiting: stop the stages, wait, roll back
+            interrupt = e
             ex.fail(e)
             while left:
                 done.get()
                 left -= 1
-            raise
         self._join(state)
         if ex.error is not None:
             self._fail(ex.error, state.ends)
-            raise ex.error
+            raise interrupt or ex.error
         self.total_updates += n
         losses = [torch.stack(state.losses[g * m : (g + 1) * m]).mean() for g in range(n)]
         return TrainRunResult(n, self.total_updates, gate.peak, losses, state.versions)

@@ -19,7 +19,7 @@ import torch
 
 from .stage import Exchange, Stopped, device_context, receive, send
 
-__all__ = ["Chunk", "PipelineResult", "Run"]
+__all__ = ["Chunk", "PipelineResult", "Run", "cat_outputs", "sum_loss"]
 
 
 class Chunk:
@@ -69,6 +69,16 @@ class PipelineResult:
         if self._pipeline is None:
             raise RuntimeError("PipelineResult.flush_grads: no pipeline attached")
         self._pipeline.flush_grads(scale)
+
+
+def sum_loss(out, _target):
+    """Pipeline.step's loss without loss_fn (RamTorch's default): output.sum()."""
+    if not torch.is_tensor(out):
+        raise TypeError(
+            "Pipeline.step: without loss_fn the loss is output.sum(), which needs a tensor output; "
+            f"got {type(out).__name__}: pass loss_fn or grad_outputs"
+        )
+    return out.sum()
 
 
 def cat_outputs(outs):

@@ -25,22 +25,14 @@ from .checks import (
 )
 from .paging import StagePager
 from .pinning import set_offload_pinned
-from .run import Chunk, PipelineResult, Run, cat_outputs
+from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
 from .split import Sequence, split_model
 from .stage import StageThread
 from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
+from .twobw import TrainSession
 
 __all__ = ["Pipeline", "PipelineResult"]
-
-
-def _sum_loss(out, _target):
-    if not torch.is_tensor(out):
-        raise TypeError(
-            "Pipeline.step: without loss_fn the loss is output.sum(), which needs a tensor output; "
-            f"got {type(out).__name__}: pass loss_fn or grad_outputs"
-        )
-    return out.sum()
 
 
 def _stop(threads, streamed) -> None:
@@ -188,6 +180,7 @@ class Pipeline:
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
         self._stream: InferStream | None = None
+        self._session: TrainSession | None = None
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
         self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
@@ -233,7 +226,7 @@ class Pipeline:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "Pipeline: a step() or infer() is already running (from another thread, or from inside a "
-                "stage), or an infer_open() stream is open (close it first)"
+                "stage), or an infer_open() stream or a train_session() is open (close it first)"
             )
         try:
             run.mark_start()
@@ -341,7 +334,7 @@ class Pipeline:
                 raise ValueError(
                     "Pipeline.step: targets given without loss_fn; pass loss_fn=(output, target) -> loss"
                 )
-            loss_fn = _sum_loss
+            loss_fn = sum_loss
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
             train=True, trace=trace_path is not None, pagers=self._pagers,
@@ -390,7 +383,7 @@ class Pipeline:
         self._check_open()
         n = check_int("Pipeline.infer", "n_microbatches", n_microbatches, 1)
         inputs, _ = split_batch(data, n)
-        ops = self._forward_ops(n)
+        ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
             self._chunks,
             ops,
@@ -417,7 +410,7 @@ class Pipeline:
         if self._stream is not None:
             return self._stream
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError("Pipeline.infer_open: a step() or infer() is running")
+            raise RuntimeError("Pipeline.infer_open: a step(), infer() or train_session() is active")
         self._stream = InferStream(self._chunks, self._threads, self._end_stream)
         return self._stream
 
@@ -447,16 +440,6 @@ class Pipeline:
             if opened:
                 stream.close()
 
-    def _forward_ops(self, n: int) -> list:
-        """Forwards only: every stage in the order (microbatch group, chunk, microbatch)."""
-        S = self.num_stages
-        ops = []
-        for s in range(S):
-            mine = [c for c in range(len(self._chunks)) if c % S == s]
-            keys = sorted((m // S, c, m) for c in mine for m in range(n))
-            ops.append([schedules.Op("F", m, c) for _, c, m in keys])
-        return ops
-
     def activation_stats(self) -> list:
         """Per stage, what offload_activations moved since construction (StagePager.stats():
         packs, kept, paged, paged_bytes, fetched, fetched_bytes, resident_peak, host pool bytes);
@@ -466,6 +449,20 @@ class Pipeline:
     def set_offload_pinned(self, pinned, *, optimizers=(), force: bool = False) -> dict:
         """Between steps, re-pins the streamed stages' chunks (RamTorch's; pinning.py, the guide)."""
         return set_offload_pinned(self, pinned, optimizers=optimizers, force=force)
+
+    def train_session(
+        self, *, optimizer_factory, n_microbatches=4, loss_fn, schedule="pipedream_2bw", max_inflight=None,
+        optimizer_device=None,
+    ) -> TrainSession:  # fmt: skip
+        """A PipeDream-2BW training session (twobw.py; the pipeline guide): run(loader, updates=N)
+        trains with per-stage local updates and two weight versions per stage, one update stale.
+        optimizer_factory(params) -> Optimizer per stage (or a list, one per stage); optimizer_device
+        "cpu": it steps fp32 CPU masters. step()/infer() raise RuntimeError until it is closed."""
+        self._check_open()
+        return TrainSession(
+            self, optimizer_factory=optimizer_factory, n_microbatches=n_microbatches, loss_fn=loss_fn,
+            schedule=schedule, max_inflight=max_inflight, optimizer_device=optimizer_device,
+        )  # fmt: skip
 
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:
@@ -491,6 +488,8 @@ class Pipeline:
             return
         if self._stream is not None:
             self._stream.close()
+        if self._session is not None:
+            self._session.close()
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:

@@ -114,6 +114,17 @@ def build(name: str, stages: int, microbatches: int, chunks_per_stage: int = 1) 
     return out
 
 
+def forwards(stages: int, chunks: int, microbatches: int) -> list[list[Op]]:
+    """Forwards only (inference): every stage's chunks in the order (microbatch group of `stages`,
+    chunk, microbatch)."""
+    ops = []
+    for s in range(stages):
+        mine = [c for c in range(chunks) if c % stages == s]
+        keys = sorted((m // stages, c, m) for c in mine for m in range(microbatches))
+        ops.append([Op("F", m, c) for _, c, m in keys])
+    return ops
+
+
 def _one_f_one_b(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
     """`warmup` forwards, then one forward one backward, then the remaining backwards."""
     ops = fwd[:warmup]

@@ -27,20 +27,12 @@ from .paging import StagePager
 from .pinning import set_offload_pinned
 from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
 from .split import Sequence, split_model
-from .stage import StageThread
+from .stage import StageThread, stop_all
 from .streamed import StreamedStage, stream_choices
 from .streaming import InferHandle, InferStream
 from .twobw import TrainSession
 
 __all__ = ["Pipeline", "PipelineResult"]
-
-
-def _stop(threads, streamed) -> None:
-    """The pipeline was collected without close(): its threads end, its streamed stages unhook."""
-    for t in threads:
-        t.stop(wait=False)
-    for st in streamed:
-        st.close()
 
 
 class Pipeline:
@@ -183,7 +175,7 @@ class Pipeline:
         self._session: TrainSession | None = None
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
-        self._finalizer = weakref.finalize(self, _stop, list(self._threads), list(self._streamed))
+        self._finalizer = weakref.finalize(self, stop_all, list(self._threads), list(self._streamed))
 
     def _check_params(self) -> list:
         owner: dict = {}
@@ -454,10 +446,8 @@ class Pipeline:
         self, *, optimizer_factory, n_microbatches=4, loss_fn, schedule="pipedream_2bw", max_inflight=None,
         optimizer_device=None,
     ) -> TrainSession:  # fmt: skip
-        """A PipeDream-2BW training session (twobw.py; the pipeline guide): run(loader, updates=N)
-        trains with per-stage local updates and two weight versions per stage, one update stale.
-        optimizer_factory(params) -> Optimizer per stage (or a list, one per stage); optimizer_device
-        "cpu": it steps fp32 CPU masters. step()/infer() raise RuntimeError until it is closed."""
+        """A PipeDream-2BW training session (twobw.py TrainSession; the pipeline guide: one update
+        stale, per-stage local updates; step()/infer() raise RuntimeError until it is closed)."""
         self._check_open()
         return TrainSession(
             self, optimizer_factory=optimizer_factory, n_microbatches=n_microbatches, loss_fn=loss_fn,

@@ -195,3 +195,11 @@ class StageThread:
         self.inbox.put(None)
         if wait and self.thread is not threading.current_thread():
             self.thread.join()
+
+
+def stop_all(threads, streamed) -> None:
+    """A pipeline collected without close(): its threads end, its streamed stages unhook."""
+    for t in threads:
+        t.stop(wait=False)
+    for st in streamed:
+        st.close()

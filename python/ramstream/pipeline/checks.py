@@ -180,7 +180,12 @@ def split_tensors(where: str, x, n: int, rows: int | None = None):
                 f"Pipeline.step: {where} needs at least n_microbatches={n} rows in dim 0, got shape {tuple(x.shape)}"
             )
         if rows is not None and x.shape[0] != rows:
-            raise ValueError(f"Pipeline.step: {where} has {x.shape[0]} rows in dim 0, data has {rows}")
+            hint = (
+                "; pre-split microbatches go as a tuple of tuples: ((x0,), (x1,), ...)"
+                if where == "data"
+                else ""
+            )
+            raise ValueError(f"Pipeline.step: {where} has {x.shape[0]} rows in dim 0, data has {rows}{hint}")
         return list(torch.tensor_split(x, n, dim=0))
     if isinstance(x, (tuple, list)):
         cols = [split_tensors(where, v, n, rows) if torch.is_tensor(v) else [v] * n for v in x]
@@ -196,6 +201,11 @@ def split_batch(data, n: int):
         pieces = split_tensors("data", data, n)
         return [(p,) for p in pieces], data.shape[0]
     if isinstance(data, (tuple, list)):
+        if data and all(isinstance(v, (tuple, list)) for v in data):
+            raise ValueError(
+                "Pipeline: data as pre-split microbatches (a tuple of tuples) is accepted by step() and "
+                "infer() only; give one batch (a tensor or a flat tuple of tensors)"
+            )
         tensors = [v for v in data if torch.is_tensor(v)]
         if not tensors:
             raise TypeError("Pipeline.step: data as a tuple must hold at least one tensor")

@@ -218,7 +218,7 @@ class PipelineModel(nn.Module):
         *,
         targets=None,
         schedule: str = "1f1b",
-        n_microbatches: int = 4,
+        n_microbatches: int | None = None,
         loss_fn=None,
         trace_path=None,
         profile_path=None,
@@ -236,7 +236,7 @@ class PipelineModel(nn.Module):
             grad_outputs=grad_outputs,
         )
 
-    def infer(self, data, *, n_microbatches: int = 4, trace_path=None, profile_path=None):
+    def infer(self, data, *, n_microbatches: int | None = None, trace_path=None, profile_path=None):
         """Pipeline.infer() on the stages (no padding)."""
         return self._pipe.infer(
             data, n_microbatches=n_microbatches, trace_path=trace_path, profile_path=profile_path

@@ -16,13 +16,11 @@ from . import schedule as schedules
 from .checks import (
     check_autocast,
     check_devices,
-    check_int,
     check_offload,
     check_paths,
     dice,
-    split_batch,
-    split_tensors,
 )
+from .microbatch import cut_inputs
 from .paging import StagePager
 from .pinning import set_offload_pinned
 from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
@@ -265,7 +263,7 @@ class Pipeline:
         *,
         targets=None,
         schedule: str = "1f1b",
-        n_microbatches: int = 4,
+        n_microbatches: int | None = None,
         loss_fn=None,
         trace_path=None,
         profile_path=None,
@@ -273,8 +271,11 @@ class Pipeline:
     ) -> PipelineResult:
         """One training step: forward and backward of `n_microbatches` microbatches.
 
-        data (a tensor, or a tuple: the first stage's positional arguments) and targets are cut
-        along dim 0 into n_microbatches pieces (torch.tensor_split). Per microbatch the loss is
+        data (a tensor, or a flat tuple: the first stage's positional arguments) and targets are
+        cut along dim 0 into n_microbatches (default 4) pieces (torch.tensor_split); or data is
+        pre-split: a tuple/list of microbatches, each a tuple of tensors (microbatch.py; targets
+        and grad_outputs then one entry per microbatch, or a tensor cut at their rows; the
+        guide has the rules). Per microbatch the loss is
         loss_fn(output, target) (without loss_fn and targets: output.sum(), RamTorch's default),
         and loss / n_microbatches is backpropagated, so the gradients are those of the mean of
         the microbatch losses: the full-batch mean when the microbatches are equal and loss_fn
@@ -302,20 +303,20 @@ class Pipeline:
                 "scaling (GradScaler), which the pipeline does not apply; use autocast=torch.bfloat16 "
                 "(fp16 stays available for infer())"
             )
-        n = check_int("Pipeline.step", "n_microbatches", n_microbatches, 1)
+        inputs, cut, _ = cut_inputs("Pipeline.step", data, n_microbatches)
+        n = len(inputs)
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("Pipeline.step: give loss_fn or grad_outputs, not both")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"Pipeline.step: loss_fn must be callable, got {type(loss_fn).__name__}")
         ops = schedules.build(schedule, self.num_stages, n, self.chunks_per_stage)
-        inputs, rows = split_batch(data, n)
-        tg = split_tensors("targets", targets, n, rows) if targets is not None else [None] * n
+        tg = cut("targets", targets) if targets is not None else [None] * n
         grads = None
         if grad_outputs is not None:
             if callable(grad_outputs):
                 grads = [grad_outputs] * n
             elif torch.is_tensor(grad_outputs) or isinstance(grad_outputs, tuple):
-                grads = split_tensors("grad_outputs", grad_outputs, n, rows)
+                grads = cut("grad_outputs", grad_outputs)
             else:
                 raise TypeError(
                     "Pipeline.step: grad_outputs must be a tensor, a tuple of tensors (None where an "
@@ -367,14 +368,14 @@ class Pipeline:
                 elif old is not None and not fresh:
                     p.grad = old.add_(new)
 
-    def infer(self, data, *, n_microbatches: int = 4, trace_path=None, profile_path=None):
-        """Forward only, under no_grad: data cut into n_microbatches along dim 0, pipelined
-        through the stages (stage s runs microbatch k while stage s+1 runs k-1); returns the last
-        stage's outputs concatenated along dim 0 (a tuple output: element-wise). Holds no
-        activations; .grad is not touched."""
+    def infer(self, data, *, n_microbatches: int | None = None, trace_path=None, profile_path=None):
+        """Forward only, under no_grad: data cut into n_microbatches (default 4) along dim 0, or
+        pre-split as step() takes it, pipelined through the stages (stage s runs microbatch k while
+        stage s+1 runs k-1); returns the last stage's outputs concatenated along dim 0 (a tuple
+        output: element-wise), or for pre-split data a tuple of the outputs per microbatch."""
         self._check_open()
-        n = check_int("Pipeline.infer", "n_microbatches", n_microbatches, 1)
-        inputs, _ = split_batch(data, n)
+        inputs, _, presplit = cut_inputs("Pipeline.infer", data, n_microbatches)
+        n = len(inputs)
         ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
             self._chunks,
@@ -391,7 +392,7 @@ class Pipeline:
         finally:
             for st in self._streamed:
                 st.streamer.evict_all()
-        return cat_outputs(run.outputs)
+        return tuple(run.outputs) if presplit else cat_outputs(run.outputs)
 
     # ---- streaming inference (streaming.py) -------------------------------------------------------
     def infer_open(self) -> InferStream:

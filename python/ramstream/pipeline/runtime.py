@@ -315,7 +315,7 @@ class Pipeline:
         if grad_outputs is not None:
             if callable(grad_outputs):
                 grads = [grad_outputs] * n
-            elif torch.is_tensor(grad_outputs) or isinstance(grad_outputs, tuple):
+            elif torch.is_tensor(grad_outputs) or isinstance(grad_outputs, (tuple, list)):
                 grads = cut("grad_outputs", grad_outputs)
             else:
                 raise TypeError(

@@ -303,7 +303,7 @@ class Pipeline:
                 "scaling (GradScaler), which the pipeline does not apply; use autocast=torch.bfloat16 "
                 "(fp16 stays available for infer())"
             )
-        inputs, cut, _ = cut_inputs("Pipeline.step", data, n_microbatches)
+        inputs, cut, presplit = cut_inputs("Pipeline.step", data, n_microbatches)
         n = len(inputs)
         if grad_outputs is not None and loss_fn is not None:
             raise ValueError("Pipeline.step: give loss_fn or grad_outputs, not both")
@@ -315,7 +315,9 @@ class Pipeline:
         if grad_outputs is not None:
             if callable(grad_outputs):
                 grads = [grad_outputs] * n
-            elif torch.is_tensor(grad_outputs) or isinstance(grad_outputs, (tuple, list)):
+            elif torch.is_tensor(grad_outputs) or isinstance(
+                grad_outputs, (tuple, list) if presplit else tuple
+            ):
                 grads = cut("grad_outputs", grad_outputs)
             else:
                 raise TypeError(
@@ -378,15 +380,9 @@ class Pipeline:
         n = len(inputs)
         ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
-            self._chunks,
-            ops,
-            inputs,
-            [None] * n,
-            loss_fn=None,
-            grads=None,
-            train=False,
+            self._chunks, ops, inputs, [None] * n, loss_fn=None, grads=None, train=False,
             trace=trace_path is not None,
-        )
+        )  # fmt: skip
         try:
             self._profiled(run, ops, trace_path, profile_path)
         finally:

@@ -14,14 +14,31 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train", "bench_nvme.py")
 
 
-def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
+def _run(tmp_path, monkeypatch, *extra) -> tuple[dict, object]:
+    """The script's CPU smoke (4 steps) into a fresh scratch folder: (its JSON, the folder)."""
     out = tmp_path / "nvme.json"
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    argv = [SCRIPT, "--device", "cpu", "--tiny", "--steps", "4", "--dir", str(scratch), "--out", str(out)]
+    argv = [
+        SCRIPT,
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "4",
+        *extra,
+        "--dir",
+        str(scratch),
+        "--out",
+        str(out),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     assert runpy.run_path(SCRIPT)["main"]() == 0
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text()), scratch
+
+
+def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
+    r, scratch = _run(tmp_path, monkeypatch)
     ram, disk, s = r["ram"], r["disk"], r["summary"]
     assert s["losses_equal"] and len(disk["losses"]) == 4
     assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0
@@ -44,14 +61,7 @@ def test_bench_nvme_weights_cpu_smoke(tmp_path, monkeypatch):
     """--what weights: a frozen base's streamed weights on disk (nvme_weights) train to the same
     losses as in RAM, nothing is written per step, and each step reads every disk block once or
     twice (forward, and backward unless it stayed loaded)."""
-    out = tmp_path / "nvme_w.json"
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    argv = [SCRIPT, "--device", "cpu", "--tiny", "--steps", "4", "--what", "weights", "--dir", str(scratch),
-            "--out", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    assert runpy.run_path(SCRIPT)["main"]() == 0
-    r = json.loads(out.read_text())
+    r, scratch = _run(tmp_path, monkeypatch, "--what", "weights")
     ram, disk, s = r["ram"], r["disk"], r["summary"]
     assert s["losses_equal"] and len(disk["losses"]) == 4
     assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0

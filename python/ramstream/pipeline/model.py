@@ -54,7 +54,7 @@ class PipelineModel(nn.Module):
         device_memory: bytes per stage (None entries: unlimited) that the stage's parameters,
             gradients and AdamW state (8 bytes per trainable element) must fit; activations are
             not counted. No contiguous split fits: MemoryError with the arithmetic.
-        overlap, autocast: as Pipeline's.
+        overlap, autocast, fake_compute: as Pipeline's.
         warn_on_padding: forward() warns (PipelinePaddingWarning) when it pads the last
             microbatch.
 
@@ -81,6 +81,7 @@ class PipelineModel(nn.Module):
         autocast=None,
         piece_times=None,
         device_memory=None,
+        fake_compute=None,
     ) -> None:
         super().__init__()
         kids = children_of(model, "PipelineModel")
@@ -145,8 +146,9 @@ class PipelineModel(nn.Module):
         self._example_batch = None if example_input is None else int(example_input.shape[0])
         object.__setattr__(self, "_model", model)  # not a submodule: its names and keys stay its own
         self._pipe = Pipeline(
-            stage_modules=pieces, devices=devs, overlap=overlap, autocast=autocast, offload=False
-        )
+            stage_modules=pieces, devices=devs, overlap=overlap, autocast=autocast, offload=False,
+            fake_compute=fake_compute,
+        )  # fmt: skip
         self.devices = self._pipe.devices
         self.num_stages = n
 

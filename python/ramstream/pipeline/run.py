@@ -103,12 +103,13 @@ class Run:
     (per microbatch, the first chunk's positional arguments), `targets` (per microbatch or None),
     `loss_fn` or `grads` (per microbatch: the last output's gradient, or a callable), `train`
     (False: forwards only, under no_grad), `pagers` (per stage: a StagePager paging saved
-    activations, or None). run_stage(s) never raises: the first failure is in `exchange.error`."""
+    activations, or None), `fake` (Pipeline's fake_compute: seconds slept before each op). run_stage(s) never raises: the first failure is in `exchange.error`."""
 
     def __init__(
-        self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None
+        self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None, fake=None
     ) -> None:
         self.chunks, self.ops = chunks, ops
+        self.fake = fake  # fake_compute: (fwd, bwd) seconds per stage, split over its chunks, or None
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.grads, self.train = loss_fn, grads, train
         self.n = len(inputs)
@@ -198,6 +199,9 @@ class Run:
 
     def run_op(self, s: int, op) -> None:
         t0 = time.perf_counter()
+        if self.fake is not None:  # a stage's seconds per microbatch, shared by its chunks
+            v = len(self.chunks) // len(self.ops)
+            time.sleep(self.fake[0 if op.kind == "F" else 1][s] / v)
         if op.kind == "F":
             self.forward(s, op.chunk, op.mb)
         else:

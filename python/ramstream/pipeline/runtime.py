@@ -13,13 +13,7 @@ import weakref
 import torch
 
 from . import schedule as schedules
-from .checks import (
-    check_autocast,
-    check_devices,
-    check_offload,
-    check_paths,
-    dice,
-)
+from .checks import check_autocast, check_devices, check_fake_compute, check_offload, check_paths, dice
 from .microbatch import cut_inputs
 from .paging import StagePager
 from .pinning import set_offload_pinned
@@ -70,6 +64,8 @@ class Pipeline:
             pipeline guide has the arithmetic), listed in `offload_plan`.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
+        fake_compute: None, or {"fwd": s, "bwd": s} (seconds, or a list per stage) slept before each
+            op of step() and infer() (a stage's seconds split over its chunks): schedule timing.
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
             backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
             back at their backward (paging.py; bit-identical; activation_stats() counts it).
@@ -103,6 +99,7 @@ class Pipeline:
         offload_activations: bool = False,
         offload_act_slots: int = 2,
         device_memory=None,
+        fake_compute=None,
     ) -> None:
         self._threads: list = []
         self._closed = False
@@ -146,6 +143,7 @@ class Pipeline:
         self.devices = devs
         self.num_stages = n
         self.chunks_per_stage = v
+        self._fake = check_fake_compute(fake_compute, n)
         choices = stream_choices(pieces, n, offload, device_memory, offload_window, offload_pin)
         self.offload_plan = [ch for ch in choices if ch is not None]
         streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devs]
@@ -332,7 +330,7 @@ class Pipeline:
             loss_fn = sum_loss
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
-            train=True, trace=trace_path is not None, pagers=self._pagers,
+            train=True, trace=trace_path is not None, pagers=self._pagers, fake=self._fake,
         )  # fmt: skip
         stash = [(p, p.grad) for p in self._params if p.requires_grad]
         for p, _ in stash:
@@ -381,7 +379,7 @@ class Pipeline:
         ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
             self._chunks, ops, inputs, [None] * n, loss_fn=None, grads=None, train=False,
-            trace=trace_path is not None,
+            trace=trace_path is not None, fake=self._fake,
         )  # fmt: skip
         try:
             self._profiled(run, ops, trace_path, profile_path)

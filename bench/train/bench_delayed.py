@@ -56,6 +56,18 @@ def write_json(path: str, results: dict) -> None:
     os.replace(tmp, path)
 
 
+def capped_device(args):
+    """args.device as a torch.device; on a GPU, this process's memory capped at args.cap_gib GiB
+    (0: no cap) with torch.cuda.set_per_process_memory_fraction."""
+    import torch
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and args.cap_gib:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+    return dev
+
+
 def run_variant(args, delayed) -> dict:
     """One training run in this process; delayed: False or the delayed_update value."""
     import torch
@@ -65,11 +77,8 @@ def run_variant(args, delayed) -> dict:
     sys.path.insert(0, HERE)
     from stream_models import build_gpt
 
-    dev = torch.device(args.device)
+    dev = capped_device(args)
     cuda = dev.type == "cuda"
-    if cuda and args.cap_gib:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
     key = "gpt_tiny" if args.tiny else f"gpt{args.model}"
     torch.manual_seed(0)
     model, vocab = build_gpt(key, args.seq, torch.device("cpu"))

@@ -37,14 +37,11 @@ def run_variant(args, share) -> dict:
     import ramstream
 
     sys.path.insert(0, HERE)
-    from bench_delayed import markov_batches
+    from bench_delayed import capped_device, markov_batches
     from stream_models import build_gpt
 
-    dev = torch.device(args.device)
+    dev = capped_device(args)
     cuda = dev.type == "cuda"
-    if cuda and args.cap_gib:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
     torch.manual_seed(0)
     model, vocab = build_gpt("gpt_tiny" if args.tiny else f"gpt{args.model}", args.seq, torch.device("cpu"))
     if args.dtype == "bf16":

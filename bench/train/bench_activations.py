@@ -92,13 +92,9 @@ def _train(args, cfg: dict, base: dict) -> dict:
 
     sys.path.insert(0, HERE)
     from gpt import CONFIGS, GPT
+    from vram_cap import cap_vram
 
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type == "cuda" and args.cap_gib:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+    dev = cap_vram(args.device, args.cap_gib)
     torch.manual_seed(0)
     mcfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
     model = GPT(**mcfg).to(dev)

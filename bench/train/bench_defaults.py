@@ -148,10 +148,9 @@ def run_one(args, row: str, cap: float, variant: str) -> dict:
     t_proc = time.perf_counter()
     try:
         if cuda:
-            dev = torch.device("cuda", torch.cuda.current_device())
-            if cap:
-                total = torch.cuda.get_device_properties(dev).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), dev)
+            from vram_cap import cap_vram
+
+            dev = cap_vram("cuda", cap)
         _train(args, spec, row, variant, dev, batch, seq, out)
         out["status"] = "ok"
     except torch.OutOfMemoryError as e:

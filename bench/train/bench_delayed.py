@@ -59,13 +59,9 @@ def write_json(path: str, results: dict) -> None:
 def capped_device(args):
     """args.device as a torch.device; on a GPU, this process's memory capped at args.cap_gib GiB
     (0: no cap) with torch.cuda.set_per_process_memory_fraction."""
-    import torch
+    from vram_cap import cap_vram
 
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and args.cap_gib:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
-    return dev
+    return cap_vram(args.device, args.cap_gib)
 
 
 def run_variant(args, delayed) -> dict:

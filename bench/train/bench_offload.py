@@ -87,10 +87,9 @@ def run_variant(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     if cuda:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if cuda and args.cap_gib:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+        from vram_cap import cap_vram
+
+        dev = cap_vram(dev, args.cap_gib)
     torch.manual_seed(0)
     cfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
     out = {

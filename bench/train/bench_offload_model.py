@@ -90,11 +90,10 @@ def _loss(logits, targets):
 def child(args) -> dict:
     """One implementation's run, in this process."""
     import torch
+    from vram_cap import cap_vram
 
     dev = torch.device(args.device)
-    if dev.type == "cuda":
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev.index or 0)
+    cap_vram(dev, args.cap_gib)
     t0 = time.perf_counter()
     chunks, vocab = build_chunks(args.model, args.seq)
     kw = dict(device=str(dev), window=args.window, pin=args.pin, keep_activations=args.keep)

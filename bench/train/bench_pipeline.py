@@ -73,9 +73,10 @@ def child(args) -> dict:
 
     devs = [torch.device(d) for d in args.devices.split(",")]
     cuda = [d for d in dict.fromkeys(devs) if d.type == "cuda"]
+    from vram_cap import cap_vram
+
     for d in cuda:
-        total = torch.cuda.get_device_properties(d).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), d.index or 0)
+        cap_vram(d, args.cap_gib)
     t0 = time.perf_counter()
     chunks, vocab = build_chunks(args.model, args.seq)
     params = [p for c in chunks for p in c.parameters()]

@@ -91,10 +91,9 @@ def _device(args, cap_gib):
 
     dev = torch.device(args.device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-        if cap_gib:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), 0)
+        from vram_cap import cap_vram
+
+        dev = cap_vram("cuda", cap_gib)
     return dev
 
 

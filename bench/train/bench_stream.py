@@ -209,10 +209,9 @@ def _train(args, cfg: dict, res: dict) -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     if cuda:
-        dev = torch.device("cuda", torch.cuda.current_device())
-        if cfg["cap_gib"]:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * 2**30 / total), dev)
+        from vram_cap import cap_vram
+
+        dev = cap_vram("cuda", cfg["cap_gib"])
     model_key = TINY[cfg["model"]] if args.tiny else cfg["model"]
     kind = cfg["kind"]
     options = dict(cfg["options"])

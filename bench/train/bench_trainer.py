@@ -141,8 +141,9 @@ def run_config(a, name: str) -> dict:
     if kind == "ramstream":
         res["options"] = a.wrap_options
     if cuda and cap:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), 0)
+        from vram_cap import cap_vram
+
+        cap_vram("cuda:0", cap)
     t0 = time.perf_counter()
     try:
         _train(a, kind, cuda, res)

@@ -51,13 +51,12 @@ def main():
     ap.add_argument("--measuring", type=int, default=1)
     a = ap.parse_args()
     from gpt import CONFIGS, GPT
+    from vram_cap import cap_vram
 
     import ramstream
     from ramstream.activations import ActivationOffloader, find_blocks
 
-    dev = torch.device("cuda", 0)
-    total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(a.cap_gib * 2**30 / total, dev)
+    dev = cap_vram("cuda:0", a.cap_gib)
     torch.manual_seed(0)
     cfg = dict(CONFIGS[a.model], ctx=max(1024, a.seq))
     model = GPT(**cfg).to(dev)

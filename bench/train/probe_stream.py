@@ -45,13 +45,10 @@ def one(args) -> dict:
     import ramstream
 
     dtype_name, autocast, cap, options = CONFIGS[args.config]
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())  # the memory cap needs an index
+    from vram_cap import cap_vram
+
+    dev = cap_vram(args.device, cap)
     cuda = dev.type == "cuda"
-    if cuda and cap is not None:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, dev)
     torch.manual_seed(0)
     model = GPT(**SIZES[args.model])  # built on the CPU: the streamed blocks never all visit the GPU
     if dtype_name == "bf16":

@@ -89,10 +89,9 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     if cuda:
-        dev = torch.device("cuda", dev.index if dev.index is not None else 0)
-        if args.cap_gib:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
+        from vram_cap import cap_vram
+
+        dev = cap_vram(torch.device("cuda", dev.index if dev.index is not None else 0), args.cap_gib)
     torch.manual_seed(0)
     cfg = dict(CONFIGS[args.model], ctx=max(1024, args.seq))
     model = GPT(**cfg).to(dev)

@@ -41,6 +41,8 @@ class Disk:
     directory: str | None = None
     assumed: bool = False  # suggest.py's "what if there were a disk with room" (free space unbounded)
     weights: object = False  # nvme_weights (disk_weights.py): "auto", True, False, k or block indices
+    # between steps: (blocks whose frozen weights are on disk, blocks whose place is fixed); None at wrap()
+    applied: tuple | None = None
 
     @property
     def budget(self) -> int | None:
@@ -59,7 +61,7 @@ def parse(value, where: str) -> object:
     raise ValueError(f"{where} nvme_offload={value!r} is not accepted; accepted: {ACCEPTED}")
 
 
-def tier(prof, option, where: str, assume: bool = False, weights=False) -> Disk:
+def tier(prof, option, where: str, assume: bool = False, weights=False, applied=None) -> Disk:
     """The Disk of `prof` (its disk_* fields checked: ValueError naming the field) for `option`."""
     for name in ("disk_read_gbps", "disk_write_gbps", "disk_free"):
         v = getattr(prof, name, None)
@@ -76,7 +78,20 @@ def tier(prof, option, where: str, assume: bool = False, weights=False) -> Disk:
 
     return Disk(parse(option, where), known or assume, r if known else None, w if known else None,
                 getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume,
-                parse_nvme_weights(weights, where))  # fmt: skip
+                parse_nvme_weights(weights, where), _applied(applied, where))  # fmt: skip
+
+
+def _applied(value, where: str):
+    """_disk_applied as (on disk, placed) tuples of block indices; None stays None."""
+    if value is None:
+        return None
+    try:
+        on, placed = (tuple(sorted(int(i) for i in v)) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where} _disk_applied={value!r} is not accepted; accepted: None or (blocks on disk, blocks placed)"
+        ) from None
+    return on, placed
 
 
 def passes(disk: Disk) -> list:

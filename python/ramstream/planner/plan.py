@@ -325,8 +325,14 @@ _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "
 
 
 def _plan_training(
-    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, _assume_disk: bool,
-    _disk_applied=None, **opts,
+    shape: ModelShape,
+    profile: HardwareProfile,
+    *,
+    _suggest: bool,
+    _refine: bool,
+    _assume_disk: bool,
+    _disk_applied=None,
+    **opts,
 ) -> Plan:
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
@@ -459,7 +465,7 @@ def _plan_training(
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
     lo_r = min([c for c in tried if _disk.fits(c)] or tried, key=lambda c: sum(c["ram"].values()))
     arithmetic = {"vram": {**lo_v["vram"], "budget": budget}, "ram": {**lo_r["ram"], "budget": ctx.ram}}
-    disk_lines, disk = _disk.error_lines(tried, ctx.ram)
+    disk_lines, disk = _disk.error_lines(tried, ctx.ram, budget)
     arithmetic.update({"disk": disk} if disk else {})
     lines = [
         f"plan_training: {shape.name} ({shape.dtype}, batch {shape.batch} x seq {shape.seq}) does not fit",

@@ -229,7 +229,9 @@ class StreamLever:
         ram = [k for k in new if k not in on_disk and frozen_tensors(self.blocks[k], k, ids)]
         if ram and (d is not None or self.w.options.nvme_weights is not False):
             why = reason_in_ram(self.w.options.nvme_weights, d is not None)
-            self.w.log(f"nvme_weights: blocks {_ranges(ram)} start streaming with their frozen weights in RAM: {why}")
+            self.w.log(
+                f"nvme_weights: blocks {_ranges(ram)} start streaming with their frozen weights in RAM: {why}"
+            )
 
     def _frozen_then_trained(self, engine, new: list[int], ids: dict, to_disk: list[int]) -> tuple:
         """The new blocks' frozen weights (on disk for those in `to_disk`, with the run's disk store:

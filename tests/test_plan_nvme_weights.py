@@ -100,3 +100,37 @@ def test_cli_shows_the_weights_on_disk_and_refuses_a_bad_flag(tmp_path, monkeypa
     assert "frozen weights on disk:" in out and "none written" in out and "read only (no write wear)" in out
     assert main(args + ["--nvme-weights", "x"]) == 2
     assert "--nvme-weights 'x' is not accepted" in capsys.readouterr().err
+
+
+def test_no_plan_fitting_with_weights_and_state_on_disk_lists_both_by_hand():
+    """nvme "auto" with a disk too small: the frozen weights of the streamed blocks and the whole
+    host-updated optimizer state go to disk and still nothing fits; the error's disk line and
+    arithmetic list both, their blocks and their sum against the disk's budget."""
+    import dataclasses
+
+    from ramstream.planner.rules import DISK_FREE_SHARE
+
+    sh = ModelShape.from_hf_config(CFG, batch=1, seq=512, dtype="bfloat16", lora=256)
+    free = 4 * G
+    with pytest.raises(PlanError) as e:
+        plan_training(sh, dataclasses.replace(prof(8), disk_free=free), **OPTS)
+    a = e.value.arithmetic["disk"]
+    blocks = a["weight_blocks"]
+    F = sh.blocks[0].frozen_bytes
+    assert all(b.frozen_bytes == F for b in sh.blocks) and blocks == list(range(len(blocks))) and blocks
+    assert a["weights"] == len(blocks) * F  # every streamed block's frozen weights, from the back
+    host = sh.trained_numel * (4 + 2 * 4)  # fp32 master + two fp32 moments per trained parameter
+    share = a["optimizer_state"] / host
+    assert 0 < a["optimizer_state"] <= host and a["total"] == a["weights"] + a["optimizer_state"]
+    budget = int(free * DISK_FREE_SHARE)
+    assert a["budget"] == budget < a["total"] and a["free"] == free
+    msg = str(e.value)
+    assert (
+        f"  disk: needs {a['total'] / G:.2f} GiB: {a['optimizer_state'] / G:.2f} GiB ({share:.1%} of the "
+        f"host-updated optimizer state {host / G:.2f} GiB) + {a['weights'] / G:.2f} GiB of frozen weights "
+        f"(blocks 0-{blocks[-1]}, nvme_weights) vs {budget / G:.2f} GiB allowed (90% of 4.00 GiB free): too small"
+    ) in msg
+    # the same plan with the weights kept in RAM: the line has the state alone, as before
+    with pytest.raises(PlanError) as e:
+        plan_training(sh, dataclasses.replace(prof(8), disk_free=free), nvme_weights=False, **OPTS)
+    assert "frozen weights" not in str(e.value) and e.value.arithmetic["disk"]["weights"] == 0

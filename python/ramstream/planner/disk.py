@@ -41,6 +41,8 @@ class Disk:
     directory: str | None = None
     assumed: bool = False  # suggest.py's "what if there were a disk with room" (free space unbounded)
     weights: object = False  # nvme_weights (disk_weights.py): "auto", True, False, k or block indices
+    # between steps: (blocks whose frozen weights are on disk, blocks whose place is fixed); None at wrap()
+    applied: tuple | None = None
 
     @property
     def budget(self) -> int | None:
@@ -59,7 +61,7 @@ def parse(value, where: str) -> object:
     raise ValueError(f"{where} nvme_offload={value!r} is not accepted; accepted: {ACCEPTED}")
 
 
-def tier(prof, option, where: str, assume: bool = False, weights=False) -> Disk:
+def tier(prof, option, where: str, assume: bool = False, weights=False, applied=None) -> Disk:
     """The Disk of `prof` (its disk_* fields checked: ValueError naming the field) for `option`."""
     for name in ("disk_read_gbps", "disk_write_gbps", "disk_free"):
         v = getattr(prof, name, None)
@@ -76,7 +78,20 @@ def tier(prof, option, where: str, assume: bool = False, weights=False) -> Disk:
 
     return Disk(parse(option, where), known or assume, r if known else None, w if known else None,
                 getattr(prof, "disk_free", None), getattr(prof, "disk_dir", None), assume,
-                parse_nvme_weights(weights, where))  # fmt: skip
+                parse_nvme_weights(weights, where), _applied(applied, where))  # fmt: skip
+
+
+def _applied(value, where: str):
+    """_disk_applied as (on disk, placed) tuples of block indices; None stays None."""
+    if value is None:
+        return None
+    try:
+        on, placed = (tuple(sorted(int(i) for i in v)) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where} _disk_applied={value!r} is not accepted; accepted: None or (blocks on disk, blocks placed)"
+        ) from None
+    return on, placed
 
 
 def passes(disk: Disk) -> list:
@@ -194,22 +209,45 @@ def _opt(option) -> str:
     return repr(option) if isinstance(option, str) else f"{option:g}"
 
 
-def error_lines(tried: list[dict], ram_budget: int) -> tuple[list[str], dict | None]:
-    """PlanError's disk line and arithmetic: of the candidates with state on disk, the one whose RAM
-    fits with the fewest disk bytes, else the least-RAM one (nothing when no candidate had a disk)."""
-    disked = [c for c in tried if c.get("disk")]
+def error_lines(
+    tried: list[dict], ram_budget: int, vram_budget: int | None = None
+) -> tuple[list[str], dict | None]:
+    """PlanError's disk line and arithmetic: of the candidates with optimizer state or frozen
+    weights on disk (those whose VRAM fits `vram_budget` when any does), the one whose RAM fits with
+    the fewest disk bytes, else the least-RAM one (nothing when no candidate had a disk). The line
+    lists both parts, the weights' blocks and their sum."""
+    disked = [c for c in tried if c.get("disk") or c.get("disk_weights")]
     if not disked:
         return [], None
+    if vram_budget is not None:
+        disked = [c for c in disked if sum(c["vram"].values()) <= vram_budget] or disked
+
+    def total(c: dict) -> int:
+        return (c["disk"]["state_on_disk"] if c.get("disk") else 0) + (
+            c["disk_weights"]["bytes"] if c.get("disk_weights") else 0
+        )
+
     fit = [c for c in disked if sum(c["ram"].values()) <= ram_budget]
-    if fit:
-        d = min(fit, key=lambda c: c["disk"]["state_on_disk"])["disk"]
-    else:
-        d = min(disked, key=lambda c: sum(c["ram"].values()))["disk"]
-    have = "unknown free space" if d["budget"] is None else (
-        f"{_g(d['budget'])} allowed ({DISK_FREE_SHARE:.0%} of {_g(d['free'])} free)")  # fmt: skip
-    line = (f"  disk: needs {_g(d['state_on_disk'])} ({d['share']:.1%} of the host-updated optimizer state "
-            f"{_g(d['host_state'])}) vs {have}" + ("" if d["fits"] else ": too small"))  # fmt: skip
-    return [line], {"optimizer_state": d["state_on_disk"], "budget": d["budget"], "free": d["free"]}
+    c = min(fit, key=total) if fit else min(disked, key=lambda c: sum(c["ram"].values()))
+    d, w = c.get("disk"), c.get("disk_weights")
+    some = d or w
+    have = "unknown free space" if some["budget"] is None else (
+        f"{_g(some['budget'])} allowed ({DISK_FREE_SHARE:.0%} of {_g(some['free'])} free)")  # fmt: skip
+    parts = []
+    if d:
+        parts.append(
+            f"{_g(d['state_on_disk'])} ({d['share']:.1%} of the host-updated optimizer state {_g(d['host_state'])})"
+        )
+    if w:
+        from ..blocks import ranges_text
+
+        parts.append(f"{_g(w['bytes'])} of frozen weights (blocks {ranges_text(w['blocks'])}, nvme_weights)")
+    head = parts[0] if len(parts) == 1 else f"{_g(total(c))}: " + " + ".join(parts)
+    line = f"  disk: needs {head} vs {have}" + ("" if fits(c) else ": too small")
+    arith = {"optimizer_state": d["state_on_disk"] if d else 0, "weights": w["bytes"] if w else 0,
+             "weight_blocks": list(w["blocks"]) if w else [], "total": total(c),
+             "budget": some["budget"], "free": some["free"]}  # fmt: skip
+    return [line], arith
 
 
 def on_offload(ctx, c: dict, moment: str, option, host_memory) -> dict:

@@ -18,6 +18,14 @@ and the numbers do not change (the same bytes come back).
   all of them when that is not enough (the optimizer's share, disk.py, then does the rest).
 - True: every streamed block with frozen weights; an int k: the last k streamed blocks; a list:
   those of its indices that stream; False: none.
+
+Between steps (a larger step makes more blocks stream: replan.py replan_stream) the run's placement
+is given as `applied` = (blocks on disk now, blocks whose frozen weights' place is fixed: those
+streaming now; every block when the run has no disk store, as wrap() opened none). The blocks on
+disk stay there, the others fixed stay in RAM, and only the blocks that start streaming may go to
+disk, by the same rule: with True every one of them; with "auto" the fewest from the back whose
+frozen bytes, with those on disk already, less the staging ring cover what RAM lacks; with an int
+k or a list none (the option named wrap()'s blocks; the new ones stay in RAM: reason_in_ram).
 """
 
 from __future__ import annotations
@@ -47,10 +55,13 @@ def reads_per_step(
     return sum(sizes[i] * (1 if i in kept else 2) for i in disk)
 
 
-def choose(option, streamed: list[int], sizes: dict, need: int, known: bool) -> list[int]:
+def choose(option, streamed: list[int], sizes: dict, need: int, known: bool, applied=None) -> list[int]:
     """The disk blocks for `option` (module docstring); need: the RAM the candidate lacks (<= 0:
-    it fits), known: the profile knows a disk (needed by "auto")."""
+    it fits), known: the profile knows a disk (needed by "auto" at wrap()); applied: the run's
+    placement between steps (module docstring), None at wrap()."""
     order = [i for i in sorted(streamed) if sizes[i] > 0]
+    if applied is not None:
+        return _choose_more(option, order, sizes, need, applied)
     if option is False or not order:
         return []
     if option is True:
@@ -69,6 +80,33 @@ def choose(option, streamed: list[int], sizes: dict, need: int, known: bool) -> 
     return out
 
 
+def _choose_more(option, order: list[int], sizes: dict, need: int, applied) -> list[int]:
+    """choose() between steps: the blocks on disk now, and of the blocks not placed yet (those that
+    start streaming) every one with True, the fewest from the back that cover `need` with "auto"
+    (the store exists: no disk rates needed), none otherwise."""
+    on, placed = set(applied[0]), set(applied[1])
+    out = [i for i in order if i in on]
+    new = [i for i in order if i not in placed]
+    if option is True:
+        return sorted(out + new)
+    if option != "auto":
+        return out
+    for i in reversed(new):
+        if sum(sizes[j] for j in out) - staging([sizes[j] for j in out]) >= need:
+            break
+        out = sorted(out + [i])
+    return out
+
+
+def reason_in_ram(option, store: bool) -> str:
+    """Why blocks that start streaming between steps keep their frozen weights in RAM."""
+    if not store:
+        return "no disk store: wrap() put no block's frozen weights on disk (nvme_weights), none is opened mid-run"
+    if option is True or option == "auto":
+        return "RAM fits them (nvme_weights='auto')" if option == "auto" else "they hold no frozen weight"
+    return f"nvme_weights={option!r} named wrap()'s blocks; blocks that start streaming later stay in RAM"
+
+
 def apply(ctx, c: dict, rows: list, option) -> tuple[dict, list]:
     """(c, rows) with the frozen weights of the chosen blocks on disk: RAM and pinned components
     of c and of each row's RAM (rows: disk.py's (RAM, state bytes, kept bytes)); c["disk_weights"]
@@ -76,7 +114,7 @@ def apply(ctx, c: dict, rows: list, option) -> tuple[dict, list]:
     streamed = list(c.get("streamed", []))
     sizes = {i: frozen_bytes(ctx, i) for i in streamed}
     need = max((sum(r.values()) for r, _, _ in rows), default=0) - ctx.ram
-    disk = choose(option, streamed, sizes, need, ctx.disk.known and not ctx.disk.assumed)
+    disk = choose(option, streamed, sizes, need, ctx.disk.known and not ctx.disk.assumed, ctx.disk.applied)
     if not disk:
         return {**c, "disk_weights": None}, rows
     moved = sum(sizes[i] for i in disk)

@@ -259,6 +259,7 @@ def plan_training(
     _suggest: bool = True,
     _refine: bool = True,
     _assume_disk: bool = False,
+    _disk_applied=None,
 ) -> Plan:
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
     thread-safe.
@@ -285,6 +286,9 @@ def plan_training(
             streamed blocks) or block indices; plan.weights["disk"].
 
     _assume_disk=True plans as if the profile had a disk of unbounded free space (suggest.py).
+    _disk_applied=(on disk, placed): a running wrap()'s frozen-weight placement between steps (the
+    blocks on disk now, the blocks whose place is fixed): only the others may go to disk
+    (disk_weights.py; runtime/apply.py disk_applied).
     _refine=False times the split after step 2 instead of the refined one (runtime/refiner.py; the
     engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
 
@@ -301,7 +305,7 @@ def plan_training(
               moment_dtype=moment_dtype, quantize=quantize, vram_headroom=vram_headroom,
               max_activation_slowdown=max_activation_slowdown, nvme_offload=nvme_offload, _refine=_refine,
               nvme_weights=nvme_weights,
-              _assume_disk=_assume_disk)  # fmt: skip
+              _assume_disk=_assume_disk, _disk_applied=_disk_applied)  # fmt: skip
     auto = isinstance(activation_checkpointing, str) and activation_checkpointing == "auto"
     if not auto or not profile.vram_total:
         return _plan_training(shape, profile, _suggest=_suggest, **kw)
@@ -321,7 +325,14 @@ _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "
 
 
 def _plan_training(
-    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, _assume_disk: bool, **opts
+    shape: ModelShape,
+    profile: HardwareProfile,
+    *,
+    _suggest: bool,
+    _refine: bool,
+    _assume_disk: bool,
+    _disk_applied=None,
+    **opts,
 ) -> Plan:
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
@@ -383,7 +394,7 @@ def _plan_training(
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
                policy.grad_inflight_bytes(p), refine=bool(_refine),
-               disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights))  # fmt: skip
+               disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights, _disk_applied))  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "
@@ -454,7 +465,7 @@ def _plan_training(
     lo_v = min(tried, key=lambda c: sum(c["vram"].values()))
     lo_r = min([c for c in tried if _disk.fits(c)] or tried, key=lambda c: sum(c["ram"].values()))
     arithmetic = {"vram": {**lo_v["vram"], "budget": budget}, "ram": {**lo_r["ram"], "budget": ctx.ram}}
-    disk_lines, disk = _disk.error_lines(tried, ctx.ram)
+    disk_lines, disk = _disk.error_lines(tried, ctx.ram, budget)
     arithmetic.update({"disk": disk} if disk else {})
     lines = [
         f"plan_training: {shape.name} ({shape.dtype}, batch {shape.batch} x seq {shape.seq}) does not fit",

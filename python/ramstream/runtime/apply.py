@@ -194,13 +194,19 @@ class StreamLever:
         if not new:
             return
         ids = streamed_ids(self.model, self.blocks, new, w.log)
-        frozen = self._frozen_then_trained(engine, new, ids)
+        to_disk = [i for i in plan.weights.get("disk", []) if i in set(new)]
+        frozen, on_disk, undo = self._frozen_then_trained(engine, new, ids, to_disk)
         if w.streamer is not None and w.streamer.evict_all in engine.on_abandon:
             engine.on_abandon.remove(w.streamer.evict_all)
         w.streamer = extend_streamer(
-            w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log, frozen
+            w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log, frozen, on_disk
         )
         engine.on_abandon.append(w.streamer.evict_all)
+        d = getattr(w, "disk_weights", None)
+        if d is not None:
+            d.streamer = w.streamer
+            w.handles += d.hook(self.blocks, on_disk)
+        self._log_disk(new, ids, on_disk, d)
         idx = self.streamed()
         w.plan["weights"] = {
             "streamed": idx,
@@ -208,31 +214,68 @@ class StreamLever:
             **w.streamer.home_bytes(),
         }
 
-    def _frozen_then_trained(self, engine, new: list[int], ids: dict) -> dict:
-        """The new blocks' frozen slabs, then their trained buckets (engine/restream.py): when host
-        memory refuses either, the frozen weights already moved go back to the device and a
-        MemoryError says what was asked; nothing else changed."""
+    def _log_disk(self, new: list[int], ids: dict, on_disk: dict, d) -> None:
+        """The log's line for the new blocks' frozen weights: on disk, or kept in RAM and why."""
+        from ..planner.disk_weights import reason_in_ram
+        from .disk_weights import frozen_tensors
+
+        if on_disk:
+            nbytes = sum(s.nbytes for ss in on_disk.values() for s in ss)
+            self.w.log(
+                f"nvme_weights: blocks {_ranges(sorted(on_disk))} start streaming with their frozen weights on "
+                f"disk in {d.folder} ({nbytes / 2**30:.3f} GiB more, a second file; staging ring "
+                f"{d.store.staging_bytes() / 2**30:.3f} GiB)"
+            )
+        ram = [k for k in new if k not in on_disk and frozen_tensors(self.blocks[k], k, ids)]
+        if ram and (d is not None or self.w.options.nvme_weights is not False):
+            why = reason_in_ram(self.w.options.nvme_weights, d is not None)
+            self.w.log(
+                f"nvme_weights: blocks {_ranges(ram)} start streaming with their frozen weights in RAM: {why}"
+            )
+
+    def _frozen_then_trained(self, engine, new: list[int], ids: dict, to_disk: list[int]) -> tuple:
+        """The new blocks' frozen weights (on disk for those in `to_disk`, with the run's disk store:
+        runtime/disk_weights.py extend; pinned slabs for the others), then their trained buckets
+        (engine/restream.py). Returns ({index: pinned slabs}, {index: [DiskSlab]}, undo token). When
+        host memory or the disk refuses any of it, the frozen weights already moved go back where
+        they were and the error (MemoryError, or the disk's OSError naming the folder) says what was
+        asked; nothing else changed."""
         from ..engine.restream import stream_buckets
         from ..weights.setup import block_frozen_slabs, make_copier
 
         if engine.copier is None:
             engine.copier = make_copier(engine.device)
+        d = getattr(self.w, "disk_weights", None)
+        on_disk, undo = ({}, None) if d is None or not to_disk else d.extend(self.blocks, to_disk, ids)
         made: dict = {}
         try:
             for k in new:
-                made[k] = block_frozen_slabs(self.blocks, k, ids, engine)
+                if k not in on_disk:
+                    made[k] = block_frozen_slabs(self.blocks, k, ids, engine)
             stream_buckets(engine, ids)
         except (RuntimeError, MemoryError) as e:
             for slabs in made.values():
                 for s in slabs:
                     s.load()
                     s.wait()
+            if undo is not None:
+                d.undo(undo)
             if isinstance(e, MemoryError):
                 raise
             raise MemoryError(
                 f"ramstream: streaming blocks {_ranges(new)}: host memory refused ({e})"
             ) from None
-        return made
+        return made, on_disk, undo
+
+
+def disk_applied(w, n: int) -> tuple:
+    """The run's frozen-weight placement for a re-plan between steps (plan_training's _disk_applied):
+    (blocks whose frozen weights are on disk, blocks whose place is fixed: the streamed ones; every
+    block when the run has no disk store, as none is opened mid-run)."""
+    d = getattr(w, "disk_weights", None)
+    if d is None:
+        return (), tuple(range(n))
+    return tuple(sorted(d.indices)), tuple(sorted(b.index for b in w.streamer.blocks))
 
 
 def blocks_owner(model, first):
@@ -277,6 +320,10 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         "moment_dtype": plan.optimizer["moment_dtype"],
         "vram_headroom": opts.vram_headroom,
         "max_activation_slowdown": opts.max_activation_slowdown,
+        # the disk tier as applied: the optimizer state's share; the frozen weights by the option,
+        # the run's placement read at each re-plan (disk_applied)
+        "nvme_offload": plan.optimizer.get("nvme_share", 0.0),
+        "nvme_weights": opts.nvme_weights,
     }
     lever, why = None, ""
     if hf:
@@ -294,7 +341,7 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         streams = StreamLever(model, w, blocks)
     check = StepCheck(
         shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why,
-        streams=streams, on_plan=lambda p: _record_plan(w, p),
+        streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
     )  # fmt: skip
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
     # model's own pre-hook sees the step before any block ran (when the model itself is called)

@@ -18,6 +18,12 @@ ring per streamer). In wrap()'s order:
              ordinary host tensors and removes the file; garbage collection and exit remove it
              too); per disk block, state-dict hooks page the weights in from disk for state_dict()
              (copies) and load_state_dict() (written back to the records).
+
+Between steps, blocks that start streaming (runtime/apply.py StreamLever) whose frozen weights the
+revised plan puts on disk (planner/disk_weights.py, the same rule) join the store: extend() writes
+their records into a second file in the same folder, its space reserved at open as the first's (a
+full disk is an OSError naming the folder, nothing changed), and hooks them as attach() did;
+undo() takes them back out when a later part of the change fails.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class DiskBlocks:
         self.streamer = None
         self.steps, self._read_at_step = 0, 0
         self.read_last_step = 0
+        self.added: list[int] = []  # blocks extend() put on disk between steps
 
     @property
     def nbytes(self) -> int:
@@ -70,17 +77,55 @@ class DiskBlocks:
         counted. Returns the hook handles (unwrap() removes them)."""
         streamer.disk, self.streamer = self.store, streamer
         opt._step_callbacks.append(self._after_step)
-        handles = []
         blocks = {b.index: b.module for b in streamer.blocks}
-        for k in self.indices:
-            m = blocks[k]
-            handles += [
-                m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, k=k: self._page_in(k, False)),
-                m.register_state_dict_post_hook(lambda mod, sd, prefix, meta, k=k: self._saved(k, sd, prefix)),
-                m.register_load_state_dict_pre_hook(lambda mod, sd, prefix, meta, *a, k=k: self._loading(k, meta)),
-                m.register_load_state_dict_post_hook(lambda mod, keys, k=k: self._page_out(k)),
-            ]  # fmt: skip
-        return handles
+        return [h for k in self.indices for h in self._hooks(blocks[k], k)]
+
+    def _hooks(self, m, k: int) -> list:
+        return [
+            m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, k=k: self._page_in(k, False)),
+            m.register_state_dict_post_hook(lambda mod, sd, prefix, meta, k=k: self._saved(k, sd, prefix)),
+            m.register_load_state_dict_pre_hook(lambda mod, sd, prefix, meta, *a, k=k: self._loading(k, meta)),
+            m.register_load_state_dict_post_hook(lambda mod, keys, k=k: self._page_out(k)),
+        ]  # fmt: skip
+
+    # ---- blocks that start streaming between steps ---------------------------------------------
+    def extend(self, blocks, new: list[int], streamed: dict):
+        """Blocks `new` (starting to stream; `streamed`: their {id(tensor): block}) with their frozen
+        tensors written to records of a second file (DiskWeights.grow); the tensors become empty
+        stand-ins. Returns ({index: [DiskSlab]}, undo token for undo()); ({}, None) when none of them
+        holds a frozen tensor. OSError naming the folder (nothing changed) when the disk refuses."""
+        groups = [frozen_tensors(blocks[k], k, streamed) for k in new]
+        keep = [(k, g) for k, g in zip(new, groups) if g]
+        if not keep:
+            return {}, None
+        if self.streamer is not None:  # every staging buffer free, nothing in flight
+            self.streamer.evict_all()
+            self.streamer.copier.synchronize()
+        was = [[t.data for t in g] for _, g in keep]
+        slabs = self.store.grow([g for _, g in keep])
+        made = {k: [s] for (k, _), s in zip(keep, slabs)}
+        self.indices += [k for k, _ in keep]
+        self.groups += [g for _, g in keep]
+        self.slabs.update(made)
+        self.added += [k for k, _ in keep]
+        return made, (made, was)
+
+    def hook(self, blocks, made: dict) -> list:
+        """State-dict hooks on the blocks extend() added (as attach()); the handles."""
+        return [h for k in made for h in self._hooks(blocks[k], k)]
+
+    def undo(self, token) -> None:
+        """Takes extend()'s blocks back out: their tensors as they were before it, the second file
+        removed."""
+        if token is None:
+            return
+        made, was = token
+        self.store.shrink([s for ss in made.values() for s in ss], was)
+        for k in made:
+            i = self.indices.index(k)
+            del self.indices[i], self.groups[i]
+            self.slabs.pop(k)
+            self.added.remove(k)
 
     def release(self) -> None:
         """The disk blocks' weights back in host memory (ordinary tensors) and the store closed:
@@ -139,7 +184,9 @@ class DiskBlocks:
         """memory_report(model)["params"]["nvme_weights"]."""
         st = self.store.stats
         return {
-            "blocks": list(self.indices),
+            "blocks": sorted(self.indices),
+            # of them, the blocks that started streaming between steps (a larger step's re-plan)
+            "added_mid_run": list(self.added),
             "bytes_on_disk": self.nbytes,
             "staging_bytes": self.store.staging_bytes(),
             "loads": st["nvme_loads"],

@@ -17,22 +17,29 @@ class PlanSession:
     """shape, profile: what the applied plan was made on; fixed: plan_training's options as wrap()
     applied them; history: the list memory_report(model)["plan"]["history"] reads (the optimizer's
     plan_history, shared with the decisions the engine takes while training); recompute, streams:
-    the levers (None: that part cannot change); on_plan(plan): where a revised plan is recorded."""
+    the levers (None: that part cannot change); on_plan(plan): where a revised plan is recorded;
+    disk(): the run's frozen-weight placement now (runtime/apply.py disk_applied; None: not known),
+    plan_training's _disk_applied."""
 
     def __init__(
-        self, shape, profile, fixed: dict, log, history: list, *, recompute=None, streams=None, on_plan=None
-    ) -> None:
+        self, shape, profile, fixed: dict, log, history: list, *, recompute=None, streams=None, on_plan=None,
+        disk=None,
+    ) -> None:  # fmt: skip
         self.shape, self.profile, self.fixed = shape, profile, fixed
         self.log, self.history = log, history
         self.recompute_lever, self.stream_lever = recompute, streams
         self.on_plan = on_plan or (lambda plan: None)
+        self.disk = disk
 
     def applied(self) -> dict:
         """plan_training's options as applied now (the recomputed and streamed blocks read from the
-        levers)."""
+        levers, the frozen weights' placement from disk())."""
+        now = dict(self.fixed)
+        if self.disk is not None:
+            now["_disk_applied"] = self.disk()
         if self.recompute_lever is None:
-            return self.fixed
-        now = {**self.fixed, "activation_checkpointing": self.recompute_lever.recomputed()}
+            return now
+        now["activation_checkpointing"] = self.recompute_lever.recomputed()
         if self.stream_lever is not None:
             now["param_offload"] = self.stream_lever.streamed()
         return now

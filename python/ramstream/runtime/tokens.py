@@ -100,10 +100,10 @@ class StepCheck:
 
     def __init__(
         self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
-        streams=None, on_plan=None,
+        streams=None, on_plan=None, disk=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(
-            shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan
+            shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk
         )
         self.log = log
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
@@ -244,6 +244,7 @@ class StepCheck:
         fits, the single changes that would (PlanError.options, maybe none)."""
         shape = self.shape.with_tokens(batch=bs[0], seq=bs[1])
         kw = {**self._now(), "param_offload": "auto"}
+        kw.pop("_disk_applied", None)  # a re-wrap places the frozen weights afresh
         if self.session.recompute_lever is not None:
             kw["activation_checkpointing"] = "auto"
         try:

@@ -74,23 +74,88 @@ class DiskWeights:
     def __init__(
         self, groups, directory: str, *, copier, ahead: int, where: str = "OffloadModel: nvme_path"
     ) -> None:
-        from ..disk import DiskStore
-
         self.sizes = [layout(g)[1] for g in groups]
-        try:
-            self.store = DiskStore(directory, self.sizes)
-        except OSError as e:
-            raise type(e)(
-                e.errno,
-                f"{where}={directory!r}: cannot hold the weights of {len(self.sizes)} "
-                f"blocks on disk ({sum(self.sizes)} bytes needed): {e.strerror or e}",
-            ) from e
-        self.directory, self.copier = directory, copier
+        self.directory, self.copier, self.ahead, self.where = directory, copier, ahead, where
+        self.store = self._open(self.sizes, f"the weights of {len(self.sizes)} blocks")
+        # (store, record) of each slab's record: the first store's, then those of grow()
+        self.records = [(self.store, i) for i in range(len(self.sizes))]
+        self.grown: list = []  # the stores grow() opened, in order
         self.largest = max(self.sizes, default=0)
         self.ring_size = min(ahead + 1, len(self.sizes))
         self.free: list[torch.Tensor] = [self._buffer() for _ in range(self.ring_size)]
         self.stats = {"nvme_loads": 0, "nvme_bytes_read": 0, "staging_extra": 0, "reads_ahead": 0}
         self.pending: list[DiskSlab] = []  # loaded slabs whose read is in flight (load order)
+
+    def _open(self, sizes: list[int], what: str):
+        from ..disk import DiskStore
+
+        try:
+            return DiskStore(self.directory, sizes)
+        except OSError as e:
+            raise type(e)(
+                e.errno,
+                f"{self.where}={self.directory!r}: cannot hold {what} on disk ({sum(sizes)} bytes "
+                f"needed): {e.strerror or e}",
+            ) from e
+
+    def grow(self, groups) -> list[DiskSlab]:
+        """Records for more slabs (blocks that start streaming mid-run): a second file in the same
+        folder, its space reserved at open as the first's (the first file cannot grow in place),
+        each group's current weights written to its record; returns the DiskSlabs (evicted), whose
+        records follow the existing ones. Call it with every slab evicted (the ring all free). A
+        full disk or an unwritable folder is an OSError naming the folder; on any failure nothing
+        changed (the new file is removed, the tensors keep their values where they were)."""
+        sizes = [layout(g)[1] for g in groups]
+        if not sizes:
+            return []
+        if len(self.free) != self.ring_size + self.stats["staging_extra"]:
+            raise RuntimeError("DiskWeights.grow: a staging buffer is in use (evict every slab first)")
+        store = self._open(sizes, f"the weights of {len(sizes)} more blocks")
+        was = [[p.data for p in g] for g in groups]  # where they were: put back on a failure
+        old = (list(self.sizes), list(self.records), self.largest, self.ring_size, list(self.free))
+        made: list[DiskSlab] = []
+        try:
+            largest = max(self.largest, *sizes)
+            ring = min(self.ahead + 1, len(self.sizes) + len(sizes))
+            if largest > self.largest:  # every buffer of the ring is too small: a new ring
+                self.free = []
+            self.largest = largest
+            while len(self.free) < ring + self.stats["staging_extra"]:
+                self.free.append(self._buffer())
+            self.ring_size = ring
+            first = len(self.sizes)
+            self.sizes += sizes
+            self.records += [(store, i) for i in range(len(sizes))]
+            for r, g in enumerate(groups):
+                made.append(DiskSlab(self, first + r, list(g)))
+        except BaseException:
+            _put_back(groups, was)
+            self.sizes, self.records, self.largest, self.ring_size, self.free = old
+            store.close()
+            raise
+        self.grown.append(store)
+        return made
+
+    def shrink(self, slabs: list, was: list | None = None) -> None:
+        """Undoes the grow() that returned `slabs`: each slab's tensors become `was` (per slab, the
+        tensors they were before grow(), e.g. on the device), else ordinary host tensors holding
+        the records' weights (restore()); its file is removed, the records as before (the ring stays
+        as large: it is reused)."""
+        if not slabs:
+            return
+        store = slabs[0].store
+        for s in slabs:
+            s.evict()
+        if was is None:
+            for s in slabs:
+                s.restore()
+        else:
+            _put_back([s.params for s in slabs], was)
+        keep = [i for i, (st, _) in enumerate(self.records) if st is not store]
+        self.sizes = [self.sizes[i] for i in keep]
+        self.records = [self.records[i] for i in keep]
+        self.grown = [g for g in self.grown if g is not store]
+        store.close()
 
     def poll(self) -> None:
         """Queues the H2D copy of every pending slab whose read is done (in load order)."""
@@ -125,9 +190,17 @@ class DiskWeights:
         return self.store.direct
 
     def close(self) -> None:
-        """Closes the store: the file is removed. Idempotent."""
-        self.store.close()
+        """Closes the stores: the files are removed. Idempotent."""
+        for st in [self.store, *self.grown]:
+            st.close()
         self.free = []
+
+
+def _put_back(groups, was) -> None:
+    with _unguarded():
+        for g, w in zip(groups, was):
+            for p, t in zip(g, w):
+                p.data = t
 
 
 class DiskSlab:
@@ -138,6 +211,7 @@ class DiskSlab:
 
     def __init__(self, disk: DiskWeights, record: int, params: list) -> None:
         self.disk, self.record, self.params = disk, record, params
+        self.store, self.index = disk.records[record]  # the file and its record there
         self.offsets, self.nbytes = layout(params)
         self.shapes, self.dtypes = [p.shape for p in params], [p.dtype for p in params]
         self.numel = self.nbytes
@@ -157,7 +231,7 @@ class DiskSlab:
             with torch.no_grad():
                 for p, v in zip(params, self._views(rec)):
                     v.copy_(p.data)
-            disk.store.write_from(record, rec).wait()
+            self.store.write_from(self.index, rec).wait()
         finally:
             disk.give(buf)
         self.loaded = True
@@ -182,7 +256,7 @@ class DiskSlab:
             return
         buf = self.disk.take()
         try:
-            self.read = self.disk.store.read_into(self.record, buf[: self.nbytes])
+            self.read = self.store.read_into(self.index, buf[: self.nbytes])
         except BaseException:
             self.disk.give(buf)
             raise
@@ -239,7 +313,7 @@ class DiskSlab:
         from ..ops.memory import pinned_empty
 
         buf = pinned_empty(max(self.nbytes, 1), torch.uint8)[: self.nbytes]
-        return self.disk.store.read_into(self.record, buf).wait()
+        return self.store.read_into(self.index, buf).wait()
 
     @contextlib.contextmanager
     def paged(self, write_back: bool = False):
@@ -256,7 +330,7 @@ class DiskSlab:
         try:
             yield rec
             if write_back:
-                self.disk.store.write_from(self.record, rec).wait()
+                self.store.write_from(self.index, rec).wait()
         finally:
             with _unguarded():
                 for p, v in zip(self.params, self.hviews):

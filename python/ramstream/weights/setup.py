@@ -234,13 +234,15 @@ def build_streamer(
 
 
 def extend_streamer(
-    old, blocks, indices: list[int], streamed: dict, engine, window: int, log, frozen: dict
-) -> WeightStreamer:
+    old, blocks, indices: list[int], streamed: dict, engine, window: int, log, frozen: dict,
+    disk: dict | None = None,
+) -> WeightStreamer:  # fmt: skip
     """A streamer over `old`'s blocks (None: none) and the blocks `indices`, whose trained buckets
     the engine streams already (engine/restream.py) and whose other slabs are in `frozen`
-    ({index: slabs}, block_frozen_slabs): `old` is closed (its weights at home), its Blocks and
+    ({index: slabs}, block_frozen_slabs) or, for a block in `disk`, on disk ({index: [DiskSlab]},
+    runtime/disk_weights.py extend): `old` is closed (its weights at home), its Blocks and
     statistics carried over."""
-    new = stream_blocks(blocks, indices, streamed, engine, frozen)
+    new = stream_blocks(blocks, indices, streamed, engine, frozen, disk=disk)
     kept, owned = [], None
     if old is not None:
         owned, old.disk = old.disk, None  # its disk slabs stay on disk, in the new streamer

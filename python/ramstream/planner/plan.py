@@ -325,15 +325,9 @@ _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "
 
 
 def _plan_training(
-    shape: ModelShape,
-    profile: HardwareProfile,
-    *,
-    _suggest: bool,
-    _refine: bool,
-    _assume_disk: bool,
-    _disk_applied=None,
-    **opts,
-) -> Plan:
+    shape: ModelShape, profile: HardwareProfile, *, _suggest: bool, _refine: bool, _assume_disk: bool,
+    _disk_applied=None, **opts,
+) -> Plan:  # fmt: skip
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
      vram_headroom, max_activation_slowdown, nvme_offload, nvme_weights) = (opts[k] for k in _OPTIONS)  # fmt: skip

@@ -17,7 +17,6 @@ from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
     agree_streamed,
     build_streamer,
-    choose_streamed,
     devices_of,
     move_back,
     move_resident,
@@ -35,7 +34,7 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
     blocks when there is a plan, else the option as given ("auto" streams nothing without a plan)."""
     if opts.param_offload is False and plan is None:
         return [], [], {}
-    from .blocks import find_blocks
+    from .blocks import chosen_blocks, find_blocks
 
     try:
         blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
@@ -47,10 +46,10 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
         idx = list(plan.weights["streamed"])
         if idx:
             log(f"plan: {len(idx)} of {len(blocks)} blocks stream their weights ({_ranges(idx)})")
-    elif opts.param_offload == "auto":
+    elif opts.param_offload == "auto" or not blocks:
         idx = []
     else:
-        idx = choose_streamed(model, blocks, opts.param_offload, device, opts.vram_headroom, log)
+        idx = chosen_blocks("param_offload", opts.param_offload, len(blocks))
     if use_dp and opts.param_offload == "auto":  # the ranks' buckets must match
         idx = agree_streamed(idx, device, log)
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
@@ -299,7 +298,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "of the new weights is not delayed); pass delayed_update=False"
         )
     # --- quantize (issue 11): pack frozen block weights before any streaming decision ---
-    from .quant.plan import apply_quantize
+    from .runtime.quantize import apply_quantize
 
     quant_report, quant_removed = apply_quantize(model, opts, device, log)
     # --- end quantize ---

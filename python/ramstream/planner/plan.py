@@ -31,9 +31,10 @@ from .assemble import line as _line
 from .assemble import make_plan as _make_plan
 from .inflight import resident_peak
 from .measure import ADAMW_STATE_BYTES
-from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split
+from .policy import auto_recompute, auto_streamed, optimizer_split
 from .profile import HardwareProfile
 from .result import Plan, PlanError
+from .rules import MARGIN_BYTES
 from .shape import ModelShape
 from .suggest import NOTHING_FITS, suggestions
 from .timing import MATMUL_EFFICIENCY, step_of, step_times

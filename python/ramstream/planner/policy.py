@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 
+from . import wrap_rules
 from .inflight import BucketFacts, choose_mapped_fraction, choose_refined, host_trial_fits
-from .rules import LORA_LIKE, MARGIN_BYTES, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS, STREAM_SHARE  # noqa: F401
-from .shape import lora_like
 
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
 BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
@@ -21,44 +20,34 @@ INFLIGHT_MAX = 1 << 30  # engine/core.py: max_inflight_bytes is at most 1 GiB
 
 
 def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
-    """activation_checkpointing="auto": (every block recomputes, why). LoRA-like: when the block
-    weights fill more than a quarter of `usable`; full fine-tuning (optimizer_mode not "cpu"): when
-    weights + trained params x (8 + gradient bytes) > 90 % of usable."""
-    g = 2**30
-    if not shape.blocks:
-        return False, "no blocks"
-    if lora_like(shape):
-        nbytes = sum(weight_of(b) for b in shape.blocks)
-        on = nbytes > usable * RECOMPUTE_LORA_WEIGHTS
-        return (
-            on,
-            f"LoRA-like, block weights {nbytes / g:.2f} GiB {'>' if on else '<='} "
-            f"{RECOMPUTE_LORA_WEIGHTS:.0%} of {usable / g:.2f} GiB",
-        )
-    if opt_mode == "cpu":
-        return False, "full fine-tuning with optimizer_mode='cpu'"
-    weights = sum(weight_of(p) for p in shape.parts)
-    state = shape.trained_numel * (8 + shape.elem_bytes)
-    on = weights + state > RECOMPUTE_FULL_FT * usable
-    return on, (
-        f"full fine-tuning, weights {weights / g:.2f} + moments and gradients {state / g:.2f} GiB "
-        f"{'>' if on else '<='} {RECOMPUTE_FULL_FT:.0%} of {usable / g:.2f} GiB"
+    """activation_checkpointing="auto" on a ModelShape: (every block recomputes, why), by
+    wrap_rules.auto_recompute (LoRA-like: the block weights exceed a quarter of `usable`; full
+    fine-tuning, optimizer_mode not "cpu": weights + trained params x (8 + gradient bytes) exceed
+    90 % of it), on the numbers the shape gives (`weight_of`: a part's bytes on the device)."""
+    r = wrap_rules.auto_recompute(
+        n_blocks=len(shape.blocks),
+        trained=sum(b.trained_numel for b in shape.blocks),
+        total=sum(b.trained_numel + b.frozen_numel for b in shape.blocks),
+        block_bytes=sum(weight_of(b) for b in shape.blocks),
+        weights=sum(weight_of(p) for p in shape.parts),
+        state=wrap_rules.moments_and_gradients(shape.trained_numel, shape.elem_bytes),
+        usable=usable,
+        optimizer_mode=opt_mode,
     )
+    return r.on, r.why()
 
 
 def auto_streamed(
     shape, usable: int, headroom: float, weight_of, recompute_all: bool = False
 ) -> tuple[int, float]:
     """param_offload="auto": (the number of front blocks streamed, the room in bytes): the fewest
-    whose streaming brings the resident weights under STREAM_SHARE of usable x (1 - headroom)
-    (the 70 % share when every block recomputes, as setup.choose_streamed)."""
-    room = usable * (1 - headroom) * STREAM_SHARE[recompute_all or lora_like(shape)]
+    whose streaming brings the resident weights under wrap_rules.weight_share of usable x
+    (1 - headroom) (70 % for LoRA-like blocks or when every block recomputes, else 50 %)."""
+    trained = sum(b.trained_numel for b in shape.blocks)
+    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
+    room = usable * (1 - headroom) * wrap_rules.weight_share(trained, total, recompute_all)
     resident = sum(weight_of(p) for p in shape.parts)
-    k = 0
-    while resident > room and k < len(shape.blocks):
-        resident -= weight_of(shape.blocks[k])
-        k += 1
-    return k, room
+    return wrap_rules.front_blocks_to_stream(resident, [weight_of(b) for b in shape.blocks], room), room
 
 
 def grad_inflight_bytes(prof) -> int:

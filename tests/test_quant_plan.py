@@ -16,12 +16,12 @@ import ramstream.hardware as hw
 import ramstream.planner.profile as profile
 from ramstream.activations import find_blocks
 from ramstream.options import WrapOptions
-from ramstream.planner.quantize import decide
-from ramstream.quant import is_quantized
-from ramstream.runtime.quantize import apply_quantize
 from ramstream.planner.policy import auto_streamed
+from ramstream.planner.quantize import decide
 from ramstream.planner.wrap_rules import weight_share
+from ramstream.quant import is_quantized
 from ramstream.runtime.inspect import block_elements, model_shape
+from ramstream.runtime.quantize import apply_quantize
 from test_quantize_model import _llama
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

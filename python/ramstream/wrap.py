@@ -7,9 +7,9 @@ import torch
 
 from .frontends.offload_model.model import OffloadModel
 from .frontends.offload_model.optim import wrap_offload_model
-from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
+from .planner.host_fit import pick_moment_dtype
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
@@ -78,15 +78,15 @@ def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
         return None
 
 
-def _ram_with_model(model, device: torch.device, streamed: dict) -> dict | None:
+def _ram_with_model(model, device: torch.device, streamed: dict) -> dict:
     """Available host RAM for the moment dtype, counting as free what the model holds in host memory:
     it moves to `device`, or (streamed blocks) its pinned home, which the arithmetic counts as
-    "streamed weights", replaces it; None: as measured (the CPU engine)."""
-    if device.type == "cpu":
-        return None
+    "streamed weights", replaces it; on the CPU engine, as measured."""
     from .planner.profile import available_ram
 
     ram = dict(available_ram())
+    if device.type == "cpu":
+        return ram
     ram["available"] += _bytes_to_move(model, device)
     return ram
 

@@ -16,7 +16,6 @@ from .inflight import BucketFacts, choose_mapped_fraction, choose_refined, host_
 
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
 BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
-INFLIGHT_MAX = 1 << 30  # engine/core.py: max_inflight_bytes is at most 1 GiB
 
 
 def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
@@ -51,13 +50,12 @@ def auto_streamed(
 
 
 def grad_inflight_bytes(prof) -> int:
-    """engine/core.py's default max_inflight_bytes (the device bytes gradients on their way to
-    the host may hold): a tenth of what the process may use, a per-process cap included, at most
-    INFLIGHT_MAX. The engine takes gpu_memory()["cap"]; the profile's vram_free is that cap before
-    the model is on the device (profile_hardware's gpu_memory: min(free + reserved, cap) - reserved),
-    the device's total memory less the context without a cap. (vram_total // 10 counted 1 GiB under
-    a 4 GiB cap, where the engine holds 0.4: row F of tests/test_planner_h200.py.)"""
-    return max(1 << 20, min(INFLIGHT_MAX, prof.vram_free // 10))
+    """The engine's default max_inflight_bytes (wrap_rules.grad_inflight_bytes, which OffloadAdamW
+    takes on gpu_memory()["cap"]) on the profile's vram_free: that cap before the model is on the
+    device (profile_hardware's gpu_memory: min(free + reserved, cap) - reserved), the device's total
+    memory less the context without a cap. (vram_total // 10 counted 1 GiB under a 4 GiB cap, where
+    the engine holds 0.4: row F of tests/test_planner_h200.py.)"""
+    return wrap_rules.grad_inflight_bytes(prof.vram_free)
 
 
 def optimizer_split(

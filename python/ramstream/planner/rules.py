@@ -16,6 +16,10 @@ STREAM_SHARE = {True: 0.7, False: 0.5}
 # share.
 RECOMPUTE_LORA_WEIGHTS = 0.25
 RECOMPUTE_FULL_FT = 0.9
+# The device bytes gradients on their way to the host may hold (max_inflight_bytes=None): a tenth of
+# usable VRAM within these bounds (wrap_rules.grad_inflight_bytes).
+GRAD_INFLIGHT_MIN = 1 << 20
+GRAD_INFLIGHT_MAX = 1 << 30
 # Kept free beyond the headroom when the optimizer state takes a share of VRAM (runtime/optimizer_split.py maybe_share).
 MARGIN_BYTES = 512 << 20
 # The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype).

@@ -1,6 +1,7 @@
 """wrap()'s size rules as pure functions over numbers: whether the blocks are LoRA-like, the share of
 usable VRAM the resident weights may take, how many front blocks stream to get under it, and
-activation_checkpointing="auto" (every block recomputes, or none). Nothing here sees a module: the
+activation_checkpointing="auto" (every block recomputes, or none), and the gradients' in-flight
+budget. Nothing here sees a module: the
 runtime counts the numbers on the live model (runtime/inspect.py) and the planner on a ModelShape
 (policy.py), and both ask these functions, so that the plan and wrap() cannot disagree. Every
 threshold is read from rules.py."""
@@ -9,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .rules import LORA_LIKE, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS, STREAM_SHARE
+from .rules import (
+    GRAD_INFLIGHT_MAX,
+    GRAD_INFLIGHT_MIN,
+    LORA_LIKE,
+    RECOMPUTE_FULL_FT,
+    RECOMPUTE_LORA_WEIGHTS,
+    STREAM_SHARE,
+)
 
 _GIB = 2**30
 
@@ -37,6 +45,13 @@ def front_blocks_to_stream(total_bytes: int, block_bytes, room: float) -> int:
         resident -= block_bytes[k]
         k += 1
     return k
+
+
+def grad_inflight_bytes(usable: int) -> int:
+    """The default max_inflight_bytes (the device bytes gradients on their way to the host may hold
+    before backward waits; OffloadAdamW passes it to the engine): a tenth of the `usable` bytes
+    (gpu_memory's cap: a per-process cap included), within [GRAD_INFLIGHT_MIN, GRAD_INFLIGHT_MAX]."""
+    return max(GRAD_INFLIGHT_MIN, min(GRAD_INFLIGHT_MAX, usable // 10))
 
 
 def moments_and_gradients(numel: int, grad_bytes: int) -> int:

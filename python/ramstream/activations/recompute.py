@@ -4,6 +4,8 @@ rest in backward (torch.utils.checkpoint, non-reentrant, RNG state restored: dro
 The block's forward is replaced by a checkpointed call of the original, so module hooks on the
 block (the weight streamer's loads, activation paging) run once per forward, and the recompute
 happens inside the block's backward, after its output-gradient hook (weights are loaded by then).
+Which blocks recompute is decided elsewhere: the plan, or without one planner/wrap_rules.py
+auto_recompute on the numbers runtime/inspect.py counts; this module takes explicit indices.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ def _plan_training(
         )
     # (a) resident: the offloaded run's peak predicts a resident one that fits
     if mode == "auto" and forced in (None, []) and not k_auto and act in ("auto", False):
-        # the moment dtype is wrap()'s (host_fit.pick_moment_dtype: by host RAM), kept by the switch
+        # the moment dtype is wrap()'s (planner/host_fit.py pick_moment_dtype: by host RAM), kept by the switch
         fit = [m for m in moments if shape.trained_numel * (4 + 2 * _mb(m) + ctx.wb) <= ctx.ram]
         for m in fit[:1]:
             off = _offload(ctx, [], m)

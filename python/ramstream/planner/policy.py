@@ -1,6 +1,6 @@
 """wrap()'s default decisions as arithmetic on a ModelShape, so that the plan predicts what wrap()
-does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
-(activations/recompute.py auto_checkpointing), the resident switch (inflight.py resident_peak) and
+does: the streamed blocks and recompute of every block (wrap_rules.py's rules on the shape's
+numbers; without a plan, runtime/inspect.py asks the same rules on the live model's), the resident switch (inflight.py resident_peak) and
 the optimizer state's split between VRAM, the GPU over PCIe and the host (inflight.py
 choose_mapped_fraction; runtime/optimizer_split.py applies it) and where the measured refinement
 after steps 4 and 6 moves it (inflight.py choose_refined, which runtime/refiner.py applies, on the

@@ -1,6 +1,8 @@
 """The one look at a live model and machine that the planner needs: the model's ModelShape (its
 quantized layers' packed codes counted as frozen weights) and the HardwareProfile of the device it
-will train on, then plan_for(): the Plan wrap() applies, without training."""
+will train on, then plan_for(): the Plan wrap() applies, without training; and, when no plan
+decided it, the numbers activation_checkpointing="auto" weighs (recompute_rule: planner/wrap_rules.py
+decides)."""
 
 from __future__ import annotations
 

@@ -401,7 +401,7 @@ def test_lr_scheduler_read_when_the_update_is_queued():
 def test_host_memory_check_counts_the_delayed_buffers():
     """moment_dtype="auto": the pending weights and the second landing buffer (working dtype) and,
     with accumulation, the second accumulator count in the host budget."""
-    from ramstream.host_fit import pick_moment_dtype
+    from ramstream.planner.host_fit import pick_moment_dtype
 
     n = 1_000_000_000
     fp32 = n * (4 + 8 + 2)  # master, two fp32 moments, bf16 landing buffer

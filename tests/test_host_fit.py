@@ -1,4 +1,4 @@
-"""wrap()'s host-RAM arithmetic (host_fit.py): moment_dtype="auto" and the MemoryError that shows
+"""wrap()'s host-RAM arithmetic (planner/host_fit.py): moment_dtype="auto" and the MemoryError that shows
 each component, from injected RAM figures; and through wrap() with a patched available RAM."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ramstream
-from ramstream.host_fit import pick_moment_dtype
+from ramstream.planner.host_fit import pick_moment_dtype
 
 GIB = 2**30
 N = 1_000_000_000  # trained elements

@@ -1,7 +1,8 @@
 """The layers of docs/architecture.md, read from the sources (tests/test_import_cycles.py's import
 graph: every import at any depth, nothing imported): the planner decides and imports no mechanism;
 the mechanisms (engine/, weights/, activations/, quant/) import neither the runtime that applies
-plans nor the planner's decisions; the runtime is the only writer of the plan history."""
+plans nor any planner module (its thresholds included: they decide nothing); the runtime is the
+only writer of the plan history."""
 
 from __future__ import annotations
 
@@ -22,16 +23,6 @@ PLANNER_IO = {
 }
 # what the planner's pure modules may import besides the planner: the leaves
 PLANNER_MAY_IMPORT = ("ramstream.planner", "ramstream.options", "ramstream.blocks")
-# what mechanisms may read from the planner: the threshold file (setup.py's weight share and
-# recompute.py's auto checkpointing still apply an old rule: they read the same constants, never a
-# copy), the paging arithmetic runtime/activation_policy.py measures for, and the machine's measured RAM
-# (quant/plan.py); never a decision module that holds a plan
-MECHANISM_MAY_IMPORT_FROM_PLANNER = {
-    "ramstream.planner",
-    "ramstream.planner.rules",
-    "ramstream.planner.activations",
-    "ramstream.planner.profile",
-}
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -64,18 +55,57 @@ def test_the_planners_decisions_import_no_mechanism(graph):
     )
 
 
-def test_mechanisms_never_import_the_runtime_or_the_planners_decisions(graph):
-    mods, edges, where = graph
+def _mechanisms(mods) -> list[str]:
     mech = [m for m in mods if any(_under(m, p) for p in MECHANISMS)]
     assert "ramstream.engine.layout" in mech and "ramstream.activations.recompute" in mech
+    assert "ramstream.weights.setup" in mech and "ramstream.quant.model" in mech
+    return mech
 
-    def allowed(t: str) -> bool:
-        if _under(t, "ramstream.runtime"):
-            return False
-        return not _under(t, "ramstream.planner") or t in MECHANISM_MAY_IMPORT_FROM_PLANNER
 
-    bad = _violations(edges, where, mech, allowed)
-    assert not bad, "mechanisms must not import the runtime or the planner's decisions:\n" + "\n".join(bad)
+def test_mechanisms_never_import_the_runtime(graph):
+    mods, edges, where = graph
+    bad = _violations(edges, where, _mechanisms(mods), lambda t: not _under(t, "ramstream.runtime"))
+    assert not bad, "mechanisms must not import the runtime that applies plans:\n" + "\n".join(bad)
+
+
+def test_mechanisms_import_no_planner_module_they_decide_nothing(graph):
+    """Thresholds and "auto" are resolved in the planner only (planner/rules.py, wrap_rules.py,
+    quantize.py, host_fit.py); the runtime counts the live model for them and hands the mechanisms
+    explicit block indices, placements and formats. A mechanism that imports any planner module
+    (rules.py included, lazily inside a function included) is deciding something."""
+    mods, edges, where = graph
+    bad = _violations(edges, where, _mechanisms(mods), lambda t: not _under(t, "ramstream.planner"))
+    assert not bad, "mechanisms must not import the planner (its rules included):\n" + "\n".join(bad)
+
+
+def _rule_names() -> set[str]:
+    """The thresholds planner/rules.py defines (its module-level UPPER_CASE names)."""
+    tree = ast.parse((ROOT / "ramstream" / "planner" / "rules.py").read_text(encoding="utf-8"))
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return names
+
+
+def test_no_mechanism_names_a_threshold(graph):
+    """Not through a re-export either: no mechanism's source names a constant of planner/rules.py."""
+    mods, _, _ = graph
+    rules = _rule_names()
+    assert {"LORA_LIKE", "STREAM_SHARE", "RECOMPUTE_FULL_FT", "HOST_RAM_SHARE", "GRAD_INFLIGHT_MAX"} <= rules
+    bad = []
+    for m in _mechanisms(mods):
+        tree = ast.parse(mods[m].read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            name = (
+                node.id if isinstance(node, ast.Name)
+                else node.attr if isinstance(node, ast.Attribute)
+                else node.name if isinstance(node, ast.alias)
+                else None
+            )  # fmt: skip
+            if name in rules:
+                bad.append(f"{mods[m].relative_to(ROOT.parent)}:{node.lineno}: {name}")
+    assert not bad, "mechanisms must not use the planner's thresholds:\n" + "\n".join(bad)
 
 
 def _history_writes(path) -> list[int]:

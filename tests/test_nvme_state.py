@@ -358,7 +358,7 @@ def test_on_the_gpu_the_state_on_disk_equals_the_run_in_ram(nvme, moment_dtype):
 
 
 def test_the_host_memory_check_counts_the_disk_share_out_and_the_staging_buffers_in():
-    from ramstream.host_fit import host_components
+    from ramstream.planner.host_fit import host_components
 
     ram = host_components(10**9, 2, 4, False, 0)
     disk = host_components(10**9, 2, 4, False, 0, nvme_share=1.0, bucket_bytes=32 << 20)

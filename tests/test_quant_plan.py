@@ -16,9 +16,12 @@ import ramstream.hardware as hw
 import ramstream.planner.profile as profile
 from ramstream.activations import find_blocks
 from ramstream.options import WrapOptions
+from ramstream.planner.policy import auto_streamed
+from ramstream.planner.quantize import decide
+from ramstream.planner.wrap_rules import weight_share
 from ramstream.quant import is_quantized
-from ramstream.quant.plan import apply_quantize, decide
-from ramstream.weights.setup import choose_streamed, weight_share
+from ramstream.runtime.inspect import block_elements, model_shape
+from ramstream.runtime.quantize import apply_quantize
 from test_quantize_model import _llama
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -46,6 +49,13 @@ def _fake_ram(monkeypatch, avail: int) -> None:
     monkeypatch.setattr(profile, "available_ram", lambda *a, **k: dict(ram))
 
 
+def _streamed(model, free: int) -> int:
+    """The front blocks param_offload="auto" streams (the planner's policy.auto_streamed on the
+    model's shape, packed codes counted as frozen weight bytes) with `free` bytes of VRAM."""
+    shape = model_shape(model, find_blocks(model), batch=1, seq=8, loss="dense")
+    return auto_streamed(shape, free, HEADROOM, lambda part: part.weight_bytes)[0]
+
+
 def _numbers(model, block_size=64):
     """(all weight bytes, NF4 bytes, the share) computed here from the model's own tensors."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
@@ -68,28 +78,26 @@ def test_speed_picks_nf4_exactly_when_it_keeps_every_block_in_vram(monkeypatch, 
     model = _model(r)
     twin = copy.deepcopy(model)
     total, nf4, want_share = _numbers(model)
-    assert want_share == share == weight_share(find_blocks(model))
+    assert want_share == share == weight_share(*block_elements(find_blocks(model)))
     _fake_ram(monkeypatch, 64 * GIB)
     # room for NF4 on the device, not for the unquantized weights
-    _fake_gpu(monkeypatch, int((nf4 + total) / 2 / (1 - HEADROOM) / share))
+    free = int((nf4 + total) / 2 / (1 - HEADROOM) / share)
+    _fake_gpu(monkeypatch, free)
     log = []
-    # the unquantized weights would stream
-    assert choose_streamed(twin, find_blocks(twin), "auto", CUDA, HEADROOM, log.append) != []
+    assert _streamed(twin, free) > 0  # the unquantized weights would stream
     exact, _ = apply_quantize(twin, WrapOptions.parse(prefer="exact"), CUDA, log.append)
     assert exact["format"] is None and "blocks stream instead" in exact["reason"]
     assert not any(is_quantized(m) for m in twin.modules())
     rep, removed = apply_quantize(model, WrapOptions.parse(prefer="speed"), CUDA, log.append)
     assert rep["format"] == "nf4" and "prefer='speed'" in rep["reason"] and len(removed) == 4 * 7
-    blocks = find_blocks(model)
-    assert choose_streamed(model, blocks, "auto", CUDA, HEADROOM, log.append) == []  # every block resident
-    assert "every block resident" in log[-1] and "packed codes" in log[-1]
+    assert _streamed(model, free) == 0  # every block resident, its packed codes counted
     # a GPU too small for NF4 too: speed streams the unquantized weights as exact does
     _fake_gpu(monkeypatch, int(nf4 * 0.9 / (1 - HEADROOM) / share))
     again, _ = apply_quantize(_model(r), WrapOptions.parse(prefer="speed"), CUDA, log.append)
     assert again["format"] is None
 
 
-def test_auto_streaming_counts_the_packed_bytes(monkeypatch):
+def test_auto_streaming_counts_the_packed_bytes():
     model = _model(2)
     ramstream.quantize_model(model, "nf4")
     blocks = find_blocks(model)
@@ -98,13 +106,13 @@ def test_auto_streaming_counts_the_packed_bytes(monkeypatch):
     per_block = [sum(p.nbytes for p in b.parameters()) + k for b, k in zip(blocks, packed)]
     # the room holds every parameter and half of the packed bytes
     room = params + sum(packed) / 2
-    _fake_gpu(monkeypatch, int(room / (1 - HEADROOM) / 0.7) + 1)
+    free = int(room / (1 - HEADROOM) / 0.7) + 1
     resident, k = params + sum(packed), 0
     while resident > room:
         resident -= per_block[k]
         k += 1
     assert k >= 1  # streaming only happens because the packed bytes count
-    assert choose_streamed(model, blocks, "auto", CUDA, HEADROOM, lambda m: None) == list(range(k))
+    assert _streamed(model, free) == k
 
 
 def test_decide_streams_then_int8_then_nf4_within_vram_plus_pinned_ram():

@@ -1,5 +1,6 @@
-"""activation_checkpointing="auto" decides from sizes (activations/recompute.py): the LoRA rule
-and the full fine-tuning rule, on injected GPU sizes (no GPU needed: the rules only read them)."""
+"""activation_checkpointing="auto" decides from sizes without a plan (runtime/inspect.py counts the
+live model, planner/wrap_rules.py decides): the LoRA rule and the full fine-tuning rule, on
+injected GPU sizes (no GPU needed: the rules only read them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import ramstream.hardware as hardware
-from ramstream.activations.recompute import auto_checkpointing
+from ramstream.runtime.inspect import auto_checkpointing, recompute_rule
 
 from _models import make_model
 
@@ -43,6 +44,18 @@ def test_full_fine_tuning_recomputes_only_when_the_state_cannot_be_resident(gpu)
     assert not auto_checkpointing(model, blocks, torch.device("cpu"), log.append)
 
 
+def test_hugging_faces_own_checkpointing_turns_the_rule_off(gpu):
+    model = make_model(0, n_blocks=3)
+    weights, state = _sizes(model)
+    gpu["cap"] = int((weights + state) / 0.9) - 1024
+    blocks = list(model.blocks)
+    assert auto_checkpointing(model, blocks, CUDA, lambda m: None)
+    blocks[1].gradient_checkpointing = True
+    log = []
+    assert not auto_checkpointing(model, blocks, CUDA, log.append) and log == []
+    assert recompute_rule(model, blocks, CUDA).rule == "hf checkpointing"
+
+
 def test_full_fine_tuning_rule_needs_the_cuda_kernels(gpu, monkeypatch):
     model = make_model(0, n_blocks=3)
     weights, state = _sizes(model)
@@ -63,27 +76,29 @@ def test_lora_like_models_recompute_when_their_weights_fill_a_quarter(gpu):
     assert not auto_checkpointing(model, blocks, CUDA, lambda m: None)
 
 
-def test_a_full_fine_tune_that_recomputes_every_block_keeps_70_percent_of_weights_resident(monkeypatch):
-    """param_offload="auto" streams blocks of a full fine-tune above 50 % of the GPU, or above 70 %
-    when every block recomputes (its activations then take little room)."""
-    from ramstream.activations.recompute import recomputes_every_block
-    from ramstream.weights.setup import choose_streamed
+def test_a_full_fine_tune_that_recomputes_every_block_keeps_70_percent_of_weights_resident(gpu):
+    """param_offload="auto" (the planner's policy.auto_streamed) streams blocks of a full fine-tune
+    above 50 % of the GPU, or above 70 % when every block recomputes (its activations then take
+    little room)."""
+    from ramstream.planner.policy import auto_streamed
+    from ramstream.runtime.inspect import model_shape
 
     model = make_model(0, n_blocks=4)
     blocks = list(model.blocks)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = int(weights / 0.6 / 0.9)  # the weights are 60 % of what may be used
-    mem = {"total": free, "cap": free, "free": free, "reserved": 0, "allocated": 0}
-    monkeypatch.setattr(hardware, "gpu_memory", lambda device: dict(mem))
-    monkeypatch.setattr(hardware, "kernels_problem", lambda: None)
-    log = []
-    assert choose_streamed(model, blocks, "auto", CUDA, 0.1, log.append) != []
-    assert choose_streamed(model, blocks, "auto", CUDA, 0.1, log.append, recompute_all=True) == []
-    # weights + moments + gradients exceed 90 % of the GPU: "auto" recomputes every block
-    assert recomputes_every_block(model, blocks, CUDA, "auto")
-    assert recomputes_every_block(model, blocks, CUDA, True)
-    assert not recomputes_every_block(model, blocks, CUDA, False)
-    assert not recomputes_every_block(model, blocks, CUDA, "auto", optimizer_mode="cpu")
+    usable = int(weights / 0.6 / 0.9)  # the weights are 60 % of what may be used
+    shape = model_shape(model, blocks, batch=1, seq=8, loss="dense")
+    assert shape.weight_bytes == weights
+    k, room = auto_streamed(shape, usable, 0.1, lambda part: part.weight_bytes)
+    assert k > 0 and room == pytest.approx(usable * 0.9 * 0.5)
+    resident = weights - sum(p.numel() * p.element_size() for b in blocks[:k] for p in b.parameters())
+    assert resident <= room < resident + sum(p.numel() * p.element_size() for p in blocks[k - 1].parameters())
+    k, room = auto_streamed(shape, usable, 0.1, lambda part: part.weight_bytes, recompute_all=True)
+    assert k == 0 and room == pytest.approx(usable * 0.9 * 0.7)
+    # weights + moments and gradients exceed 90 % of the GPU: "auto" recomputes every block
+    gpu["cap"] = usable
+    assert recompute_rule(model, blocks, CUDA).on
+    assert not recompute_rule(model, blocks, CUDA, optimizer_mode="cpu").on
 
 
 def test_a_quantized_lora_base_counts_its_packed_weights(gpu):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ramstream
+from ramstream.planner.quantize import decide
 from ramstream.quant import is_quantized
-from ramstream.quant.plan import decide
 from test_quantize_model import _batch, _llama, _lora, _reference_copy
 
 from _quant_helpers import assert_bits_equal

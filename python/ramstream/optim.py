@@ -202,6 +202,11 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         self._distributed = bool(distributed)
         self._log = _log or (lambda msg: None)
         self.split_info: dict = {}
+        if max_inflight_bytes is None and device.type == "cuda" and torch.cuda.is_available():
+            from .hardware import gpu_memory
+            from .planner.wrap_rules import grad_inflight_bytes
+
+            max_inflight_bytes = grad_inflight_bytes(gpu_memory(device)["cap"])
         from .engine.core import Engine
 
         self._engine = Engine(

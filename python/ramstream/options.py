@@ -1,8 +1,8 @@
 """wrap() options: names, accepted values, defaults, and validation with errors that list them.
 
 A leaf: imports torch and the standard library only (tests/test_import_cycles.py checks it), so
-every module can validate an option here; quant/plan.py, quant/model.py, activations/blocks.py
-re-export the parsers that lived there."""
+every module can validate an option here; quant/model.py and activations/blocks.py re-export
+the parsers that lived there."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import torch
 
 from .frontends.offload_model.model import OffloadModel
 from .frontends.offload_model.optim import wrap_offload_model
-from .host_fit import pick_moment_dtype
 from .optim import OffloadAdamW
 from .options import WrapOptions
+from .planner.host_fit import pick_moment_dtype
 from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
@@ -17,7 +17,6 @@ from .runtime.convert import _convert_optimizer, _hand_over
 from .weights.setup import (
     agree_streamed,
     build_streamer,
-    choose_streamed,
     devices_of,
     move_back,
     move_resident,
@@ -35,7 +34,7 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
     blocks when there is a plan, else the option as given ("auto" streams nothing without a plan)."""
     if opts.param_offload is False and plan is None:
         return [], [], {}
-    from .blocks import find_blocks
+    from .blocks import chosen_blocks, find_blocks
 
     try:
         blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
@@ -47,10 +46,10 @@ def _plan_streaming(model, opts: WrapOptions, device: torch.device, use_dp: bool
         idx = list(plan.weights["streamed"])
         if idx:
             log(f"plan: {len(idx)} of {len(blocks)} blocks stream their weights ({_ranges(idx)})")
-    elif opts.param_offload == "auto":
+    elif opts.param_offload == "auto" or not blocks:
         idx = []
     else:
-        idx = choose_streamed(model, blocks, opts.param_offload, device, opts.vram_headroom, log)
+        idx = chosen_blocks("param_offload", opts.param_offload, len(blocks))
     if use_dp and opts.param_offload == "auto":  # the ranks' buckets must match
         idx = agree_streamed(idx, device, log)
     return blocks, idx, streamed_ids(model, blocks, idx, log) if idx else {}
@@ -79,15 +78,15 @@ def _use_profile(opts: WrapOptions, device: torch.device, log) -> dict | None:
         return None
 
 
-def _ram_with_model(model, device: torch.device, streamed: dict) -> dict | None:
+def _ram_with_model(model, device: torch.device, streamed: dict) -> dict:
     """Available host RAM for the moment dtype, counting as free what the model holds in host memory:
     it moves to `device`, or (streamed blocks) its pinned home, which the arithmetic counts as
-    "streamed weights", replaces it; None: as measured (the CPU engine)."""
-    if device.type == "cpu":
-        return None
+    "streamed weights", replaces it; on the CPU engine, as measured."""
     from .planner.profile import available_ram
 
     ram = dict(available_ram())
+    if device.type == "cpu":
+        return ram
     ram["available"] += _bytes_to_move(model, device)
     return ram
 
@@ -299,7 +298,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "of the new weights is not delayed); pass delayed_update=False"
         )
     # --- quantize (issue 11): pack frozen block weights before any streaming decision ---
-    from .quant.plan import apply_quantize
+    from .runtime.quantize import apply_quantize
 
     quant_report, quant_removed = apply_quantize(model, opts, device, log)
     # --- end quantize ---

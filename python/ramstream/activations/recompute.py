@@ -4,6 +4,8 @@ rest in backward (torch.utils.checkpoint, non-reentrant, RNG state restored: dro
 The block's forward is replaced by a checkpointed call of the original, so module hooks on the
 block (the weight streamer's loads, activation paging) run once per forward, and the recompute
 happens inside the block's backward, after its output-gradient hook (weights are loaded by then).
+Which blocks recompute is decided elsewhere: the plan, or without one planner/wrap_rules.py
+auto_recompute on the numbers runtime/inspect.py counts; this module takes explicit indices.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch.utils.checkpoint as _tc
 
 from ..blocks import chosen_blocks
 from ..options import parse_checkpointing  # noqa: F401  (recompute.parse_checkpointing: its old name)
-from ..planner.rules import LORA_LIKE, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS
 
 
 def checkpoint_indices(option, n: int) -> list[int]:
@@ -60,92 +61,6 @@ def _without_cache(kwargs: dict) -> dict:
         if kwargs.get(k) is not None:
             kwargs[k] = None
     return kwargs
-
-
-def auto_checkpointing(model, blocks, device, log, optimizer_mode: str = "auto") -> bool:
-    """activation_checkpointing="auto": every block recomputes when the model is LoRA-like (less
-    than 10 % of the blocks' parameters train: recomputing a frozen layer is cheaper than paging
-    its activations, measured on the Qwen2.5-7B shape) on a GPU whose usable memory the block
-    weights fill to more than a quarter; and in full fine-tuning whose weights, fp32 moments and
-    gradients cannot all be resident (90 % of usable memory; optimizer_mode not "cpu"): the VRAM
-    activations would hold keeps a share of the optimizer state instead (runtime/optimizer_split.py),
-    updated on the GPU rather than by the host threads, the bound of such a run (1.8B GPT at
-    24 GiB: see bench/RESULTS.md), or, when the weights fill most of the GPU, the activations
-    of a batch that would not fit otherwise. Never when
-    Hugging Face's own gradient checkpointing is on (the layers already recompute)."""
-    if device.type != "cuda" or not blocks:
-        return False
-    if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
-        return False
-    from ..quant.packed import packed_buffers
-
-    # a quantized layer's frozen weight is no parameter but packed buffers: counted by its
-    # full-precision elements for the trained share, by its packed bytes for what VRAM holds
-    params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
-    trained, total = trained_share(blocks)
-    if total == 0:
-        return False
-    from ..hardware import gpu_memory
-
-    usable = gpu_memory(device)["cap"]
-    if trained >= LORA_LIKE * total:
-        return _full_ft_checkpointing(model, usable, optimizer_mode, log)
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    nbytes += sum(t.nbytes for b in blocks for _, _, t in packed_buffers(b))
-    if nbytes <= usable * RECOMPUTE_LORA_WEIGHTS:
-        return False
-    log(
-        f"activation_checkpointing=auto: {trained / total:.1%} of the blocks' parameters train "
-        f"(LoRA-like) and their weights ({nbytes / 2**30:.2f} GiB) fill more than a quarter of "
-        f"{usable / 2**30:.2f} GiB: every block recomputes in backward"
-    )
-    return True
-
-
-def trained_share(blocks) -> tuple[int, int]:
-    """(trained elements, all elements) of the blocks' weights, quantized ones at full size."""
-    from ..quant.packed import quantized_numel
-
-    params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
-    total = sum(p.numel() for p in params) + sum(quantized_numel(b) for b in blocks)
-    return sum(p.numel() for p in params if p.requires_grad), total
-
-
-def is_lora_like(blocks) -> bool:
-    trained, total = trained_share(blocks)
-    return total > 0 and trained < LORA_LIKE * total
-
-
-def _full_ft_checkpointing(model, usable: int, optimizer_mode: str, log) -> bool:
-    """The full fine-tuning rule of auto_checkpointing."""
-    if optimizer_mode == "cpu":
-        return False
-    from ..hardware import kernels_problem
-
-    if kernels_problem():
-        return False
-    params = list(model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
-    trained = [p for p in params if p.requires_grad]
-    state = sum(p.numel() * (8 + p.element_size()) for p in trained)  # moments + gradient
-    if weights + state <= RECOMPUTE_FULL_FT * usable:
-        return False
-    log(
-        f"activation_checkpointing=auto: full fine-tuning; weights {weights / 2**30:.2f} GiB + "
-        f"moments and gradients {state / 2**30:.2f} GiB > 90% of {usable / 2**30:.2f} GiB usable: "
-        "every block recomputes in backward, so that VRAM keeps a share of the optimizer state"
-    )
-    return True
-
-
-def recomputes_every_block(model, blocks, device, option, optimizer_mode: str = "auto") -> bool:
-    """Whether activation_checkpointing=`option` will make every block recompute (True, or
-    "auto" deciding so); asked before the weights are placed, without logging."""
-    if option is True:
-        return bool(blocks)
-    if option != "auto" or not blocks:
-        return False
-    return auto_checkpointing(model, blocks, device, lambda msg: None, optimizer_mode)
 
 
 def _drop_casts() -> None:

@@ -142,11 +142,6 @@ class Engine:
             self.delayed = Delayed(delayed_update, dev=self.dev, worker=self.worker, weights=None, stats=None)
             for b in self.buckets:
                 self.delayed.allocate(b)
-        if max_inflight_bytes is None and self.dev.type == "cuda":
-            from ..hardware import gpu_memory
-
-            # a tenth of what the process may use (a per-process cap included), at most 1 GiB
-            max_inflight_bytes = max(1 << 20, min(1 << 30, gpu_memory(device)["cap"] // 10))
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = {
             "steps": 0,

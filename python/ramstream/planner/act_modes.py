@@ -4,7 +4,7 @@ bytes left for them (plan.py's candidates call choose_modes); pure arithmetic.""
 from __future__ import annotations
 
 from .activations import choose_paged_blocks, fraction_to_blocks
-from .rules import LORA_LIKE
+from .shape import lora_like
 from .timing import ACT_OVERLAP
 
 _GIB = 2**30
@@ -55,9 +55,7 @@ def choose_modes(ctx, avail: int, step0: float, t0: dict) -> tuple[list[str], in
         max_slowdown=ctx.max_slowdown,
     )
     k_free = info["k_within_slowdown"]
-    frozen = sum(b.trained_numel for b in sh.blocks) < LORA_LIKE * sum(
-        b.trained_numel + b.frozen_numel for b in sh.blocks
-    )
+    frozen = lora_like(sh)
     pre_a = [0]
     for x in acts:
         pre_a.append(pre_a[-1] + x)

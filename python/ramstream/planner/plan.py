@@ -31,9 +31,10 @@ from .assemble import line as _line
 from .assemble import make_plan as _make_plan
 from .inflight import resident_peak
 from .measure import ADAMW_STATE_BYTES
-from .policy import MARGIN_BYTES, auto_recompute, auto_streamed, optimizer_split
+from .policy import auto_recompute, auto_streamed, optimizer_split
 from .profile import HardwareProfile
 from .result import Plan, PlanError
+from .rules import MARGIN_BYTES
 from .shape import ModelShape
 from .suggest import NOTHING_FITS, suggestions
 from .timing import MATMUL_EFFICIENCY, step_of, step_times
@@ -411,7 +412,7 @@ def _plan_training(
         )
     # (a) resident: the offloaded run's peak predicts a resident one that fits
     if mode == "auto" and forced in (None, []) and not k_auto and act in ("auto", False):
-        # the moment dtype is wrap()'s (host_fit.pick_moment_dtype: by host RAM), kept by the switch
+        # the moment dtype is wrap()'s (planner/host_fit.py pick_moment_dtype: by host RAM), kept by the switch
         fit = [m for m in moments if shape.trained_numel * (4 + 2 * _mb(m) + ctx.wb) <= ctx.ram]
         for m in fit[:1]:
             off = _offload(ctx, [], m)

@@ -1,6 +1,6 @@
 """wrap()'s default decisions as arithmetic on a ModelShape, so that the plan predicts what wrap()
-does: the streamed blocks (weights/setup.py choose_streamed), recompute of every block
-(activations/recompute.py auto_checkpointing), the resident switch (inflight.py resident_peak) and
+does: the streamed blocks and recompute of every block (wrap_rules.py's rules on the shape's
+numbers; without a plan, runtime/inspect.py asks the same rules on the live model's), the resident switch (inflight.py resident_peak) and
 the optimizer state's split between VRAM, the GPU over PCIe and the host (inflight.py
 choose_mapped_fraction; runtime/optimizer_split.py applies it) and where the measured refinement
 after steps 4 and 6 moves it (inflight.py choose_refined, which runtime/refiner.py applies, on the
@@ -11,64 +11,51 @@ from __future__ import annotations
 
 import math
 
+from . import wrap_rules
 from .inflight import BucketFacts, choose_mapped_fraction, choose_refined, host_trial_fits
-from .rules import LORA_LIKE, MARGIN_BYTES, RECOMPUTE_FULL_FT, RECOMPUTE_LORA_WEIGHTS, STREAM_SHARE  # noqa: F401
-from .shape import lora_like
 
 HOST_STATE_BYTES = 28  # split.seed: host params/s = profile adamw_gbps / 28 B
 BUCKET_BYTES = 32 << 20  # OffloadAdamW bucket_bytes default: the refinement moves whole buckets
-INFLIGHT_MAX = 1 << 30  # engine/core.py: max_inflight_bytes is at most 1 GiB
 
 
 def auto_recompute(shape, usable: int, weight_of, opt_mode: str) -> tuple[bool, str]:
-    """activation_checkpointing="auto": (every block recomputes, why). LoRA-like: when the block
-    weights fill more than a quarter of `usable`; full fine-tuning (optimizer_mode not "cpu"): when
-    weights + trained params x (8 + gradient bytes) > 90 % of usable."""
-    g = 2**30
-    if not shape.blocks:
-        return False, "no blocks"
-    if lora_like(shape):
-        nbytes = sum(weight_of(b) for b in shape.blocks)
-        on = nbytes > usable * RECOMPUTE_LORA_WEIGHTS
-        return (
-            on,
-            f"LoRA-like, block weights {nbytes / g:.2f} GiB {'>' if on else '<='} "
-            f"{RECOMPUTE_LORA_WEIGHTS:.0%} of {usable / g:.2f} GiB",
-        )
-    if opt_mode == "cpu":
-        return False, "full fine-tuning with optimizer_mode='cpu'"
-    weights = sum(weight_of(p) for p in shape.parts)
-    state = shape.trained_numel * (8 + shape.elem_bytes)
-    on = weights + state > RECOMPUTE_FULL_FT * usable
-    return on, (
-        f"full fine-tuning, weights {weights / g:.2f} + moments and gradients {state / g:.2f} GiB "
-        f"{'>' if on else '<='} {RECOMPUTE_FULL_FT:.0%} of {usable / g:.2f} GiB"
+    """activation_checkpointing="auto" on a ModelShape: (every block recomputes, why), by
+    wrap_rules.auto_recompute (LoRA-like: the block weights exceed a quarter of `usable`; full
+    fine-tuning, optimizer_mode not "cpu": weights + trained params x (8 + gradient bytes) exceed
+    90 % of it), on the numbers the shape gives (`weight_of`: a part's bytes on the device)."""
+    r = wrap_rules.auto_recompute(
+        n_blocks=len(shape.blocks),
+        trained=sum(b.trained_numel for b in shape.blocks),
+        total=sum(b.trained_numel + b.frozen_numel for b in shape.blocks),
+        block_bytes=sum(weight_of(b) for b in shape.blocks),
+        weights=sum(weight_of(p) for p in shape.parts),
+        state=wrap_rules.moments_and_gradients(shape.trained_numel, shape.elem_bytes),
+        usable=usable,
+        optimizer_mode=opt_mode,
     )
+    return r.on, r.why()
 
 
 def auto_streamed(
     shape, usable: int, headroom: float, weight_of, recompute_all: bool = False
 ) -> tuple[int, float]:
     """param_offload="auto": (the number of front blocks streamed, the room in bytes): the fewest
-    whose streaming brings the resident weights under STREAM_SHARE of usable x (1 - headroom)
-    (the 70 % share when every block recomputes, as setup.choose_streamed)."""
-    room = usable * (1 - headroom) * STREAM_SHARE[recompute_all or lora_like(shape)]
+    whose streaming brings the resident weights under wrap_rules.weight_share of usable x
+    (1 - headroom) (70 % for LoRA-like blocks or when every block recomputes, else 50 %)."""
+    trained = sum(b.trained_numel for b in shape.blocks)
+    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
+    room = usable * (1 - headroom) * wrap_rules.weight_share(trained, total, recompute_all)
     resident = sum(weight_of(p) for p in shape.parts)
-    k = 0
-    while resident > room and k < len(shape.blocks):
-        resident -= weight_of(shape.blocks[k])
-        k += 1
-    return k, room
+    return wrap_rules.front_blocks_to_stream(resident, [weight_of(b) for b in shape.blocks], room), room
 
 
 def grad_inflight_bytes(prof) -> int:
-    """engine/core.py's default max_inflight_bytes (the device bytes gradients on their way to
-    the host may hold): a tenth of what the process may use, a per-process cap included, at most
-    INFLIGHT_MAX. The engine takes gpu_memory()["cap"]; the profile's vram_free is that cap before
-    the model is on the device (profile_hardware's gpu_memory: min(free + reserved, cap) - reserved),
-    the device's total memory less the context without a cap. (vram_total // 10 counted 1 GiB under
-    a 4 GiB cap, where the engine holds 0.4: row F of tests/test_planner_h200.py.)"""
-    return max(1 << 20, min(INFLIGHT_MAX, prof.vram_free // 10))
+    """The engine's default max_inflight_bytes (wrap_rules.grad_inflight_bytes, which OffloadAdamW
+    takes on gpu_memory()["cap"]) on the profile's vram_free: that cap before the model is on the
+    device (profile_hardware's gpu_memory: min(free + reserved, cap) - reserved), the device's total
+    memory less the context without a cap. (vram_total // 10 counted 1 GiB under a 4 GiB cap, where
+    the engine holds 0.4: row F of tests/test_planner_h200.py.)"""
+    return wrap_rules.grad_inflight_bytes(prof.vram_free)
 
 
 def optimizer_split(

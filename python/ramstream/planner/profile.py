@@ -77,7 +77,7 @@ class HardwareProfile(TrainStreamProfileNames):
     @property
     def ram_per_rank(self) -> int:
         """Available RAM this process may plan for: rules.HOST_RAM_SHARE (90 %) of ram_available /
-        local_world_size, the share wrap()'s host arithmetic (host_fit.py) allows, so that a plan
+        local_world_size, the share wrap()'s host arithmetic (planner/host_fit.py) allows, so that a plan
         the planner accepts is never refused there."""
         from .rules import HOST_RAM_SHARE
 

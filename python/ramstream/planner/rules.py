@@ -1,24 +1,32 @@
-"""Every threshold the planner's decisions use, once (a leaf: imports nothing). The planner's
-policy.py, plan.py and its in-training decisions (inflight.py, levers.py) read them; the older
-wrap-time rules that still exist beside the planner (weights/setup.py weight_share,
-activations/recompute.py auto_checkpointing, host_fit.py) read the same constants, so that no copy
-can disagree."""
+"""Every threshold the planner's decisions use, once (a leaf: imports nothing). Only planner modules
+read them: policy.py, plan.py and the in-training decisions (inflight.py, levers.py), and wrap()'s
+size rules as pure functions over numbers (wrap_rules.py: LoRA-like, the weights' VRAM share,
+activation_checkpointing="auto", the gradients' in-flight budget; quantize.py: quantize="auto";
+host_fit.py: moment_dtype="auto"), which the runtime asks with the numbers it counts on the live
+model (runtime/inspect.py, runtime/quantize.py) and policy.py with a ModelShape's, so that no copy
+can disagree. Mechanisms (engine/, weights/, activations/, quant/) never read them
+(tests/test_layering.py)."""
 
 from __future__ import annotations
 
 # A model whose blocks train less than this share of their elements is LoRA-like (a frozen base).
 LORA_LIKE = 0.10
-# The share of usable VRAM resident weights may take under the older streaming rule: 70 % when every
-# block recomputes or the model is LoRA-like, 50 % otherwise.
+# The share of usable VRAM resident weights may take (wrap_rules.weight_share: param_offload="auto" and
+# quantize="auto"): 70 % when every block recomputes or the model is LoRA-like, 50 % otherwise.
 STREAM_SHARE = {True: 0.7, False: 0.5}
 # activation_checkpointing="auto": a LoRA-like model recomputes when its block weights fill more
 # than this share of usable VRAM; a full fine-tune when weights + moments + gradients exceed this
 # share.
 RECOMPUTE_LORA_WEIGHTS = 0.25
 RECOMPUTE_FULL_FT = 0.9
+# The device bytes gradients on their way to the host may hold (max_inflight_bytes=None): a tenth of
+# usable VRAM within these bounds (wrap_rules.grad_inflight_bytes).
+GRAD_INFLIGHT_MIN = 1 << 20
+GRAD_INFLIGHT_MAX = 1 << 30
 # Kept free beyond the headroom when the optimizer state takes a share of VRAM (runtime/optimizer_split.py maybe_share).
 MARGIN_BYTES = 512 << 20
-# The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype).
+# The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype;
+# quantize.py host_room).
 HOST_RAM_SHARE = 0.9
 
 # The step wrap() plans for when it is not told (batch=, seq=): PLAN_BATCH x PLAN_SEQ tokens; when

@@ -473,11 +473,11 @@ class ModelShape:
                    vocab=vocab, loss=loss, hidden=int(hidden))  # fmt: skip
 
 
-from .rules import LORA_LIKE  # noqa: E402
+from .wrap_rules import lora_like as _lora_like  # noqa: E402
 
 
 def lora_like(shape: ModelShape) -> bool:
-    """Whether the shape's blocks train less than LORA_LIKE of their elements (policy.py's
-    decisions and timing.py's step model both ask)."""
-    total = sum(b.trained_numel + b.frozen_numel for b in shape.blocks)
-    return bool(total) and sum(b.trained_numel for b in shape.blocks) < LORA_LIKE * total
+    """Whether the shape's blocks are LoRA-like (wrap_rules.lora_like: less than LORA_LIKE of their
+    elements train; policy.py's decisions and timing.py's step model both ask)."""
+    trained = sum(b.trained_numel for b in shape.blocks)
+    return _lora_like(trained, sum(b.trained_numel + b.frozen_numel for b in shape.blocks))

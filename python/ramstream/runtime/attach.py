@@ -73,8 +73,9 @@ def attach_model(
     engine.attach_forward_waits(model)
     ckpt = opts.activation_checkpointing
     if ckpt is not False:
-        from ..activations.recompute import Recompute, auto_checkpointing, checkpoint_indices
+        from ..activations.recompute import Recompute, checkpoint_indices
         from ..blocks import find_blocks
+        from .inspect import auto_checkpointing
 
         try:
             blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
@@ -88,7 +89,7 @@ def attach_model(
         elif auto:
             ckpt = auto_checkpointing(model, blocks, device, log, opts.optimizer_mode)
     if ckpt is not False:
-        from ..activations.recompute import is_lora_like
+        from .inspect import is_lora_like
         from .keep import KeepPolicy, measured_memory_fn
 
         # "auto" in LoRA: after step 1 the blocks that fit keep their activations

@@ -1,6 +1,8 @@
 """The one look at a live model and machine that the planner needs: the model's ModelShape (its
 quantized layers' packed codes counted as frozen weights) and the HardwareProfile of the device it
-will train on, then plan_for(): the Plan wrap() applies, without training."""
+will train on, then plan_for(): the Plan wrap() applies, without training; and, when no plan
+decided it, the numbers activation_checkpointing="auto" weighs (recompute_rule: planner/wrap_rules.py
+decides)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,60 @@ def model_shape(model, blocks, *, batch: int, seq: int, loss: str) -> ModelShape
             )
         out.append(bs)
     return dataclasses.replace(shape, blocks=tuple(out))
+
+
+def block_elements(blocks) -> tuple[int, int]:
+    """(trained elements, all elements) of the blocks' weights, a quantized layer's frozen weight
+    (packed buffers, no parameter) counted by its full-precision elements."""
+    from ..quant.packed import quantized_numel
+
+    params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
+    total = sum(p.numel() for p in params) + sum(quantized_numel(b) for b in blocks)
+    return sum(p.numel() for p in params if p.requires_grad), total
+
+
+def is_lora_like(blocks) -> bool:
+    """wrap_rules.lora_like on the live blocks (block_elements)."""
+    from ..planner.wrap_rules import lora_like
+
+    return lora_like(*block_elements(blocks))
+
+
+def recompute_rule(model, blocks, device: torch.device, optimizer_mode: str = "auto"):
+    """activation_checkpointing="auto" for the live model without a plan: the numbers
+    wrap_rules.auto_recompute weighs, counted here (usable VRAM: gpu_memory's cap; the blocks'
+    bytes on the device: parameters + a quantized layer's packed codes; the model's parameter
+    bytes and its trained parameters' moments and gradients) -> its RecomputeRule."""
+    from ..hardware import gpu_memory, kernels_problem
+    from ..planner.wrap_rules import auto_recompute, moments_and_gradients
+    from ..quant.packed import packed_buffers
+
+    on_gpu = device.type == "cuda"
+    trained, total = block_elements(blocks)
+    in_blocks = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
+    block_bytes = _nbytes(in_blocks) + sum(t.nbytes for b in blocks for _, _, t in packed_buffers(b))
+    params = list(model.parameters())
+    return auto_recompute(
+        n_blocks=len(blocks),
+        trained=trained,
+        total=total,
+        block_bytes=block_bytes,
+        weights=_nbytes(params),
+        state=sum(moments_and_gradients(p.numel(), p.element_size()) for p in params if p.requires_grad),
+        usable=gpu_memory(device)["cap"] if on_gpu else None,
+        optimizer_mode=optimizer_mode,
+        kernels=on_gpu and kernels_problem() is None,
+        hf_checkpointing=any(getattr(b, "gradient_checkpointing", False) for b in blocks),
+    )
+
+
+def auto_checkpointing(model, blocks, device: torch.device, log, optimizer_mode: str = "auto") -> bool:
+    """Whether every block recomputes under activation_checkpointing="auto" when no plan decided
+    it (recompute_rule), logging the arithmetic when it does."""
+    r = recompute_rule(model, blocks, device, optimizer_mode)
+    if r.on:
+        log(r.log_line())
+    return r.on
 
 
 def live_profile(

@@ -1,5 +1,7 @@
-"""wrap(param_offload=...): which blocks stream their weights, and wiring the streamer into a
-wrapped model (policy here; the mechanism is slab.py and streamer.py)."""
+"""wrap(param_offload=...): wiring the weight streamer into a wrapped model for the blocks it is
+given (the plan's, or the option's explicit choice; which blocks stream is decided by the planner:
+planner/wrap_rules.py, policy.py), tied weights kept resident; the mechanism is slab.py and
+streamer.py."""
 
 from __future__ import annotations
 
@@ -7,10 +9,8 @@ from collections import Counter
 
 import torch
 
-from ..blocks import chosen_blocks
 from ..options import parse_param_offload  # noqa: F401  (setup.parse_param_offload: its old name)
-from ..planner.rules import LORA_LIKE, STREAM_SHARE
-from ..quant.packed import packed_buffers, quantized_numel
+from ..quant.packed import packed_buffers
 from .slab import make_copier
 from .streamer import Block, WeightStreamer, frozen_slabs
 
@@ -33,66 +33,6 @@ def weight_tensors(module) -> list[torch.Tensor]:
 def streamed_bytes(model, streamed: dict) -> int:
     """Bytes of the streamed parameters and packed buffers (at home in pinned host memory)."""
     return _nbytes(t for t in weight_tensors(model) if id(t) in streamed)
-
-
-def weight_share(blocks) -> float:
-    """The share of the device memory the process may use that the weights may take: 70 % for a
-    LoRA-like model (< 10 % of the blocks' elements train, quantized weights counted at their
-    full-precision size; its blocks recompute: activation_checkpointing="auto"), 50 % otherwise
-    (a full fine-tune keeps room for activations and gradients). quantize="auto" plans with it."""
-    trained = sum(p.numel() for ps in block_params(blocks) for p in ps if p.requires_grad)
-    total_numel = sum(p.numel() for ps in block_params(blocks) for p in ps)
-    total_numel += sum(quantized_numel(b) for b in blocks)
-    return STREAM_SHARE[bool(total_numel) and trained < LORA_LIKE * total_numel]
-
-
-def choose_streamed(
-    model, blocks, option, device: torch.device, headroom: float, log, recompute_all: bool = False
-) -> list[int]:
-    """The indices of the blocks whose weights stream, for param_offload=`option`.
-
-    "auto" streams nothing when every weight (packed quantized codes included) fits in a share of
-    what the process may still take on the device (weight_share: 70 % for a LoRA-like model, 50 %
-    otherwise; the rest is for activations, gradients in flight and the optimizer's share);
-    otherwise the fewest blocks, from the front of the stack, whose streaming brings the resident
-    weights under that share. recompute_all (every block recomputes in backward): 70 % for a
-    full fine-tune too, as its activations then take little room.
-    """
-    n = len(blocks)
-    if n == 0:
-        return []
-    if option != "auto":
-        return chosen_blocks("param_offload", option, n)
-    if device.type != "cuda":
-        return []  # "auto" on the CPU: nothing to save
-    from ..hardware import gpu_memory
-
-    mem = gpu_memory(device)
-    weights = weight_tensors(model)  # packed codes of quantized layers count as their weights
-    on_device = _nbytes(t for t in weights if t.device == device)
-    per_block = [_nbytes(weight_tensors(b)) for b in blocks]
-    share = STREAM_SHARE[True] if recompute_all else weight_share(blocks)
-    room = (mem["free"] + on_device) * (1 - headroom) * share
-    total = _nbytes(weights)
-    k, resident = 0, total
-    while resident > room and k < n:
-        resident -= per_block[k]
-        k += 1
-    packed = _nbytes(t for b in blocks for _, _, t in packed_buffers(b))
-    what = f" (packed codes {packed / GIB:.2f} GiB included)" if packed else ""
-    if k:
-        log(
-            f"param_offload=auto: weights {total / GIB:.2f} GiB{what} > {share:.0%} of the "
-            f"{room / share / GIB:.2f} GiB the process may use on {device} (after "
-            f"{headroom:.0%} headroom): streaming blocks 0-{k - 1} of {n} "
-            f"({(total - resident) / GIB:.2f} GiB in pinned host memory)"
-        )
-    elif packed:
-        log(
-            f"param_offload=auto: weights {total / GIB:.2f} GiB{what} <= {share:.0%} of the "
-            f"{room / share / GIB:.2f} GiB the process may use on {device}: every block resident"
-        )
-    return list(range(k))
 
 
 def agree_streamed(indices: list[int], device: torch.device, log) -> list[int]:

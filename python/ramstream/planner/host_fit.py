@@ -1,11 +1,12 @@
 """wrap()'s host-RAM arithmetic: the moment dtype for moment_dtype="auto", and the refusal (a
-MemoryError showing every component) when the host state and the streamed weights cannot fit."""
+MemoryError showing every component) when the host state and the streamed weights cannot fit; pure
+arithmetic on the byte counts and the available RAM wrap() passes in."""
 
 from __future__ import annotations
 
 import torch
 
-from .planner.rules import HOST_RAM_SHARE as SHARE  # of the available RAM ramstream's host memory may take
+from .rules import HOST_RAM_SHARE as SHARE  # of the available RAM ramstream's host memory may take
 
 GIB = 2**30
 
@@ -59,7 +60,7 @@ def pick_moment_dtype(
     streamed: int,
     check: bool,
     log,
-    ram: dict | None = None,
+    ram: dict,
     delayed: bool = False,
     nvme_share: float = 0.0,
     bucket_bytes: int = 32 << 20,
@@ -67,12 +68,9 @@ def pick_moment_dtype(
     """float32 or bfloat16 for moment_dtype=`option` ("auto", "float32", "bfloat16"): "auto" takes
     fp32 unless the host memory (host_components) would exceed 90 % of the available RAM (cgroup
     limit included), then bf16; MemoryError (when `check`) if the chosen dtype does not fit, with
-    each component and what would fit. `ram`: planner.profile.available_ram() (tests inject it);
+    each component and what would fit. `ram`: profile.available_ram()'s dict ("available", and
+    "cgroup_limit" or None), as wrap() counts it;
     `delayed`: delayed_update's buffers count too; `nvme_share`: that share of the state is on disk."""
-    if ram is None:
-        from .planner.profile import available_ram
-
-        ram = available_ram()
     avail = ram["available"]
     budget = SHARE * avail
     fp32 = host_components(numel, working_bytes, 4, accumulate, streamed, delayed, nvme_share, bucket_bytes)

@@ -95,7 +95,7 @@ def test_pipeline_model_passes_it_on(monkeypatch):
 @pytest.mark.parametrize(
     "value,error,match",
     [
-        ("replace", NotImplementedError, "ramstream.simulate schedule"),
+        ("replace ", ValueError, "fake_compute='replace ' is not accepted"),
         ("sleep", ValueError, "fake_compute='sleep' is not accepted"),
         ({}, ValueError, "is not accepted"),
         ({"fwd": 1, "other": 2}, ValueError, "is not accepted"),

@@ -202,9 +202,6 @@ class Run:
 
     def run_op(self, s: int, op) -> None:
         t0 = time.perf_counter()
-        if self.fake is not None:  # a stage's seconds per microbatch, shared by its chunks
-            v = len(self.chunks) // len(self.ops)
-            time.sleep((self.fake.fwd if op.kind == "F" else self.fake.bwd)[s] / v)
         if op.kind == "F":
             self.forward(s, op.chunk, op.mb)
         else:
@@ -212,12 +209,20 @@ class Run:
         if self.spans is not None:
             self.spans.append((s, f"{op.kind} mb{op.mb} c{op.chunk}", t0, time.perf_counter()))
 
+    def _fake_time(self, s: int, kind: str) -> None:
+        """fake_compute's seconds for an op of stage s (a stage's, shared by its chunks), slept once
+        the op's input (activation or gradient) has arrived, where its kernels would start."""
+        if self.fake is not None:
+            v = len(self.chunks) // len(self.ops)
+            time.sleep((self.fake.fwd if kind == "F" else self.fake.bwd)[s] / v)
+
     def forward(self, s: int, c: int, m: int) -> None:
         ch = self.chunks[c]
         if c == 0:
             args = _move(self.inputs[m], ch.device)
         else:
             args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+        self._fake_time(s, "F")
         pager = self.pagers[s] if self.pagers is not None else None
         saving = pager.saving((c, m), [ch.module], args) if pager is not None else contextlib.nullcontext()
         try:
@@ -272,6 +277,7 @@ class Run:
         else:
             gs = receive(self.exchange.take(("B", c, m), s), ch.device, ch.stream)
             pairs = [(o, g) for o, g in zip(outs, gs) if g is not None and _needs_grad(o)]
+        self._fake_time(s, "B")
         if self.replace:  # no autograd (grad_outputs unused): zeros of the inputs' shapes go back
             if c > 0:
                 self.exchange.put(("B", c - 1, m), send(self.fake.input_grads(args), ch.stream, grads=True))

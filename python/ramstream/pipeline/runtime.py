@@ -65,9 +65,10 @@ class Pipeline:
             pipeline guide has the arithmetic), listed in `offload_plan`.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
-        fake_compute: None, or {"fwd": s, "bwd": s} (seconds, or a list per stage) slept before each
-            op of step() and infer() (a stage's seconds split over its chunks): schedule timing;
-            "replace" (or "replace": True in the dict): the ops skip the kernels (fake.py).
+        fake_compute: None, or {"fwd": s, "bwd": s} (seconds, or a list per stage) slept at each op
+            of step() and infer() once its input arrived (a stage's seconds split over its chunks):
+            schedule timing; "replace" (or "replace": True in the dict): the ops skip the kernels,
+            zeros of the real shapes flow, weights and .grad are untouched (fake.py).
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
             backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
             back at their backward (paging.py; bit-identical; activation_stats() counts it).

@@ -1,6 +1,8 @@
-"""Pipeline(fake_compute=...) (RamTorch's schedule-timing aid): the given seconds are slept before
-each op of step() and infer() (a stage's seconds split over its chunks), the numbers are those of
-the same pipeline without it, and every bad value is refused before anything is built."""
+"""Pipeline(fake_compute=...) (RamTorch's schedule-timing aid): the given seconds are slept at each
+op of step() and infer() once its input arrived (a stage's seconds split over its chunks), so a
+step lasts at least the schedule simulator's makespan; the numbers are those of the same pipeline
+without it, and every bad value is refused before anything is built. Replace mode:
+test_pipeline_fake_replace.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 
 import ramstream.pipeline.run as run_mod
 from ramstream import Pipeline, PipelineModel
+from ramstream.simulate.pipeline import simulate_schedule
 
 from _pipeline_helpers import CPU2, assert_same, batch, blocks, groups
 
@@ -50,6 +53,22 @@ def test_the_numbers_are_those_without_it_and_each_op_sleeps_its_stages_seconds(
     assert sorted(asked) == sorted([0.002] * 4 + [0.004] * 4 + [0.006] * 8)
     fake.close()
     ref.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_lasts_at_least_the_simulated_makespan(schedule):
+    """An op sleeps after its input arrived: a stage waiting for an activation or a gradient does
+    not count that wait as its compute."""
+    tf, tb = [0.02, 0.04], [0.04, 0.06]
+    pipe = Pipeline(stage_modules=groups(blocks(4), 2), devices=CPU2, fake_compute={"fwd": tf, "bwd": tb})
+    x, y = batch(8)
+    t0 = time.perf_counter()
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule=schedule)
+    wall = time.perf_counter() - t0
+    sim = simulate_schedule(schedule, stages=2, microbatches=4, tf=tf, tb=tb)
+    assert sim.makespan == pytest.approx(0.46)  # 0.02 + 4 * 0.04 + 4 * 0.06 + 0.04
+    assert wall >= sim.makespan
+    pipe.close()
 
 
 def test_serial_steps_take_at_least_the_slept_seconds_and_infer_sleeps_forwards_only(monkeypatch):
@@ -95,7 +114,7 @@ def test_pipeline_model_passes_it_on(monkeypatch):
 @pytest.mark.parametrize(
     "value,error,match",
     [
-        ("replace", NotImplementedError, "ramstream.simulate schedule"),
+        ("replace ", ValueError, "fake_compute='replace ' is not accepted"),
         ("sleep", ValueError, "fake_compute='sleep' is not accepted"),
         ({}, ValueError, "is not accepted"),
         ({"fwd": 1, "other": 2}, ValueError, "is not accepted"),

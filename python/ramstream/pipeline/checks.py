@@ -3,7 +3,6 @@ batch into microbatches. Imports torch and nothing from the package."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -224,32 +223,3 @@ def check_paths(**paths) -> None:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")
-
-
-def check_fake_compute(value, stages: int) -> tuple[list[float], list[float]] | None:
-    """RamTorch's fake_compute: None, or {"fwd": seconds, "bwd": seconds}, each a number >= 0 or a
-    list of one per stage; returns (fwd, bwd) per stage. "replace" (skip the real kernels) is not
-    supported: NotImplementedError pointing to the schedule simulator."""
-    if value is None:
-        return None
-    accepted = "None or a dict {'fwd': s, 'bwd': s} (each seconds >= 0, or a list of one per stage)"
-    if isinstance(value, str) and value == "replace":
-        raise NotImplementedError(
-            "Pipeline: fake_compute='replace' (skipping the real kernels) is not supported; "
-            "`python -m ramstream.simulate schedule` computes a schedule's timing without running it, "
-            "and fake_compute={'fwd': s, 'bwd': s} adds those seconds to every op of a real step"
-        )
-    if not isinstance(value, dict) or not value or set(value) - {"fwd", "bwd"}:
-        raise ValueError(f"Pipeline: fake_compute={value!r} is not accepted; accepted: {accepted}")
-
-    def per_stage(key: str) -> list[float]:
-        v = value.get(key, 0.0)
-        items = list(v) if isinstance(v, (list, tuple)) else [v] * stages
-        if len(items) != stages:
-            raise ValueError(f"Pipeline: fake_compute[{key!r}] has {len(items)} entries for {stages} stages")
-        for x in items:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-                raise ValueError(f"Pipeline: fake_compute[{key!r}] entries must be seconds >= 0, got {x!r}")
-        return [float(x) for x in items]
-
-    return per_stage("fwd"), per_stage("bwd")

@@ -103,13 +103,16 @@ class Run:
     (per microbatch, the first chunk's positional arguments), `targets` (per microbatch or None),
     `loss_fn` or `grads` (per microbatch: the last output's gradient, or a callable), `train`
     (False: forwards only, under no_grad), `pagers` (per stage: a StagePager paging saved
-    activations, or None), `fake` (Pipeline's fake_compute: seconds slept before each op). run_stage(s) never raises: the first failure is in `exchange.error`."""
+    activations, or None), `fake` (Pipeline's fake_compute, fake.py's FakeCompute: seconds slept
+    before each op; with `replace` the ops skip the kernels: zeros of the right shapes flow, no
+    loss_fn, no autograd). run_stage(s) never raises: the first failure is in `exchange.error`."""
 
     def __init__(
         self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None, fake=None
     ) -> None:
         self.chunks, self.ops = chunks, ops
-        self.fake = fake  # fake_compute: (fwd, bwd) seconds per stage, split over its chunks, or None
+        self.fake = fake  # FakeCompute: (fwd, bwd) seconds per stage, split over its chunks; or None
+        self.replace = fake is not None and fake.replace
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.grads, self.train = loss_fn, grads, train
         self.n = len(inputs)
@@ -122,7 +125,7 @@ class Run:
         self.start_events: dict = {}  # device -> event on the caller's stream at the start
         self.end_events: dict = {}  # stage -> event on its stream at its end
         self.spans: list | None = [] if trace else None
-        self.pagers = pagers if train and pagers else None
+        self.pagers = pagers if train and pagers and not self.replace else None
 
     # ---- the caller's side -----------------------------------------------------------------------
     def mark_start(self) -> None:
@@ -199,9 +202,6 @@ class Run:
 
     def run_op(self, s: int, op) -> None:
         t0 = time.perf_counter()
-        if self.fake is not None:  # a stage's seconds per microbatch, shared by its chunks
-            v = len(self.chunks) // len(self.ops)
-            time.sleep(self.fake[0 if op.kind == "F" else 1][s] / v)
         if op.kind == "F":
             self.forward(s, op.chunk, op.mb)
         else:
@@ -209,17 +209,25 @@ class Run:
         if self.spans is not None:
             self.spans.append((s, f"{op.kind} mb{op.mb} c{op.chunk}", t0, time.perf_counter()))
 
+    def _fake_time(self, s: int, kind: str) -> None:
+        """fake_compute's seconds for an op of stage s (a stage's, shared by its chunks), slept once
+        the op's input (activation or gradient) has arrived, where its kernels would start."""
+        if self.fake is not None:
+            v = len(self.chunks) // len(self.ops)
+            time.sleep((self.fake.fwd if kind == "F" else self.fake.bwd)[s] / v)
+
     def forward(self, s: int, c: int, m: int) -> None:
         ch = self.chunks[c]
         if c == 0:
             args = _move(self.inputs[m], ch.device)
         else:
             args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+        self._fake_time(s, "F")
         pager = self.pagers[s] if self.pagers is not None else None
         saving = pager.saving((c, m), [ch.module], args) if pager is not None else contextlib.nullcontext()
         try:
             with saving, ch.autocast():
-                out = ch.module(*args)
+                out = self.fake.output(c, ch.module, args, ch.device) if self.replace else ch.module(*args)
         except RuntimeError as e:
             if c > 0 and "leaf Variable that requires grad" in str(e):
                 raise RuntimeError(
@@ -236,7 +244,9 @@ class Run:
             return
         self.outputs[m] = _detach(out)
         loss = None
-        if self.train and self.loss_fn is not None:
+        if self.train and self.loss_fn is not None and self.replace:
+            self.losses[m] = self.fake.loss(ch.device)
+        elif self.train and self.loss_fn is not None:
             keep = outs  # held in self.saved until the backward anyway
             saving = (
                 pager.saving((c, m), [ch.module], keep) if pager is not None else contextlib.nullcontext()
@@ -263,10 +273,15 @@ class Run:
             raise RuntimeError(f"Pipeline: the schedule runs B(mb={m}, chunk={c}) before its forward")
         args, outs = state[0], state[1]
         if c == self.last:
-            pairs = self._last_pairs(m, ch, outs, state[2])
+            pairs = [] if self.replace else self._last_pairs(m, ch, outs, state[2])
         else:
             gs = receive(self.exchange.take(("B", c, m), s), ch.device, ch.stream)
             pairs = [(o, g) for o, g in zip(outs, gs) if g is not None and _needs_grad(o)]
+        self._fake_time(s, "B")
+        if self.replace:  # no autograd (grad_outputs unused): zeros of the inputs' shapes go back
+            if c > 0:
+                self.exchange.put(("B", c - 1, m), send(self.fake.input_grads(args), ch.stream, grads=True))
+            return
         pager = self.pagers[s] if self.pagers is not None else None
         if pager is not None:
             pager.fetch((c, m), ch.stream)

@@ -13,7 +13,8 @@ import weakref
 import torch
 
 from . import schedule as schedules
-from .checks import check_autocast, check_devices, check_fake_compute, check_offload, check_paths, dice
+from .checks import check_autocast, check_devices, check_offload, check_paths, dice
+from .fake import check_fake_compute, refuse_replace
 from .microbatch import cut_inputs
 from .paging import StagePager
 from .pinning import set_offload_pinned
@@ -64,8 +65,10 @@ class Pipeline:
             pipeline guide has the arithmetic), listed in `offload_plan`.
         offload_grad_accum, offload_acc_slots: checked and accepted; they change nothing
             (gradients always go home as they are produced, summed there).
-        fake_compute: None, or {"fwd": s, "bwd": s} (seconds, or a list per stage) slept before each
-            op of step() and infer() (a stage's seconds split over its chunks): schedule timing.
+        fake_compute: None, or {"fwd": s, "bwd": s} (seconds, or a list per stage) slept at each op
+            of step() and infer() once its input arrived (a stage's seconds split over its chunks):
+            schedule timing; "replace" (or "replace": True in the dict): the ops skip the kernels,
+            zeros of the real shapes flow, weights and .grad are untouched (fake.py).
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
             backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
             back at their backward (paging.py; bit-identical; activation_stats() counts it).
@@ -332,11 +335,13 @@ class Pipeline:
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
             train=True, trace=trace_path is not None, pagers=self._pagers, fake=self._fake,
         )  # fmt: skip
-        stash = [(p, p.grad) for p in self._params if p.requires_grad]
+        replace = self._fake is not None and self._fake.replace  # .grad and every weight untouched
+        stash = [(p, p.grad) for p in self._params if p.requires_grad and not replace]
+        streamed = [] if replace else self._streamed
         for p, _ in stash:
             p.grad = None  # this step's gradients accumulate apart: committed only if it all succeeds
         ok = False
-        for st in self._streamed:
+        for st in streamed:
             st.begin()
         try:
             self._profiled(run, ops, trace_path, profile_path)
@@ -345,10 +350,10 @@ class Pipeline:
             try:
                 for pg in self._pagers or []:
                     pg.reset()  # a failed step's paged activations go back to the pool
-                for st in self._streamed:
+                for st in streamed:
                     st.end(ok)  # streamed gradients (landed at home) into .grad, or dropped
             finally:
-                if ok:
+                if ok and not replace:
                     self._commit(stash)
                 else:
                     for p, old in stash:
@@ -394,6 +399,7 @@ class Pipeline:
         stage threads until closed (its close(), a `with` block, or close()); step()/infer() raise
         RuntimeError meanwhile."""
         self._check_open()
+        refuse_replace(self._fake, "infer_open()")
         if self._stream is not None:
             return self._stream
         if not self._lock.acquire(blocking=False):
@@ -444,6 +450,7 @@ class Pipeline:
         """A PipeDream-2BW training session (twobw.py TrainSession; the pipeline guide: one update
         stale, per-stage local updates; step()/infer() raise RuntimeError until it is closed)."""
         self._check_open()
+        refuse_replace(self._fake, "train_session()")
         return TrainSession(
             self, optimizer_factory=optimizer_factory, n_microbatches=n_microbatches, loss_fn=loss_fn,
             schedule=schedule, max_inflight=max_inflight, optimizer_device=optimizer_device,

@@ -347,7 +347,9 @@ def decide_window(w) -> Decision:
     }
     again = w.refinement < MAX_REFINEMENTS
     if host <= 0 or pcie <= 0:
-        return Decision(change="keep optimizer split", numbers={**numbers, "reason": "no rate to refine with"})
+        return Decision(
+            change="keep optimizer split", numbers={**numbers, "reason": "no rate to refine with"}
+        )
     targets, info = choose_refined(list(w.buckets), host_params_per_s=host, pcie_bytes_per_s=pcie)
     move = info["move"]
     return Decision(

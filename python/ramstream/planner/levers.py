@@ -121,7 +121,9 @@ def decide_keep(m) -> Decision:
     )  # fmt: skip
     k, n = d["k"], len(m.candidates)
     kept = tuple(m.candidates[n - k :]) if k else ()
-    return Decision(change=f"{k} of {n} recomputed blocks keep their activations", act=True, numbers=d, blocks=kept)
+    return Decision(
+        change=f"{k} of {n} recomputed blocks keep their activations", act=True, numbers=d, blocks=kept
+    )
 
 
 def decide_peak(m) -> Decision:

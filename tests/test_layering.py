@@ -1,8 +1,8 @@
 """The layers of docs/architecture.md, read from the sources (tests/test_import_cycles.py's import
 graph: every import at any depth, nothing imported): the planner decides and imports no mechanism;
 the mechanisms (engine/, weights/, activations/, quant/) import neither the runtime that applies
-plans nor any planner module (its thresholds included: they decide nothing); the runtime is the
-only writer of the plan history."""
+plans nor any planner module (its thresholds included: they decide nothing); the session
+(runtime/session.py) is the only writer of the plan history."""
 
 from __future__ import annotations
 
@@ -108,36 +108,55 @@ def test_no_mechanism_names_a_threshold(graph):
     assert not bad, "mechanisms must not use the planner's thresholds:\n" + "\n".join(bad)
 
 
+SESSION = "ramstream.runtime.session"  # the plan history's only writer
+WRITES = ("append", "extend", "record", "insert")
+
+
+def _name(node) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
 def _history_writes(path) -> list[int]:
-    """Lines that append to, extend or record into something named *history (plan_history,
-    self.history, ...)."""
+    """Lines that append to, extend, insert into or record into something named *history*
+    (plan_history, self.history, ...) or into a name bound to one (h = opt.plan_history)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    aliases = {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and "history" in ast.unparse(node.value)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     out = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
-        if node.func.attr not in ("append", "extend", "record", "insert"):
+        if node.func.attr not in WRITES:
             continue
-        target = node.func.value
-        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
-        if name.endswith("history") and name != "recent_history":
+        name = _name(node.func.value)
+        if ("history" in name and name != "recent_history") or name in aliases:
             out.append(node.lineno)
-    return out
+    return sorted(out)
 
 
-def test_only_the_runtime_writes_the_plan_history(graph):
+def test_only_the_session_writes_the_plan_history(graph):
+    """The deciders (runtime/optimizer_split.py, refiner.py, watchdog.py, keep.py, tokens.py's
+    StepCheck) return or hand over entries; only runtime/session.py records them."""
     mods, _, _ = graph
-    outside = {
-        m: lines
-        for m, path in mods.items()
-        if not _under(m, "ramstream.runtime") and (lines := _history_writes(path))
-    }
+    outside = {m: lines for m, path in mods.items() if m != SESSION and (lines := _history_writes(path))}
     listed = "\n".join(f"{mods[m].relative_to(ROOT.parent)}: lines {lines}" for m, lines in outside.items())
-    assert not outside, "the plan history is written only by ramstream.runtime:\n" + listed
-    inside = [m for m, path in mods.items() if _under(m, "ramstream.runtime") and _history_writes(path)]
-    assert {"ramstream.runtime.session", "ramstream.runtime.refiner", "ramstream.runtime.watchdog"} <= set(
-        inside
-    )
+    assert not outside, f"the plan history is written only by {SESSION}:\n" + listed
+    assert _history_writes(mods[SESSION])  # the check sees the session's own writes
+
+
+def test_the_history_check_sees_every_way_of_writing(tmp_path):
+    f = tmp_path / "m.py"
+    for line in ("opt.plan_history.record(e)", "self.history.append(e)", "h = self.opt.plan_history\nh.record(e)",
+                 "history.extend([e])", "self._session.history.insert(0, e)"):  # fmt: skip
+        f.write_text(line + "\n")
+        assert _history_writes(f), line
+    f.write_text("self.recent.append(e)\nev.record(stream)\nself.actions.append(e)\n")
+    assert _history_writes(f) == []
 
 
 def test_the_plan_history_is_a_record_not_a_list():

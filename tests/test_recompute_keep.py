@@ -31,7 +31,7 @@ def _keep(model, opt, usable=10_000, peak=6_000):
     counter, calls = _instrument(model)
     w.recompute._memory = lambda: counter[0]
     w.keep = KeepPolicy(
-        w.recompute, torch.device("cpu"), 0.1, opt._log, opt.plan_history,
+        w.recompute, torch.device("cpu"), 0.1, opt._log,
         measure=lambda: {"usable": usable, "peak": peak},
     )  # fmt: skip
     opt._step_callbacks.insert(0, w.keep.after_step)

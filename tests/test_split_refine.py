@@ -132,6 +132,12 @@ def _flip(calls):
     return relocate
 
 
+def _after(opt, r, steps):
+    """What OffloadAdamW.step does with the refiner: it returns its decisions' history entries and
+    the optimizer's session records them."""
+    opt._session.take(r.after_step(steps))
+
+
 def _window(host_rate, pcie_rate, wall_s=1.0):
     return lambda: {"host_numel": int(host_rate), "host_s": 1.0, "mapped_numel": 1, "mapped_s": 1.0,
                     "mapped_bytes": int(pcie_rate), "throttle_s": 0.25, "wall_s": wall_s}  # fmt: skip
@@ -145,9 +151,9 @@ def test_one_refinement_moves_logs_records_and_a_second_settles():
         opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls)
     )
     for steps in range(1, 2 + MEASURE_STEPS):  # the window opens after step 2
-        r.after_step(steps)
+        _after(opt, r, steps)
     assert not calls and not opt.plan_history
-    r.after_step(2 + MEASURE_STEPS)  # refined from steps 3-4: a slow host, everything mapped
+    _after(opt, r, 2 + MEASURE_STEPS)  # refined from steps 3-4: a slow host, everything mapped
     assert len(calls) == len(e.buckets) and {c[2] for c in calls} == {"mapped"}
     (entry,) = opt.plan_history
     assert entry["change"] == "optimizer split refined" and entry["step"] == 4
@@ -165,11 +171,11 @@ def test_one_refinement_moves_logs_records_and_a_second_settles():
         "refined after step 4 from steps 3-4" in line and "buckets moved" in line for line in report["events"]
     )
     for steps in range(5, 5 + MEASURE_STEPS):  # measured again: 5-6; nothing better -> kept, settled
-        r.after_step(steps)
+        _after(opt, r, steps)
     assert len(opt.plan_history) == 2 and opt.plan_history[1]["change"] == "keep optimizer split"
     assert opt.plan_history[1]["measured_steps"] == [5, 6] and r.settled and len(calls) == len(e.buckets)
     for steps in range(7, 20):
-        r.after_step(steps)
+        _after(opt, r, steps)
     assert (
         len(opt.plan_history) == 2 and ramstream.memory_report(model)["plan"]["optimizer"]["split"]["settled"]
     )
@@ -183,7 +189,7 @@ def test_at_most_max_refinements_even_when_every_window_asks_for_a_move():
     calls, flip = [], iter([_window(1, 1e12), _window(1e12, 1), _window(1, 1e12)] * 3)
     r = SplitRefiner(opt, start_after=2, measured=lambda: next(flip)(), relocate_fn=_flip(calls))
     for steps in range(1, 40):
-        r.after_step(steps)
+        _after(opt, r, steps)
     entries = [h for h in opt.plan_history if h["change"] == "optimizer split refined"]
     assert len(entries) == len(opt.plan_history) == MAX_REFINEMENTS and r.settled
     assert [h["step"] for h in entries] == [4, 6]
@@ -197,7 +203,7 @@ def test_a_move_that_made_the_measured_step_slower_is_undone_and_settles():
     windows = iter([_window(1, 1e12, wall_s=1.0), _window(1, 1e12, wall_s=1.0 * (1 + 2 * inflight.MIN_GAIN))])
     r = SplitRefiner(opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls))
     for steps in range(1, 12):
-        r.after_step(steps)
+        _after(opt, r, steps)
     assert [h["change"] for h in opt.plan_history] == ["optimizer split refined", "optimizer split reverted"]
     undo = opt.plan_history[1]
     assert undo["step"] == 6 and undo["step_s_before"] == 0.5 and undo["step_s"] == pytest.approx(0.55)
@@ -222,7 +228,7 @@ def test_running_out_of_memory_keeps_the_bucket_and_the_rest_where_they_were():
 
     r = SplitRefiner(opt, start_after=2, measured=_window(1, 1e12), relocate_fn=relocate)
     for steps in range(1, 5):
-        r.after_step(steps)
+        _after(opt, r, steps)
     assert [b.placement for b in opt._engine.buckets][:3] == ["mapped", "host", "host"]
     (entry,) = opt.plan_history
     assert entry["moved_buckets"] == 1 and entry["numel_now"]["mapped"] == opt._engine.buckets[0].numel
@@ -257,7 +263,7 @@ def _trial(trial_step_s: float, step_s: float = 1.0):
     )
     r = SplitRefiner(opt, start_after=2, measured=lambda: next(windows)(), relocate_fn=_flip(calls))
     for steps in range(1, 14):
-        r.after_step(steps)
+        _after(opt, r, steps)
     return model, opt, r, calls
 
 

@@ -24,7 +24,7 @@ from .options import (
     parse_threads,
 )
 from .planner.rules import SWITCH_AFTER_STEPS  # noqa: F401  (optim.SWITCH_AFTER_STEPS: tests read it)
-from .runtime.history import PlanHistory
+from .runtime.session import TrainingSession
 
 _GROUP_EXTRAS = dict(
     amsgrad=False,
@@ -173,7 +173,8 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         self._closed = False
         self._step_callbacks: list = []
         self._zero_grad_callbacks: list = []
-        self.plan_history = PlanHistory()  # the plan's changes (memory_report(model)["plan"])
+        # the plan history's only writer: records what the in-training deciders return
+        self._session = TrainingSession()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_GROUP_EXTRAS)
         if (
             not torch.is_tensor(params)
@@ -297,7 +298,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         if self.offload == "auto" and e.stats["steps"] == SWITCH_AFTER_STEPS:
             self._maybe_go_resident()
         if self._refiner is not None:
-            self._refiner.after_step(e.stats["steps"])
+            self._session.take(self._refiner.after_step(e.stats["steps"]))
         self._after_step()
         return loss
 
@@ -344,8 +345,14 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         return torch.tensor(norm, dtype=torch.float32, device=self._engine.device)
 
     def _after_step(self) -> None:
-        for fn in self._step_callbacks:
-            fn()
+        for fn in self._step_callbacks:  # what a decider returns (its history entries) is recorded
+            self._session.take(fn())
+
+    @property
+    def plan_history(self):
+        """The plan's changes while training (memory_report(model)["plan"]["history"]): a read-only
+        sequence of entries, recorded by the session (runtime/session.py TrainingSession)."""
+        return self._session.history
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._closed:
@@ -442,11 +449,10 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
     def _maybe_go_resident(self) -> None:
         from .runtime.optimizer_split import maybe_share, maybe_switch
 
-        resident = maybe_switch(self, SWITCH_AFTER_STEPS)
-        if (
-            resident is None
-        ):  # what VRAM is left holds a share of the state (runtime/optimizer_split.py maybe_share)
-            maybe_share(self, SWITCH_AFTER_STEPS)
+        resident, entry = maybe_switch(self, SWITCH_AFTER_STEPS)
+        self._session.take(entry)
+        if resident is None:  # what VRAM is left holds a share of the state (optimizer_split.py)
+            self._session.take(maybe_share(self, SWITCH_AFTER_STEPS))
         else:
             self._resident = resident
             self._engine.close()

@@ -1,9 +1,11 @@
 """The optimizer decisions taken while training, from what the run measured; pure arithmetic.
 
-The runtime measures (runtime/optimizer_switch.py after step 2, runtime/refiner.py over its
-windows), asks these functions, applies the answer through the engine's mechanisms
-(engine/layout.py relocate, move_buckets) and records it in the plan history. The same functions
-predict those decisions in the plan (planner/policy.py): one rule, used twice.
+The runtime measures (runtime/optimizer_split.py after step 2, runtime/refiner.py over its
+windows) and hands a record of numbers (planner/training.py) to planner/revise.py
+revise_training(), which answers with the decide_* functions below; the runtime applies the answer
+through the engine's mechanisms (engine/layout.py relocate, move_buckets) and returns the history
+entry, which the session records (runtime/session.py TrainingSession). The same functions predict
+those decisions in the plan (planner/policy.py): one rule, used twice.
 
 The engine's buckets reach the planner as BucketFacts (runtime/facts.py bucket_facts): numbers
 only, no tensors.
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .rules import HOST_TRIAL_SHARE, MARGIN_BYTES, MIN_GAIN
+from .rules import HOST_TRIAL_SHARE, MARGIN_BYTES, MAX_REFINEMENTS, MIN_GAIN
+from .training import Decision
 
 
 @dataclass(frozen=True)
@@ -256,3 +259,112 @@ def host_trial_fits(
 def host_only(buckets: list[BucketFacts]) -> list[str]:
     """The host-only trial's placements: every refinable bucket on the host."""
     return ["host" if refinable(b) else b.placement for b in buckets]
+
+
+# ---- the in-training decisions, from planner/training.py's records (revise_training) -------------
+def decide_resident(m) -> Decision:
+    """ResidentCheck -> "resident" (act: switch) or "keep offloading", with resident_fits' numbers."""
+    fits, n = resident_fits(
+        usable=m.usable, peak=m.peak, now=m.now, persistent=m.persistent_bytes, grads=m.grad_bytes,
+        headroom=m.headroom,
+    )  # fmt: skip
+    return Decision(change="resident" if fits else "keep offloading", act=fits, numbers=n)
+
+
+def decide_share(m) -> Decision:
+    """ShareCheck -> "keep optimizer placement" when share_room leaves nothing (room_bytes 0), else
+    "optimizer state share" with choose_placements' placements; the rest's mapped fraction is
+    choose_mapped_fraction's (1 with gpu_only), solved for the first bucket's dtypes."""
+
+    def mapped_fraction_of(numel: int) -> float:
+        if m.gpu_only:
+            return 1.0
+        b = m.buckets[0]
+        f, _ = choose_mapped_fraction(
+            numel=numel, host_params_per_s=m.host_params_per_s, pcie_bytes_per_s=m.pcie_bytes_per_s,
+            working_bytes=b.working_bytes, moment_bytes=m.moment_bytes, master_on_host=b.low_precision,
+        )  # fmt: skip
+        return f
+
+    room = share_room(usable=m.usable, peak=m.peak, headroom=m.headroom)
+    if room <= 0:
+        return Decision(change="keep optimizer placement", numbers={"room_bytes": 0})
+    placements, info = choose_placements(list(m.buckets), room, mapped_fraction_of)
+    return Decision(
+        change="optimizer state share", act=True, numbers={"room_bytes": room, **info},
+        placements=tuple(placements),
+    )  # fmt: skip
+
+
+def window_rates(w) -> tuple[float, float, dict]:
+    """(host params/s, PCIe bytes/s, sources) of a SplitWindow: each the window's own ratio where it
+    measured any (host elements / seconds; mapped bytes / seconds), else the isolated rate."""
+    src: dict = {}
+    if w.host_numel > 0 and w.host_s > 0:
+        host, src["host"] = w.host_numel / w.host_s, "measured"
+    else:
+        host, src["host"] = w.host_alone, "isolated"
+    if w.mapped_bytes > 0 and w.mapped_s > 0:
+        pcie, src["pcie"] = w.mapped_bytes / w.mapped_s, "measured"
+    else:
+        pcie, src["pcie"] = (w.pcie_alone if w.pcie_alone is not None else 0.0), "isolated"
+    src.update(host_alone=w.host_alone, pcie_alone=w.pcie_alone)
+    return host, pcie, src
+
+
+def decide_window(w) -> Decision:
+    """SplitWindow -> in order (runtime/refiner.py's module docstring):
+    - the host-only trial's window: "host-only trial kept" when its step was not slower than the
+      step before it, else "host-only trial undone" (placements: those before it); settles;
+    - a window after a move whose step got more than MIN_GAIN slower: "optimizer split reverted"
+      (placements: those before the move); settles;
+    - else choose_refined on the window's rates (window_rates): "optimizer split refined" (act,
+      placements) or "keep optimizer split" (no rate to refine with: numbers["reason"]); again: a
+      move gets one more window while fewer than MAX_REFINEMENTS decisions were taken."""
+    step_s = w.step_s
+    if w.trial:
+        keep = step_s <= w.step_s_before
+        return Decision(
+            change="host-only trial kept" if keep else "host-only trial undone", act=not keep,
+            numbers={"step_s": step_s, "step_s_before": w.step_s_before},
+            placements=() if keep else tuple(w.placements_before), settle=True,
+        )  # fmt: skip
+    if w.step_s_before is not None and step_s > w.step_s_before * (1 + MIN_GAIN):
+        return Decision(
+            change="optimizer split reverted", act=True,
+            numbers={"step_s": step_s, "step_s_before": w.step_s_before},
+            placements=tuple(w.placements_before), settle=True,
+        )  # fmt: skip
+    host, pcie, src = window_rates(w)
+    n = w.steps
+    numbers = {
+        "rate_sources": src,
+        "host_s_per_step": w.host_s / n,
+        "mapped_s_per_step": w.mapped_s / n,
+        "mapped_bytes_per_step": w.mapped_bytes // n,
+        "throttle_s_per_step": w.throttle_s / n,
+        "step_s": step_s,
+    }
+    again = w.refinement < MAX_REFINEMENTS
+    if host <= 0 or pcie <= 0:
+        return Decision(
+            change="keep optimizer split", numbers={**numbers, "reason": "no rate to refine with"}
+        )
+    targets, info = choose_refined(list(w.buckets), host_params_per_s=host, pcie_bytes_per_s=pcie)
+    move = info["move"]
+    return Decision(
+        change="optimizer split refined" if move else "keep optimizer split", act=move,
+        numbers={**numbers, **info}, placements=tuple(targets) if move else (), again=again,
+    )  # fmt: skip
+
+
+def decide_host_trial(m) -> Decision:
+    """HostTrialCheck -> act when host_trial_fits (at the window's host rate and step), placements
+    host_only's."""
+    host, _, _ = window_rates(m.window)
+    buckets = list(m.buckets)
+    fits, info = host_trial_fits(buckets, host_params_per_s=host, step_s=m.window.step_s)
+    return Decision(
+        change="optimizer split host-only trial", act=fits, numbers=info,
+        placements=tuple(host_only(buckets)) if fits else (),
+    )  # fmt: skip

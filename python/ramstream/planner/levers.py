@@ -13,7 +13,12 @@
        bytes): bit for bit.
     3. optimizer_mode="auto" only: "mapped" buckets -> "host", from the back: their gradients no
        longer wait in VRAM for the GPU update (the refinement's tolerance, not bit for bit).
-  (Before these, runtime/watchdog.py gives back the blocks keep_count let keep their activations.)"""
+  (Before these, the blocks keep_count let keep their activations recompute again: give_back.)
+
+The runtime measures and hands a record of numbers (planner/training.py KeepCheck, PeakCheck,
+FreeVram) to planner/revise.py revise_training(), which answers with decide_keep, decide_peak and
+decide_free below; the runtime applies the answer and returns the history entry, which the session
+records (runtime/session.py TrainingSession)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import math
 
 from .inflight import BucketFacts
 from .rules import KEEP_SAFETY, WATCHDOG_HEADROOM_USED
+from .training import Decision
 
 
 def keep_count(*, usable: int, peak: int, headroom: float, block_bytes: list[int], candidates: int) -> dict:
@@ -95,3 +101,57 @@ def choose_levers(
                             "bytes": nbytes})  # fmt: skip
                 freed += nbytes
     return out
+
+
+def give_back(kept, need: int, block_bytes: int) -> list[int]:
+    """The kept blocks that recompute again, front first, to free about `need` bytes at
+    `block_bytes` a block: at least one, at most all; none when nothing is kept or a block's bytes
+    are unknown."""
+    if not kept or block_bytes <= 0:
+        return []
+    return list(kept[: min(len(kept), max(1, math.ceil(need / block_bytes)))])
+
+
+# ---- the in-training decisions, from planner/training.py's records (revise_training) -------------
+def decide_keep(m) -> Decision:
+    """KeepCheck -> the last keep_count candidates keep their activations (blocks), with its numbers."""
+    d = keep_count(
+        usable=m.usable, peak=m.peak, headroom=m.headroom, block_bytes=list(m.block_bytes),
+        candidates=len(m.candidates),
+    )  # fmt: skip
+    k, n = d["k"], len(m.candidates)
+    kept = tuple(m.candidates[n - k :]) if k else ()
+    return Decision(
+        change=f"{k} of {n} recomputed blocks keep their activations", act=True, numbers=d, blocks=kept
+    )
+
+
+def decide_peak(m) -> Decision:
+    """PeakCheck -> act when the peak passed watchdog_trigger or an allocation failed; numbers:
+    trigger_bytes (always), target_bytes and need_bytes (watchdog_need) when acting."""
+    trigger = watchdog_trigger(m.usable, m.headroom)
+    if m.peak <= trigger and not m.oom:
+        return Decision(numbers={"trigger_bytes": trigger})
+    need, target = watchdog_need(usable=m.usable, peak=m.peak, headroom=m.headroom, oom=m.oom)
+    return Decision(
+        change="watchdog freed VRAM", act=True,
+        numbers={"trigger_bytes": trigger, "target_bytes": target, "need_bytes": need},
+    )  # fmt: skip
+
+
+def decide_free(m) -> Decision:
+    """FreeVram -> the kept blocks recompute again first (give_back: blocks, one "recompute" move),
+    else choose_levers' moves; none left: "watchdog: nothing left to free" (act False)."""
+    back = give_back(m.kept, m.need, m.kept_block_bytes)
+    if back:
+        return Decision(
+            change="watchdog freed VRAM", act=True, moves=({"lever": "recompute", "blocks": back},),
+            blocks=tuple(back), numbers={"freed_bytes": len(back) * m.kept_block_bytes},
+        )  # fmt: skip
+    moves = choose_levers(
+        list(m.buckets), m.need, paged=None if m.paged is None else list(m.paged), n_blocks=m.n_blocks,
+        block_bytes=list(m.block_bytes), allow_host=m.allow_host,
+    )  # fmt: skip
+    if not moves:
+        return Decision(change="watchdog: nothing left to free", numbers={"freed_bytes": 0})
+    return Decision(change="watchdog freed VRAM", act=True, moves=tuple(moves))

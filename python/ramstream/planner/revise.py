@@ -1,10 +1,11 @@
-"""revise(): the applied plan, revised for what a run measured; pure arithmetic.
+"""The planner's answers to what a run measured; pure arithmetic. Two entry points:
 
-The runtime (runtime/session.py PlanSession) measures, the planner decides, the session applies the
-difference. A measurement today is the size of the step about to run (its batch x seq, read from
-its input before any block ran): a step with more tokens than the plan's is planned with the
-placement as applied (which blocks stream, which recompute, the moments' dtype...). When that does
-not fit, the levers that can change between steps are tried, the cheapest first:
+revise(): the applied plan, revised for the size of the step about to run. The runtime
+(runtime/session.py PlanSession) measures, the planner decides, the session applies the difference.
+The measurement is the step's batch x seq (Measured), read from its input before any block ran: a
+step with more tokens than the plan's is planned with the placement as applied (which blocks stream,
+which recompute, the moments' dtype...). When that does not fit, the levers that can change between
+steps are tried, the cheapest first:
 
 1. "recompute": the fewest more blocks recompute their activations in backward, taken from the back
    of the stack (replan.py replan_recompute, order="back"); the weights stay where they are.
@@ -14,17 +15,36 @@ not fit, the levers that can change between steps are tried, the cheapest first:
 `first` is the first block that may change: 0 when nothing of the step ran, 1 when the step's first
 block is running already (its forward was read before the check; a change of the first block then
 applies from the next step). A revision that needs the first block anyway is still returned: the
-caller says the step must be re-run."""
+caller says the step must be re-run.
+
+revise_training(): every decision taken between steps while training. The runtime's deciders
+(runtime/optimizer_split.py, refiner.py, watchdog.py, keep.py) measure, fill one of
+planner/training.py's records (numbers only) and hand it here; the answer is a Decision, from
+planner/inflight.py (the optimizer state's placement) or planner/levers.py (VRAM). The decider
+applies it through the mechanisms and returns the history entry; the session records it
+(runtime/session.py TrainingSession, the plan history's only writer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import inflight, levers
 from .plan import plan_training
 from .profile import HardwareProfile
 from .replan import replan_recompute, replan_stream
 from .result import Plan, PlanError
 from .shape import ModelShape
+from .training import (
+    MEASUREMENTS,
+    Decision,
+    FreeVram,
+    HostTrialCheck,
+    KeepCheck,
+    PeakCheck,
+    ResidentCheck,
+    ShareCheck,
+    SplitWindow,
+)
 
 LEVERS = ("recompute", "stream")
 
@@ -113,3 +133,25 @@ def revise(
 
 def _recomputed(plan: Plan) -> list[int]:
     return [i for i, m in enumerate(plan.activations) if m == "recompute"]
+
+
+_DECIDE = {
+    ResidentCheck: inflight.decide_resident,
+    ShareCheck: inflight.decide_share,
+    SplitWindow: inflight.decide_window,
+    HostTrialCheck: inflight.decide_host_trial,
+    PeakCheck: levers.decide_peak,
+    FreeVram: levers.decide_free,
+    KeepCheck: levers.decide_keep,
+}
+
+
+def revise_training(measured) -> Decision:
+    """The planner's decision for an in-training measurement (one of planner/training.py's records:
+    the module docstring of training.py says which decision each asks for). Pure: applies nothing.
+    TypeError for anything else."""
+    decide = _DECIDE.get(type(measured))
+    if decide is None:
+        names = ", ".join(t.__name__ for t in MEASUREMENTS)
+        raise TypeError(f"revise_training: measured must be one of {names}; got {type(measured).__name__}")
+    return decide(measured)

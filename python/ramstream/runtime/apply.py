@@ -340,7 +340,7 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     if lever is not None and w.optimizer._engine.block_of:  # laid out by block: restreamable()
         streams = StreamLever(model, w, blocks)
     check = StepCheck(
-        shape, prof, fixed, log, w.optimizer.plan_history, strict=not paging, lever=lever, fixed_why=why,
+        shape, prof, fixed, log, w.optimizer._session, strict=not paging, lever=lever, fixed_why=why,
         streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
     )  # fmt: skip
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the

@@ -100,7 +100,7 @@ def attach_model(
             f"activation_checkpointing: {len(w.recompute.indices)} of {len(blocks)} blocks recompute in backward"
         )
         if memory_fn is not None:
-            w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log, opt.plan_history)
+            w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log)
             opt._step_callbacks.append(w.keep.after_step)
     if opts.activation_offload is not False:
         from .activation_policy import ActivationPolicy

@@ -1,10 +1,11 @@
 """PlanHistory: the record of every change the runtime made to the applied plan while training.
 
-memory_report(model)["plan"]["history"] reads it. The runtime is its only writer (record(): the
-plan session's revisions in runtime/session.py, the resident switch and the VRAM share in
-runtime/optimizer_switch.py, the refinement in runtime/refiner.py, the watchdog in
-runtime/watchdog.py, the LoRA keep policy in runtime/keep.py); everyone else reads a sequence of
-dicts in the order the changes were made."""
+memory_report(model)["plan"]["history"] reads it. Its only writer is the session
+(runtime/session.py TrainingSession.record, which PlanSession records through too): the deciders
+(the resident switch and the VRAM share in runtime/optimizer_split.py, the refinement in
+runtime/refiner.py, the watchdog in runtime/watchdog.py, the LoRA keep policy in runtime/keep.py)
+return their entries and the session records them (tests/test_layering.py checks it); everyone else
+reads a sequence of dicts in the order the changes were made."""
 
 from __future__ import annotations
 

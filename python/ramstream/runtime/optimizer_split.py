@@ -1,9 +1,13 @@
 """The optimizer state's placement, applied: how much of the update the GPU does over PCIe
 ("mapped") at the start (mapped_fraction_for, from rates measured once per process or the hardware
 profile's), and after SWITCH_AFTER_STEPS the resident switch or the VRAM share (maybe_switch,
-maybe_share). The decisions are the planner's (planner/inflight.py: choose_mapped_fraction,
-resident_fits, share_room, choose_placements); this module measures, asks, applies through the
-engine (engine/resident.py Resident, engine/layout.py relocate) and records in the plan history.
+maybe_share). The decisions are the planner's: the first split is choose_mapped_fraction
+(planner/inflight.py); the switch and the share are asked through planner/revise.py
+revise_training with a ResidentCheck / ShareCheck (planner/training.py: numbers only), answered by
+inflight.decide_resident (resident_fits) and decide_share (share_room, choose_placements). This
+module measures, asks, applies through the engine (engine/resident.py Resident, engine/layout.py
+relocate) and returns the history entry; the optimizer's session records it (runtime/session.py
+TrainingSession).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 
 from ..engine.rates import measured_rates
 from ..planner.inflight import choose_mapped_fraction
+from ..planner.revise import revise_training
+from ..planner.training import ResidentCheck, ShareCheck
 from . import measure as _measure
 
 
@@ -71,49 +77,47 @@ def mapped_fraction_for(opt, mode: str, device: torch.device) -> float:
 
 
 def maybe_switch(opt, after_steps: int):
-    """offload="auto" after `after_steps` steps: the engine's Resident that replaces opt's engine when
-    the planner's resident_fits says a resident run fits and its state could be built, else None;
-    the decision and its numbers go to opt's log and plan history."""
+    """offload="auto" after `after_steps` steps: (resident, entry). resident: the engine's Resident
+    that replaces opt's engine when the planner says a resident run fits (ResidentCheck) and its
+    state could be built, else None; entry: the decision and its numbers for the plan history (None
+    when nothing was decided); the decision goes to opt's log."""
     from ..engine.resident import Resident, resident_split
-    from ..planner.inflight import resident_fits
 
     engine = opt._engine
     mem = _measure.device_memory(engine.device)
     if mem is None:
-        return None
+        return None, None
     if engine.dp is not None:
         opt._log("offload=auto: data parallel keeps offloading (no resident switch)")
-        return None
+        return None, None
     if engine.streamed:
         opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
-        return None
+        return None, None
     if engine.disk is not None:  # OffloadAdamW sets offload=True with it: a second guard
         opt._log(
             "offload=auto: optimizer state on disk (nvme_offload) keeps it offloaded (no resident switch)"
         )
-        return None
+        return None, None
     upcast = bool(getattr(opt, "_moments_for_ram", False)) and any(
         b.exp_avg.dtype != torch.float32 for b in engine.buckets
     )
     persistent, grads = resident_split(engine, upcast)
-    verdict, n = resident_fits(
-        usable=mem["usable"], peak=mem["peak"], now=mem["now"], persistent=persistent, grads=grads,
-        headroom=opt.vram_headroom,
+    d = revise_training(
+        ResidentCheck(
+            step=after_steps, usable=mem["usable"], peak=mem["peak"], now=mem["now"],
+            persistent_bytes=persistent, grad_bytes=grads, headroom=opt.vram_headroom,
+        )
     )  # fmt: skip
-    opt.plan_history.record(
-        {
-            "step": after_steps,
-            "change": "resident" if verdict else "keep offloading",
-            "measured_peak_bytes": mem["peak"],
-            "predicted_resident_peak_bytes": n["predicted_peak"],
-            "room_bytes": n["room"],
-            **(
-                {"moments": "bfloat16 -> float32 (chosen for host RAM; resident on the device)"}
-                if upcast
-                else {}
-            ),
-        }
-    )
+    verdict, n = d.act, d.numbers
+    entry = {
+        "step": after_steps,
+        "change": d.change,
+        "measured_peak_bytes": mem["peak"],
+        "predicted_resident_peak_bytes": n["predicted_peak"],
+        "room_bytes": n["room"],
+    }
+    if upcast:
+        entry["moments"] = "bfloat16 -> float32 (chosen for host RAM; resident on the device)"
     opt._log(
         f"offload=auto after {after_steps} steps: a resident run would peak at {n['text']}; "
         f"usable {mem['usable'] / 2**30:.2f} GiB x (1 - {opt.vram_headroom:g}) = "
@@ -121,7 +125,7 @@ def maybe_switch(opt, after_steps: int):
         + ("switching to fused AdamW on the device" if verdict else "keep offloading")
     )
     if not verdict:
-        return None
+        return None, entry
     try:
         resident = Resident(engine, opt.param_groups, upcast_moments=upcast)
         if upcast:
@@ -130,7 +134,7 @@ def maybe_switch(opt, after_steps: int):
                 "offload=auto: the moments were bfloat16 only because host RAM was short "
                 "(moment_dtype='auto'); on the device they are float32 again (an exact upcast)"
             )
-        return resident
+        return resident, entry
     except torch.OutOfMemoryError as exc:  # the step itself is done: keep offloading
         msg = (
             f"offload=auto: the device ran out of memory building the resident state "
@@ -138,52 +142,45 @@ def maybe_switch(opt, after_steps: int):
         )
         opt._log(msg)
         warnings.warn("ramstream: " + msg, RuntimeWarning, stacklevel=4)
-        return None
+        return None, entry
 
 
-def maybe_share(opt, after_steps: int) -> None:
-    """After a declined resident switch: moves the share of the state that fits in the VRAM left
-    (planner/inflight.py share_room, choose_placements) to the device; logs the decision and records
-    it in the plan history. Does nothing on the CPU, with data parallel, for mode "cpu", without
-    CUDA kernels, or for a low-precision model with gradient accumulation."""
+def maybe_share(opt, after_steps: int) -> dict | None:
+    """After a declined resident switch: moves the share of the state that fits in the VRAM left to
+    the device, as the planner decides (ShareCheck: planner/inflight.py decide_share); logs the
+    decision and returns its history entry. Does nothing (None) on the CPU, with data parallel, for
+    mode "cpu", without CUDA kernels, or for a low-precision model with gradient accumulation."""
     from .. import hardware
     from ..engine.layout import relocate
-    from ..planner.inflight import choose_placements, share_room
     from ..planner.rules import MARGIN_BYTES
 
     engine = opt._engine
     mem = _measure.device_memory(engine.device)
     if mem is None or engine.dp is not None or opt.mode == "cpu" or hardware.kernels_problem():
-        return
+        return None
     if engine.accumulation_steps > 1 and any(b.dtype != torch.float32 for b in engine.buckets):
-        return  # the GPU update would take gradients summed in bf16/fp16 (mapped_fraction_for)
-    room = share_room(usable=mem["usable"], peak=mem["peak"], headroom=opt.vram_headroom)
-
-    def mapped_fraction_of(numel: int) -> float:
-        if opt.mode == "gpu":
-            return 1.0
-        rates = measured_rates(engine.device)
-        b = engine.buckets[0]
-        f, _ = choose_mapped_fraction(
-            numel=numel,
-            host_params_per_s=rates["host_params_per_s"],
-            pcie_bytes_per_s=rates["pcie_bytes_per_s"],
-            working_bytes=b.dtype.itemsize,
-            moment_bytes=engine.moment_dtype.itemsize,
-            master_on_host=b.dtype != torch.float32,
+        return None  # the GPU update would take gradients summed in bf16/fp16 (mapped_fraction_for)
+    # the isolated rates the rest's host / mapped split is solved with (measured once per process:
+    # mapped_fraction_for measured them for mode "auto" already)
+    rates = measured_rates(engine.device) if opt.mode != "gpu" else {}
+    d = revise_training(
+        ShareCheck(
+            step=after_steps, usable=mem["usable"], peak=mem["peak"], headroom=opt.vram_headroom,
+            buckets=tuple(_measure.bucket_facts(engine.buckets)), moment_bytes=engine.moment_dtype.itemsize,
+            gpu_only=opt.mode == "gpu", host_params_per_s=rates.get("host_params_per_s", 0.0),
+            pcie_bytes_per_s=rates.get("pcie_bytes_per_s", 0.0),
         )
-        return f
-
-    entry = {"step": after_steps, "change": "optimizer state share", "room_bytes": max(0, room)}
-    if room <= 0:
-        entry.update(change="keep optimizer placement", measured_peak_bytes=mem["peak"])
-        opt.plan_history.record(entry)
-        return
-    targets, info = choose_placements(_measure.bucket_facts(engine.buckets), room, mapped_fraction_of)
+    )  # fmt: skip
+    room = d.numbers["room_bytes"]
+    entry = {"step": after_steps, "change": d.change, "room_bytes": room}
+    if not d.act:
+        entry["measured_peak_bytes"] = mem["peak"]
+        return entry
+    info = {k: v for k, v in d.numbers.items() if k != "room_bytes"}
     opt.synchronize()
     moved = 0
     try:
-        for b, where in zip(engine.buckets, targets):
+        for b, where in zip(engine.buckets, d.placements):
             if where != b.placement:
                 relocate(engine, b, where)
                 moved += 1
@@ -195,7 +192,6 @@ def maybe_share(opt, after_steps: int) -> None:
     engine.mapped_numel = sum(b.numel for b in engine.buckets if b.placement == "mapped")
     got = {p: sum(b.numel for b in engine.buckets if b.placement == p) for p in ("device", "mapped", "host")}
     entry.update(info, moved_buckets=moved, measured_peak_bytes=mem["peak"], numel=got)
-    opt.plan_history.record(entry)
     total = max(1, sum(got.values()))
     opt._log(
         f"offload=auto after {after_steps} steps: {room / 2**30:.2f} GiB of VRAM to spare (cap "
@@ -204,3 +200,4 @@ def maybe_share(opt, after_steps: int) -> None:
         f"parameters now in VRAM, {got['mapped'] / total:.0%} updated over PCIe, "
         f"{got['host'] / total:.0%} on the host ({moved} buckets moved)"
     )
+    return entry

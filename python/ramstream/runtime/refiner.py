@@ -31,12 +31,16 @@ Without host (or mapped) buckets in the window the isolated rate stands in (sour
 The record's per-step seconds are the window's sums over its steps (a job of the step before the
 window that finishes inside it counts there; the rates, ratios of sums, are not biased by it).
 
-The decisions are the planner's (planner/inflight.py choose_refined: the model of
-choose_mapped_fraction minimised over bucket boundaries; host_trial_fits; the thresholds
-MEASURE_STEPS, MAX_REFINEMENTS, MIN_GAIN and HOST_TRIAL_SHARE in planner/rules.py); this module
-measures the windows, asks, moves the buckets (engine/layout.py move_buckets) and records every
-decision in the plan history. The "device" share runs at device bandwidth beside both and stays
-where it is.
+The decisions are the planner's: each window's numbers go as a SplitWindow (planner/training.py:
+numbers only) to planner/revise.py revise_training, answered by planner/inflight.py decide_window
+(the trial's verdict, the undo, or choose_refined: the model of choose_mapped_fraction minimised
+over bucket boundaries) and, after a window that moved nothing, a HostTrialCheck
+(decide_host_trial: host_trial_fits); the thresholds MAX_REFINEMENTS, MIN_GAIN and
+HOST_TRIAL_SHARE are in planner/rules.py, as MEASURE_STEPS, the window's length this module
+schedules with. This module measures the windows, asks, moves the buckets (engine/layout.py
+move_buckets) and returns every decision's history entry from after_step; the optimizer's session
+records them (runtime/session.py TrainingSession). The "device" share runs at device bandwidth
+beside both and stays where it is.
 """
 
 from __future__ import annotations
@@ -44,14 +48,18 @@ from __future__ import annotations
 import time
 
 from ..engine.layout import move_buckets, relocate
-from ..planner.inflight import choose_refined, host_only, host_trial_fits
-from ..planner.rules import MAX_REFINEMENTS, MEASURE_STEPS, MIN_GAIN
+from ..planner.revise import revise_training
+from ..planner.rules import MEASURE_STEPS
+from ..planner.training import HostTrialCheck, SplitWindow
 from .measure import bucket_facts
+
+WINDOW = ("host_numel", "host_s", "mapped_numel", "mapped_s", "mapped_bytes", "throttle_s", "wall_s")
 
 
 class SplitRefiner:
     """Measures the windows and refines opt's split (module docstring); after_step() is called
-    by OffloadAdamW.step() on the training thread, with the engine's step count.
+    by OffloadAdamW.step() on the training thread, with the engine's step count, and returns the
+    history entries of the decisions it took (the session records them).
     measured: a callable returning the window's numbers (tests inject them; default: the
     engine's stats and the mapped launches' events); relocate: layout.relocate's stand-in."""
 
@@ -102,161 +110,140 @@ class SplitRefiner:
         self.opt._engine.updater.mapped.timing = None
 
     # ---- the step hook ---------------------------------------------------------------------------
-    def after_step(self, steps: int) -> None:
+    def after_step(self, steps: int) -> list[dict]:
         if self.settled:
-            return
+            return []
         if self.opt._resident is not None:  # the resident switch took the whole state
             self._stop()
-            return
+            return []
         if self._open_at is None:
             if steps >= self.start_after:
                 self._open(steps)
-            return
+            return []
         if steps - self._open_at < MEASURE_STEPS:
-            return
+            return []
         self._t_end = time.perf_counter()
         self.opt.synchronize()  # relocate needs it (its seconds are not the window's)
         m = self.measured()
-        n_steps = steps - self._open_at
-        first, step_s = self._open_at + 1, m["wall_s"] / n_steps
         self.refinements += 1
-        if self._trial is not None:
-            self._end_trial(m, first=first, last=steps, step_s=step_s)
-            self._stop()
-            return
-        before = self._before
-        if before is not None and step_s > before["step_s"] * (1 + MIN_GAIN):
-            self._revert(before, m, first=first, last=steps, step_s=step_s)
-            self._stop()
-            return
-        placements = [b.placement for b in self.opt._engine.buckets]
-        moved = self._refine(m, first=first, last=steps, wall_s=step_s)
-        self._before = {"placements": placements, "step_s": step_s}
-        if moved and self.refinements < MAX_REFINEMENTS:
-            self._open(steps)
-        elif not moved and self._start_trial(m, last=steps, step_s=step_s):
-            self._open(steps)
+        base = self._trial if self._trial is not None else self._before
+        w = SplitWindow(
+            step=steps, first=self._open_at + 1, buckets=tuple(bucket_facts(self.opt._engine.buckets)),
+            **{k: m[k] for k in WINDOW}, **self._alone(), refinement=self.refinements,
+            placements_before=tuple(base["placements"]) if base else (),
+            step_s_before=base["step_s"] if base else None, trial=self._trial is not None,
+        )  # fmt: skip
+        d = revise_training(w)
+        if w.trial:
+            self._trial = None
+            entries = [self._end_trial(d, m, w)]
+        elif d.settle:
+            entries = [self._revert(d, m, w)]
         else:
-            self._stop()
+            placements = [b.placement for b in self.opt._engine.buckets]
+            entry, moved = self._refine(d, m, w)
+            entries = [entry]
+            self._before = {"placements": placements, "step_s": w.step_s}
+            if moved and d.again:
+                self._open(steps)
+                return entries
+            if not moved:
+                trial = self._start_trial(w)
+                if trial is not None:
+                    self._open(steps)
+                    return entries + [trial]
+        self._stop()
+        return entries
 
     # ---- the host-only trial (module docstring) -----------------------------------------------------
-    def _start_trial(self, m: dict, *, last: int, step_s: float) -> bool:
+    def _start_trial(self, w: SplitWindow) -> dict | None:
+        """The trial's entry when the planner runs it and buckets moved, else None."""
         buckets = self.opt._engine.buckets
-        host, _, _ = self._rates(m)
-        fits, info = host_trial_fits(bucket_facts(buckets), host_params_per_s=host, step_s=step_s)
-        if not fits:
-            return False
+        d = revise_training(HostTrialCheck(window=w, buckets=tuple(bucket_facts(buckets))))
+        if not d.act:
+            return None
         placements = [b.placement for b in buckets]
-        moved = self._move(host_only(bucket_facts(buckets)))
+        moved = self._move(list(d.placements))
         if not moved:
-            return False
+            return None
+        step_s, info = w.step_s, d.numbers
         self._trial = {"placements": placements, "step_s": step_s}
-        self.opt.plan_history.record({"step": last, "change": "optimizer split host-only trial",
-                                      "moved_buckets": moved, "step_s_before": step_s, **info})  # fmt: skip
         self.opt._log(
-            f"optimizer_mode=auto after step {last}: the host could update every movable bucket in "
+            f"optimizer_mode=auto after step {w.step}: the host could update every movable bucket in "
             f"{info['host_all_s'] * 1e3:.0f} ms of the {step_s * 1e3:.0f} ms step; {moved} mapped buckets "
             "move to the host for the next steps (kept unless those steps are slower)"
         )
-        return True
+        return {"step": w.step, "change": d.change, "moved_buckets": moved, "step_s_before": step_s, **info}
 
-    def _end_trial(self, m: dict, *, first: int, last: int, step_s: float) -> None:
-        before, self._trial = self._trial, None
-        keep = step_s <= before["step_s"]
-        moved = 0 if keep else self._move(before["placements"])
-        self.opt.plan_history.record({
-            "step": last, "change": "host-only trial kept" if keep else "host-only trial undone",
-            "measured_steps": [first, last], "step_s": step_s, "step_s_before": before["step_s"],
-            "measured": dict(m), "moved_buckets": moved,
-        })  # fmt: skip
+    def _end_trial(self, d, m: dict, w: SplitWindow) -> dict:
+        keep = not d.act
+        moved = self._move(list(d.placements)) if d.act else 0
+        step_s, before = d.numbers["step_s"], d.numbers["step_s_before"]
         self.opt._log(
-            f"optimizer_mode=auto after step {last}: steps {first}-{last} with the host updating every "
-            f"movable bucket took {step_s:.3f} s/step against {before['step_s']:.3f}: "
+            f"optimizer_mode=auto after step {w.step}: steps {w.first}-{w.step} with the host updating every "
+            f"movable bucket took {step_s:.3f} s/step against {before:.3f}: "
             + ("kept, split settled" if keep else f"{moved} buckets moved back, split settled")
         )
+        return {
+            "step": w.step, "change": d.change, "measured_steps": [w.first, w.step], "step_s": step_s,
+            "step_s_before": before, "measured": dict(m), "moved_buckets": moved,
+        }  # fmt: skip
 
-    def _revert(self, before: dict, m: dict, *, first: int, last: int, step_s: float) -> None:
+    def _revert(self, d, m: dict, w: SplitWindow) -> dict:
         """The measured step got slower after the last move (what the model leaves out: the
         mapped kernel's seconds on the GPU, the issue time): the placements go back, settled."""
-        opt = self.opt
-        moved = self._move(before["placements"])
-        opt.plan_history.record({
-            "step": last, "change": "optimizer split reverted", "measured_steps": [first, last],
-            "refinement": self.refinements, "step_s": step_s, "step_s_before": before["step_s"],
-            "measured": dict(m), "moved_buckets": moved,
-        })  # fmt: skip
-        opt._log(
-            f"optimizer_mode=auto after step {last}: steps {first}-{last} took {step_s:.3f} s/step, "
-            f"{step_s / before['step_s'] - 1:.0%} more than before the last refinement "
-            f"({before['step_s']:.3f}); {moved} buckets moved back, split settled"
+        moved = self._move(list(d.placements))
+        step_s, before = d.numbers["step_s"], d.numbers["step_s_before"]
+        self.opt._log(
+            f"optimizer_mode=auto after step {w.step}: steps {w.first}-{w.step} took {step_s:.3f} s/step, "
+            f"{step_s / before - 1:.0%} more than before the last refinement "
+            f"({before:.3f}); {moved} buckets moved back, split settled"
         )
+        return {
+            "step": w.step, "change": d.change, "measured_steps": [w.first, w.step],
+            "refinement": w.refinement, "step_s": step_s, "step_s_before": before, "measured": dict(m),
+            "moved_buckets": moved,
+        }  # fmt: skip
 
-    def _rates(self, m: dict) -> tuple[float, float, dict]:
+    def _alone(self) -> dict:
+        """The isolated rates (opt.split_info, else measured once per process)."""
         alone = self.opt.split_info
         if "host_params_per_s" not in alone or "pcie_bytes_per_s" not in alone:
             from .optimizer_split import measured_rates
 
             alone = {**measured_rates(self.opt._engine.device), **alone}
-        src = {}
-        if m["host_numel"] > 0 and m["host_s"] > 0:
-            host, src["host"] = m["host_numel"] / m["host_s"], "measured"
-        else:
-            host, src["host"] = alone["host_params_per_s"], "isolated"
-        if m["mapped_bytes"] > 0 and m["mapped_s"] > 0:
-            pcie, src["pcie"] = m["mapped_bytes"] / m["mapped_s"], "measured"
-        else:
-            pcie, src["pcie"] = alone.get("pcie_bytes_per_s", 0.0), "isolated"
-        src.update(host_alone=alone["host_params_per_s"], pcie_alone=alone.get("pcie_bytes_per_s"))
-        return host, pcie, src
+        return {"host_alone": alone["host_params_per_s"], "pcie_alone": alone.get("pcie_bytes_per_s")}
 
-    def _refine(self, m: dict, *, first: int, last: int, wall_s: float) -> bool:
-        """Decides, moves, logs, records. Returns whether buckets moved."""
+    def _refine(self, d, m: dict, w: SplitWindow) -> tuple[dict, int]:
+        """Moves what the planner's refinement says, logs; returns (entry, buckets moved)."""
         opt, e = self.opt, self.opt._engine
-        host, pcie, src = self._rates(m)
-        n_steps = last - first + 1
-        entry = {
-            "step": last,
-            "change": "keep optimizer split",
-            "measured_steps": [first, last],
-            "refinement": self.refinements,
-            "rate_sources": src,
-            "host_s_per_step": m["host_s"] / n_steps,
-            "mapped_s_per_step": m["mapped_s"] / n_steps,
-            "mapped_bytes_per_step": m["mapped_bytes"] // n_steps,
-            "throttle_s_per_step": m["throttle_s"] / n_steps,
-            "step_s": wall_s,
-            "measured": dict(m),  # the window's sums (host_numel, host_s, mapped_*, throttle_s)
-        }
-        if host <= 0 or pcie <= 0:
-            entry["reason"] = "no rate to refine with"
-            opt.plan_history.record(entry)
-            return False
-        targets, info = choose_refined(bucket_facts(e.buckets), host_params_per_s=host, pcie_bytes_per_s=pcie)
-        entry.update(info)
+        entry = {"step": w.step, "change": d.change, "measured_steps": [w.first, w.step],
+                 "refinement": w.refinement, **d.numbers, "measured": dict(m)}  # fmt: skip
+        if "reason" in d.numbers:  # no rate to refine with
+            return entry, 0
         moved, t0 = 0, time.perf_counter()
-        if info["move"]:
-            entry["change"] = "optimizer split refined"
-            moved = self._move(targets)
+        if d.act:
+            moved = self._move(list(d.placements))
         entry.update(moved_buckets=moved, relocate_s=time.perf_counter() - t0)
         got = {p: sum(b.numel for b in e.buckets if b.placement == p and b.exp_avg is not None)
                for p in ("device", "mapped", "host")}  # fmt: skip
         entry["numel_now"] = got
-        opt.plan_history.record(entry)
         total = max(1, sum(got.values()))
         share = " / ".join(f"{got[p] / total:.0%} {p}" for p in ("device", "mapped", "host"))
         verdict = (
             f"{moved} buckets moved, now {share}"
-            if info["move"]
-            else f"kept ({share}; gain {info['gain']:.1%} <= {info['min_gain']:.0%})"
+            if d.act
+            else f"kept ({share}; gain {entry['gain']:.1%} <= {entry['min_gain']:.0%})"
         )
+        src = entry["rate_sources"]
         opt._log(
-            f"optimizer_mode=auto, refined after step {last} from steps {first}-{last}: host "
-            f"{host / 1e9:.2f} G params/s ({src['host']}; {src['host_alone'] / 1e9:.2f} alone), mapped "
-            f"PCIe {pcie / 1e9:.1f} GB/s ({src['pcie']}), throttle {entry['throttle_s_per_step']:.3f} "
-            f"s/step; predicted optimizer time {info['predicted_s_before'] * 1e3:.0f} -> "
-            f"{info['predicted_s_after'] * 1e3:.0f} ms: {verdict}"
+            f"optimizer_mode=auto, refined after step {w.step} from steps {w.first}-{w.step}: host "
+            f"{entry['host_params_per_s'] / 1e9:.2f} G params/s ({src['host']}; {src['host_alone'] / 1e9:.2f} "
+            f"alone), mapped PCIe {entry['pcie_bytes_per_s'] / 1e9:.1f} GB/s ({src['pcie']}), throttle "
+            f"{entry['throttle_s_per_step']:.3f} s/step; predicted optimizer time "
+            f"{entry['predicted_s_before'] * 1e3:.0f} -> {entry['predicted_s_after'] * 1e3:.0f} ms: {verdict}"
         )
-        return moved > 0
+        return entry, moved
 
     def _move(self, targets: list[str]) -> int:
         return move_buckets(self.opt, targets, self.relocate, "optimizer split refinement")

@@ -1,6 +1,14 @@
-"""PlanSession: the plan applied to a wrapped model, revised while it trains.
+"""The session: the plan history's only writer (TrainingSession), and the plan applied to a wrapped
+model, revised while it trains (PlanSession).
 
-The session binds the planner's Plan to the model. It holds what the plan was made on (the model's
+Every OffloadAdamW holds a TrainingSession (opt._session; opt.plan_history is its history), whether
+or not wrap() applied a plan. The decisions taken between steps are the planner's
+(planner/revise.py revise_training): the runtime's deciders (optimizer_split.py maybe_switch and
+maybe_share, refiner.py, watchdog.py, keep.py) measure, ask, apply the answer through the
+mechanisms and return the history entries; the session records them (take(): the optimizer hands it
+what each step hook returns). No other module writes the history (tests/test_layering.py).
+
+PlanSession binds the planner's Plan to the model. It holds what the plan was made on (the model's
 shape and the hardware profile), the options as applied now (read back from its levers: the blocks
 that recompute, the blocks that stream), and the plan history that memory_report(model)["plan"]
 shows. Measurements go to the planner (planner/revise.py revise(), pure: it decides), the session
@@ -11,22 +19,52 @@ revised plan in memory_report(model)["plan"]["planner"] and an entry in the hist
 from __future__ import annotations
 
 from ..planner.revise import Measured, Revision, revise
+from .history import PlanHistory
+
+
+class TrainingSession:
+    """One optimizer's session: its plan history (memory_report(model)["plan"]["history"]) and the
+    only code that records into it. history: the PlanHistory to record into (default: a new one)."""
+
+    def __init__(self, history: PlanHistory | None = None) -> None:
+        self.history = history if history is not None else PlanHistory()
+
+    def record(self, entry: dict) -> dict:
+        """Records one entry ({"change": str, ...}); returns it."""
+        return self.history.record(entry)
+
+    def take(self, entries) -> None:
+        """Records what a decider returned: None (nothing decided), an entry, or a list of entries
+        in the order they were made. TypeError for anything else."""
+        if entries is None:
+            return
+        if isinstance(entries, dict):
+            self.record(entries)
+            return
+        if not isinstance(entries, (list, tuple)):
+            raise TypeError(
+                "TrainingSession.take: a step hook returns None, a history entry (a dict with a 'change') "
+                f"or a list of them; got {type(entries).__name__}"
+            )
+        for entry in entries:
+            self.record(entry)
 
 
 class PlanSession:
     """shape, profile: what the applied plan was made on; fixed: plan_training's options as wrap()
-    applied them; history: the list memory_report(model)["plan"]["history"] reads (the optimizer's
-    plan_history, shared with the decisions the engine takes while training); recompute, streams:
-    the levers (None: that part cannot change); on_plan(plan): where a revised plan is recorded;
-    disk(): the run's frozen-weight placement now (runtime/apply.py disk_applied; None: not known),
-    plan_training's _disk_applied."""
+    applied them; history: the optimizer's TrainingSession that records (or a PlanHistory: a
+    session over it), whose history memory_report(model)["plan"]["history"] reads; recompute,
+    streams: the levers (None: that part cannot change); on_plan(plan): where a revised plan is
+    recorded; disk(): the run's frozen-weight placement now (runtime/apply.py disk_applied; None:
+    not known), plan_training's _disk_applied."""
 
     def __init__(
-        self, shape, profile, fixed: dict, log, history: list, *, recompute=None, streams=None, on_plan=None,
+        self, shape, profile, fixed: dict, log, history, *, recompute=None, streams=None, on_plan=None,
         disk=None,
     ) -> None:  # fmt: skip
         self.shape, self.profile, self.fixed = shape, profile, fixed
-        self.log, self.history = log, history
+        self.recorder = history if isinstance(history, TrainingSession) else TrainingSession(history)
+        self.log, self.history = log, self.recorder.history
         self.recompute_lever, self.stream_lever = recompute, streams
         self.on_plan = on_plan or (lambda plan: None)
         self.disk = disk
@@ -78,5 +116,5 @@ class PlanSession:
         return change
 
     def record(self, entry: dict) -> None:
-        """An entry of the plan history."""
-        self.history.record(entry)
+        """An entry of the plan history (through the optimizer's TrainingSession)."""
+        self.recorder.record(entry)

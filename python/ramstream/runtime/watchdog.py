@@ -10,17 +10,21 @@ the watchdog reads (cheap host calls, no synchronize)
   ooms:   torch.cuda.memory_stats()["num_ooms"]: an allocation failed since the last step (a step
           raised torch.OutOfMemoryError, the failure left weights and state as they were, and the
           loop went on).
-It acts when peak > planner/levers.py watchdog_trigger (half the plan's headroom used up: 95 % of
-the cap by default) or when ooms grew. Acting frees watchdog_need bytes (the peak back to usable x
-(1 - vram_headroom); after an out of memory at least half the headroom), giving back first the
-blocks the LoRA keep policy let keep their activations (runtime/keep.py), then with the levers the
-planner chooses, cheapest first (planner/levers.py choose_levers: "device" buckets -> "mapped",
-more blocks page their activations, for optimizer_mode="auto" "mapped" buckets -> "host").
+The decisions are the planner's (planner/revise.py revise_training): a PeakCheck (planner/training.py:
+numbers only) is answered by planner/levers.py decide_peak: act when peak > watchdog_trigger (half
+the plan's headroom used up: 95 % of the cap by default) or when ooms grew, freeing watchdog_need
+bytes (the peak back to usable x (1 - vram_headroom); after an out of memory at least half the
+headroom). Then a FreeVram (the buckets, the paged blocks, the kept ones) is answered by
+decide_free: first the blocks the LoRA keep policy let keep their activations recompute again
+(levers.give_back; applied by runtime/keep.py), else the levers cheapest first (levers.choose_levers:
+"device" buckets -> "mapped", more blocks page their activations, for optimizer_mode="auto"
+"mapped" buckets -> "host").
 Buckets move with engine/layout.py move_buckets (after synchronize). After acting the peak
 statistics are reset (torch.cuda.reset_peak_memory_stats: the record keeps the peak before), so the
 next step measures the plan as it now is, and acts again if that is still too close; while nothing
-happens nothing is reset. With no lever left it says so once. Every action is logged and recorded
-in the plan history; memory_report(model)["plan"]["watchdog"] is report(). The CPU engine has no
+happens nothing is reset. With no lever left it says so once. Every action is logged and its entry
+returned by after_step (the optimizer's session records it in the plan history: runtime/session.py
+TrainingSession); memory_report(model)["plan"]["watchdog"] is report(). The CPU engine has no
 VRAM: the watchdog measures nothing there (tests inject measure and relocate_fn).
 """
 
@@ -31,7 +35,9 @@ import weakref
 import torch
 
 from ..engine.layout import move_buckets, relocate
-from ..planner.levers import choose_levers, trigger_fraction, watchdog_need, watchdog_trigger
+from ..planner.levers import trigger_fraction
+from ..planner.revise import revise_training
+from ..planner.training import FreeVram, PeakCheck
 from . import measure as _measure
 
 RECENT = 8  # per-step peaks kept for the record
@@ -39,7 +45,8 @@ RECENT = 8  # per-step peaks kept for the record
 
 class Watchdog:
     """Watches the settled plan (module docstring). after_step() is a step callback of opt (run
-    on the training thread after every successful step). activations: wrap()'s ActivationPolicy
+    on the training thread after every successful step; returns the entry of an action, which the
+    session records, or None). activations: wrap()'s ActivationPolicy
     or None. measure: a callable returning {"usable", "peak", "ooms"} or None (no device memory
     to watch; default: the CUDA allocator's figures); relocate_fn: layout.relocate's stand-in;
     reset_peak: called after acting (default: torch.cuda.reset_peak_memory_stats)."""
@@ -102,78 +109,75 @@ class Watchdog:
             and (a is None or getattr(a, "phase", "done") == "done")
         )
 
-    def after_step(self) -> None:
+    def after_step(self) -> dict | None:
         if self.opt is None:
-            return
+            return None
         steps = self.opt._engine.stats["steps"]
         if self.settled_at is None:
             if not self._plan_settled(steps):
-                return
+                return None
             m = self.measure()
             if m is None:
-                return
+                return None
             self.settled_at, self._ooms = steps, m.get("ooms", 0)
         else:
             m = self.measure()
             if m is None:
-                return
+                return None
         self.checks += 1
         usable, peak = int(m["usable"]), int(m["peak"])
         self.recent = (self.recent + [[steps, peak]])[-RECENT:]
-        trigger = watchdog_trigger(usable, self.headroom)
         ooms = m.get("ooms", 0)
         oom, self._ooms = ooms > self._ooms, ooms
+        d = revise_training(PeakCheck(step=steps, usable=usable, peak=peak, oom=oom, headroom=self.headroom))
+        trigger = d.numbers["trigger_bytes"]
         self.last = {"step": steps, "peak_bytes": peak, "usable_bytes": usable, "trigger_bytes": trigger}
-        if peak <= trigger and not oom:
-            return
-        need, target = watchdog_need(usable=usable, peak=peak, headroom=self.headroom, oom=oom)
-        self._act(steps, m, oom=oom, need=need, trigger=trigger, target=target)
+        if not d.act:
+            return None
+        return self._act(steps, m, oom=oom, **{k: d.numbers[k] for k in ("need_bytes", "target_bytes")})
 
-    def _act(self, steps: int, m: dict, *, oom: bool, need: int, trigger: int, target: int) -> None:
-        opt, e, a = self.opt, self.opt._engine, self.activations
-        back = self.keep.give_back(need) if self.keep is not None else []
-        if back:  # the cheapest lever: blocks that kept their activations recompute again
-            entry = {
-                "step": steps, "change": "watchdog freed VRAM", "reason": "out of memory" if oom else "peak",
-                "peak_bytes": int(m["peak"]), "usable_bytes": int(m["usable"]), "trigger_bytes": trigger,
-                "target_bytes": target, "need_bytes": need, "ooms": m.get("ooms", 0),
-                "peaks": [list(x) for x in self.recent],
-                "moves": [{"lever": "recompute", "blocks": back}],
-                "freed_bytes": len(back) * self.keep.decision["block_bytes"],
-            }  # fmt: skip
-            self._record(entry)
+    def _act(self, steps: int, m: dict, *, oom: bool, need_bytes: int, target_bytes: int) -> dict | None:
+        opt, e, a, keep = self.opt, self.opt._engine, self.activations, self.keep
+        off = a.off if a is not None else None
+        kept = keep.kept if keep is not None else []
+        d = revise_training(
+            FreeVram(
+                step=steps, need=need_bytes,
+                buckets=tuple(_measure.bucket_facts(e.buckets)) if opt._resident is None else (),
+                paged=tuple(off.paged) if off is not None else None,
+                n_blocks=len(off.blocks) if off is not None else 0,
+                block_bytes=tuple(off.stats()["block_bytes"]) if off is not None else (),
+                allow_host=opt.mode == "auto" and e.dp is None,
+                kept=tuple(kept), kept_block_bytes=((keep.decision or {}).get("block_bytes") or 0) if kept else 0,
+            )
+        )  # fmt: skip
+        entry = {
+            "step": steps, "change": d.change, "reason": "out of memory" if oom else "peak",
+            "peak_bytes": int(m["peak"]), "usable_bytes": int(m["usable"]),
+            "trigger_bytes": self.last["trigger_bytes"], "target_bytes": target_bytes, "need_bytes": need_bytes,
+            "ooms": m.get("ooms", 0), "peaks": [list(x) for x in self.recent],
+        }  # fmt: skip
+        if d.blocks:  # the cheapest lever: blocks that kept their activations recompute again
+            back = keep.recompute_again(list(d.blocks))
+            entry.update(moves=list(d.moves), freed_bytes=d.numbers["freed_bytes"])
+            self.actions.append(entry)
             self.reset_peak()
             opt._log(f"watchdog after step {steps}: {self._numbers(entry)}; blocks {back} recompute again")
-            return
-        off = a.off if a is not None else None
-        moves = choose_levers(
-            _measure.bucket_facts(e.buckets) if opt._resident is None else [],
-            need,
-            paged=off.paged if off is not None else None,
-            n_blocks=len(off.blocks) if off is not None else 0,
-            block_bytes=off.stats()["block_bytes"] if off is not None else [],
-            allow_host=opt.mode == "auto" and e.dp is None,
-        )
-        reason = "out of memory" if oom else "peak"
-        entry = {
-            "step": steps, "change": "watchdog freed VRAM", "reason": reason, "peak_bytes": int(m["peak"]),
-            "usable_bytes": int(m["usable"]), "trigger_bytes": trigger, "target_bytes": target,
-            "need_bytes": need, "ooms": m.get("ooms", 0), "peaks": [list(x) for x in self.recent],
-        }  # fmt: skip
-        if not moves:
+            return entry
+        if not d.act:
             if self.exhausted:
-                return
+                return None
             self.exhausted = True
-            entry.update(change="watchdog: nothing left to free", moves=[], freed_bytes=0)
-            self._record(entry)
+            entry.update(moves=[], freed_bytes=0)
+            self.actions.append(entry)
             opt._log(
                 f"watchdog after step {steps}: {self._numbers(entry)}; no lever left to free VRAM "
                 "(no optimizer state in VRAM, every block pages its activations)"
             )
-            return
-        done = self._apply(moves)
+            return entry
+        done = self._apply(list(d.moves))
         entry.update(moves=done, freed_bytes=sum(x["bytes"] for x in done))
-        self._record(entry)
+        self.actions.append(entry)
         self.reset_peak()
         what = "; ".join(
             f"bucket {x['bucket']} {x['from']} -> {x['to']}"
@@ -182,9 +186,10 @@ class Watchdog:
             for x in done
         )
         opt._log(
-            f"watchdog after step {steps}: {self._numbers(entry)}; freeing {need / 2**20:.0f} MiB: "
+            f"watchdog after step {steps}: {self._numbers(entry)}; freeing {need_bytes / 2**20:.0f} MiB: "
             f"{what or 'nothing could move'} (about {entry['freed_bytes'] / 2**20:.0f} MiB)"
         )
+        return entry
 
     def _apply(self, moves: list[dict]) -> list[dict]:
         """Moves the buckets (quiescent: after synchronize) and pages the blocks; returns the
@@ -213,10 +218,6 @@ class Watchdog:
             f"{entry['reason']}: peak {mib(entry['peak_bytes'])} of {mib(entry['usable_bytes'])} usable "
             f"(trigger {mib(entry['trigger_bytes'])}, plan's budget {mib(entry['target_bytes'])})"
         )
-
-    def _record(self, entry: dict) -> None:
-        self.actions.append(entry)
-        self.opt.plan_history.record(entry)
 
     def report(self) -> dict:
         """memory_report(model)["plan"]["watchdog"]."""

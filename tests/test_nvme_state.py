@@ -42,11 +42,11 @@ def nvme(tmp_path):
     os.rmdir(d)  # fails if a file was left
 
 
-def _wrap(model, **options):
+def _wrap(model, device="cpu", **options):
     return ramstream.wrap(
         model,
         torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
-        device="cpu",
+        device=device,
         bucket_bytes=4096,  # one bucket per weight: many buckets, paged through 3 staging buffers
         **options,
     )
@@ -342,6 +342,7 @@ def test_on_the_gpu_the_state_on_disk_equals_the_run_in_ram(nvme, moment_dtype):
     for share in (False, True):
         model, opt = _wrap(
             make_model(0).cuda(),
+            device="cuda",  # the GPU engine (device="cpu" would move the model back to the host)
             nvme_offload=share,
             nvme_dir=nvme if share else None,
             moment_dtype=moment_dtype,

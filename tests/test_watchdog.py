@@ -367,6 +367,7 @@ def test_a_batch_that_grows_under_a_cap_moves_the_state_out_of_vram_bit_exact():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         torch.use_deterministic_algorithms(False)
+    assert wd.actions, (peak, wd.report(), ramstream.memory_report(model)["plan"]["history"])
     first = wd.actions[0]
     assert first["step"] == 5 and first["reason"] == "peak"
     assert first["peak_bytes"] > first["trigger_bytes"] and first["peak_bytes"] <= first["usable_bytes"]

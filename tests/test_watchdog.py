@@ -299,8 +299,8 @@ def _gpu_batches(dev, sizes, t=256, seed=3):
 def _gpu_wrap(base, dev, **kw):
     """Every bucket's state in VRAM after step 1, as the VRAM share places a state that fits
     (optimizer_mode="gpu", offload=True: no refinement, no share of its own); activations never
-    paged (activation_offload="auto" decides from the card's measured rates: on an H100 it paged
-    and the peak the watchdog watches fell under its trigger), so the state is the only lever."""
+    paged (activation_offload="auto" decides from the card's measured rates; on an H100 the watchdog
+    did not act, paging the likely cause), so the state is the only lever."""
     model = clone(base).to(dev)
     model, opt = ramstream.wrap(
         model, torch.optim.AdamW(model.parameters(), lr=3e-3), device=dev,

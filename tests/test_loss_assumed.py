@@ -21,7 +21,7 @@ from ramstream.runtime.apply import check_steps
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError, StepCheck
 
-from _models import TinyGPT, batches, clone, gpu_profile, make_model, train_torch
+from _models import TinyGPT, batches, clone, gpu_profile, train_torch
 
 LR = 3e-3
 VOCAB = 2048

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .ops import cross_entropy as _ce_kernels
+from .runtime import heads as _heads
 
 __all__ = ["chunked_cross_entropy", "causal_lm_loss"]
 
@@ -306,6 +307,7 @@ def _check_range(where: str, tname: str, targets: torch.Tensor, vocab: int, igno
 
 
 def _run(hidden, weight, targets, bias, chunk_size, ignore_index, reduction, num_items, where, tname):
+    _heads.seen(weight)  # the head of a wrapped model: its step check plans with this loss from now on
     d = hidden.shape[-1]
     h2 = hidden.reshape(-1, d)
     t1 = targets.reshape(-1).long()

@@ -22,11 +22,19 @@ revise_training(): every decision taken between steps while training. The runtim
 planner/training.py's records (numbers only) and hand it here; the answer is a Decision, from
 planner/inflight.py (the optimizer state's placement) or planner/levers.py (VRAM). The decider
 applies it through the mechanisms and returns the history entry; the session records it
-(runtime/session.py TrainingSession, the plan history's only writer)."""
+(runtime/session.py TrainingSession, the plan history's only writer).
+
+The loss: wrap() does not see it, so a plan counts a dense cross-entropy (rules.PLAN_LOSS: the
+[tokens, vocab] logits, their fp32 copy and their gradient) until the run says otherwise. With
+``loss_open`` (the loss was not given and no chunked loss was seen yet), a step that no lever fits
+with the dense loss but one fits with the chunked loss (loss.py: one chunk of logits at a time) is
+revised as if its loss were chunked: the Revision says so (``assumed``) and how many bytes the
+dense logits would have needed (``uncounted_bytes``), for the caller to log. When neither fits the
+dense refusal stands."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import inflight, levers
 from .plan import plan_training
@@ -70,6 +78,10 @@ class Revision:
     plan: Plan
     shape: ModelShape
     changed: dict
+    # the loss the revision assumed where the applied shape's did not fit ("chunked"), else None;
+    # the dense logits' bytes for this step that the revision does not count then
+    assumed: str | None = None
+    uncounted_bytes: int = 0
 
 
 class RevisionError(PlanError):
@@ -89,14 +101,33 @@ def revise(
     *,
     levers: tuple = LEVERS,
     first: int = 0,
+    loss_open: bool = False,
 ) -> Revision:
     """The plan for the measured step. shape, profile: what the applied plan was made on; applied:
     plan_training's options as applied now (param_offload and activation_checkpointing as block
     lists, moment_dtype, optimizer_mode, ...); levers: which of LEVERS may change (none: only
-    checked). Raises RevisionError when nothing fits."""
+    checked); loss_open: whether the loss is not known (a dense shape may then be revised as if its
+    loss were chunked, see the module docstring). Raises RevisionError when nothing fits."""
     bad = [x for x in levers if x not in LEVERS]
     if bad:
         raise ValueError(f"revise: levers must be among {LEVERS}, got {bad}")
+    try:
+        return _revise(shape, profile, applied, measured, levers, first)
+    except RevisionError:
+        if not loss_open or shape.loss != "dense":
+            raise
+        dense = shape.with_tokens(batch=measured.batch, seq=measured.seq).logits_bytes
+        try:
+            rev = _revise(replace(shape, loss="chunked"), profile, applied, measured, levers, first)
+        except RevisionError:
+            pass
+        else:
+            rev.assumed, rev.uncounted_bytes = "chunked", dense - rev.shape.logits_bytes
+            return rev
+        raise
+
+
+def _revise(shape, profile, applied, measured, levers, first) -> Revision:
     step = shape.with_tokens(batch=measured.batch, seq=measured.seq)
     try:
         plan = plan_training(step, profile, quantize="none", _suggest=False, **applied)

@@ -119,6 +119,7 @@ def plan_record(plan) -> dict:
         "streamed": list(plan.weights["streamed"]),
         "recompute": [i for i, m in enumerate(plan.activations) if m == "recompute"],
         "moment_dtype": plan.optimizer["moment_dtype"],
+        "loss": plan.shape.get("loss"),
         "predicted_step_s": plan.predicted.get("step_s"),
         "predicted_vram_bytes": plan.memory["vram"].get("total"),
         "vram_budget_bytes": plan.memory["vram"].get("budget"),
@@ -299,6 +300,26 @@ def _record_plan(w, plan) -> None:
     w.plan["planner"] = plan_record(plan)
 
 
+def _record_loss(w, loss: str) -> None:
+    """The loss the session's plan counts now: memory_report(model)["plan"]["planner"]["loss"]."""
+    if isinstance(w.plan.get("planner"), dict):
+        w.plan["planner"]["loss"] = loss
+
+
+def head_weights(model, shape) -> list:
+    """The model's parameters shaped as its head ([vocab, hidden]: the head, an embedding tied to
+    it), what a chunked loss is given."""
+    if shape is None or not shape.vocab or not shape.hidden:
+        return []
+    want = (shape.vocab, shape.hidden)
+    seen, out = set(), []
+    for p in model.parameters():
+        if p.dim() == 2 and tuple(p.shape) == want and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     """A step larger than the plan's is checked at its first forward (runtime/tokens.py); with
     activation_checkpointing="auto" one that does not fit makes more blocks recompute."""
@@ -342,7 +363,13 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     check = StepCheck(
         shape, prof, fixed, log, w.optimizer._session, strict=not paging, lever=lever, fixed_why=why,
         streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
+        loss_given=opts.loss is not None, on_loss=lambda loss: _record_loss(w, loss),
     )  # fmt: skip
+    if opts.loss is None:  # a chunked loss given the head tells the check (runtime/heads.py)
+        from . import heads
+
+        for p in head_weights(model, shape):
+            heads.register(p, check)
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
     # model's own pre-hook sees the step before any block ran (when the model itself is called)
     w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True, prepend=True))

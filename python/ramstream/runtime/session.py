@@ -56,13 +56,20 @@ class PlanSession:
     session over it), whose history memory_report(model)["plan"]["history"] reads; recompute,
     streams: the levers (None: that part cannot change); on_plan(plan): where a revised plan is
     recorded; disk(): the run's frozen-weight placement now (runtime/apply.py disk_applied; None:
-    not known), plan_training's _disk_applied."""
+    not known), plan_training's _disk_applied. loss_given: whether wrap(loss=...) named the loss
+    (then the shape's loss is never changed); otherwise the loss is "open" until a chunked loss is
+    seen (learn_loss) or assumed for a step that only fits with it (planner/revise.py loss_open),
+    and on_loss(loss) records the loss the plan now counts."""
 
     def __init__(
         self, shape, profile, fixed: dict, log, history, *, recompute=None, streams=None, on_plan=None,
-        disk=None,
+        disk=None, loss_given: bool = False, on_loss=None,
     ) -> None:  # fmt: skip
         self.shape, self.profile, self.fixed = shape, profile, fixed
+        # how the shape's loss is known: "given" (wrap(loss=)), "default" (rules.PLAN_LOSS),
+        # "assumed" (a step fit only with the chunked loss), "seen" (a chunked loss ran on the head)
+        self.loss_source = "given" if loss_given else "default"
+        self.on_loss = on_loss or (lambda loss: None)
         self.recorder = history if isinstance(history, TrainingSession) else TrainingSession(history)
         self.log, self.history = log, self.recorder.history
         self.recompute_lever, self.stream_lever = recompute, streams
@@ -92,7 +99,22 @@ class PlanSession:
     def revise(self, measured: Measured, *, first: int, check_only: bool = False) -> Revision:
         """The planner's answer for `measured` (RevisionError when nothing fits); applies nothing."""
         levers = () if check_only else self.levers()
-        return revise(self.shape, self.profile, self.applied(), measured, levers=levers, first=first)
+        return revise(
+            self.shape, self.profile, self.applied(), measured, levers=levers, first=first,
+            loss_open=self.loss_source == "default",
+        )  # fmt: skip
+
+    def set_loss(self, loss: str, source: str) -> bool:
+        """The plan counts `loss` from now on (source: "assumed" or "seen"); False when nothing
+        changed (the loss was given, or is known already)."""
+        if self.loss_source in ("given", "seen") or (self.loss_source == source and self.shape.loss == loss):
+            return False
+        import dataclasses
+
+        self.shape = dataclasses.replace(self.shape, loss=loss)
+        self.loss_source = source
+        self.on_loss(loss)
+        return True
 
     def apply(self, rev: Revision) -> dict:
         """Applies a revision's changes (the streamed blocks first: a refusal of pinned memory, a
@@ -113,6 +135,8 @@ class PlanSession:
             self.recompute_lever.recompute(after, rev.plan)
         self.shape = rev.shape
         self.on_plan(rev.plan)
+        if rev.assumed:
+            self.set_loss(rev.assumed, "assumed")
         return change
 
     def record(self, entry: dict) -> None:

@@ -10,7 +10,14 @@ plan history). Only when the first block must recompute too (every block must) d
 raise PlanOutOfMemoryError (a torch.OutOfMemoryError and a MemoryError) with replanned=True,
 saying what changed: nothing ran, so the same step can be re-run as is (OffloadTrainer does it once
 by itself). When nothing can change, replanned=False and the error has the arithmetic: re-wrap with
-batch= and seq= (wrap() then streams what that step needs)."""
+batch= and seq= (wrap() then streams what that step needs).
+
+The loss: unless wrap(loss=...) named it, the plan counts a dense loss's logits until a chunked loss
+(ramstream.chunked_cross_entropy / causal_lm_loss) is computed with the model's head weight
+(runtime/heads.py calls learn_loss: later steps are planned with the chunked loss, one history
+entry). A step that fits only with the chunked loss is not refused meanwhile: it is planned as if
+its loss were chunked (logged with the dense logits' size, in the history), and a dense loss may
+then run out of memory in the loss itself."""
 
 from __future__ import annotations
 
@@ -100,11 +107,12 @@ class StepCheck:
 
     def __init__(
         self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
-        streams=None, on_plan=None, disk=None,
+        streams=None, on_plan=None, disk=None, loss_given: bool = False, on_loss=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(
-            shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk
-        )
+            shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk,
+            loss_given=loss_given, on_loss=on_loss,
+        )  # fmt: skip
         self.log = log
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
         # coarse) warns and lets the step run instead of refusing it
@@ -126,6 +134,20 @@ class StepCheck:
     @property
     def fixed(self) -> dict:
         return self.session.fixed
+
+    @property
+    def loss(self) -> str:
+        """The loss the plan counts now ("dense" or "chunked")."""
+        return self.session.shape.loss
+
+    def learn_loss(self, loss: str) -> None:
+        """A loss of kind `loss` ran with this model's head (runtime/heads.py): later steps are
+        planned with it (never over a loss wrap() was given; once)."""
+        if not self.session.set_loss(loss, "seen"):
+            return
+        self.refused.clear()  # a refused step may fit now
+        self.log(f"plan: a {loss} loss ran with this model's head: later steps are planned with it")
+        self.session.record({"change": f"loss: {loss} (seen)", "loss": loss})
 
     def _now(self) -> dict:
         """The plan options as applied now."""
@@ -160,15 +182,19 @@ class StepCheck:
             why = e.why if e.tried else self.fixed_why
             self._refuse(bs, self._advice(bs, e, why, self._rewrap(bs)), "refused: does not fit the plan")
         vram = rev.plan.memory["vram"]
+        note = _assumed_note(rev)
         if not rev.changed:
             self.fits_up_to = tokens
+            if rev.assumed:
+                self.session.set_loss(rev.assumed, "assumed")
             self.log(
                 f"plan: a step of batch {bs[0]} x seq {bs[1]} fits the applied plan (VRAM "
-                f"{vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} GiB predicted)"
+                f"{vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} GiB predicted){note}"
             )
             self.session.record(
-                {"step_tokens": tokens, "change": "checked: fits", "predicted_vram_bytes": vram["total"]}
-            )
+                {"step_tokens": tokens, "change": "checked: fits" + (f", loss assumed {rev.assumed}" if rev.assumed else ""),
+                 "predicted_vram_bytes": vram["total"], **_assumed_entry(rev)}
+            )  # fmt: skip
             return None
         was = (self.shape.batch, self.shape.seq)
         try:
@@ -192,12 +218,13 @@ class StepCheck:
                 "batch": bs[0],
                 "seq": bs[1],
                 "predicted_vram_bytes": vram["total"],
+                **_assumed_entry(rev),
             }
         )
         self.log(
             f"plan: a step of batch {bs[0]} x seq {bs[1]} did not fit the applied plan (made for batch "
             f"{was[0]} x seq {was[1]}); revised before it ran: {what}, VRAM {vram['total'] / _GIB:.2f} of "
-            f"{vram['budget'] / _GIB:.2f} GiB predicted" + ("; the step goes on" if goes_on else "")
+            f"{vram['budget'] / _GIB:.2f} GiB predicted{note}" + ("; the step goes on" if goes_on else "")
         )
         if goes_on:
             return None
@@ -206,8 +233,8 @@ class StepCheck:
             f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}. "
             "Every block must recompute, the first too, and this forward had entered it already. The "
             f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
-            "GiB predicted). Weights, optimizer state and memory are as before this step: re-run the same "
-            "step as is (OffloadTrainer does it by itself; see docs/planning.md)",
+            f"GiB predicted{note}). Weights, optimizer state and memory are as before this step: re-run the "
+            "same step as is (OffloadTrainer does it by itself; see docs/planning.md)",
             replanned=True,
             change=change,
         ) from None
@@ -255,3 +282,23 @@ class StepCheck:
         return (
             f"streaming blocks {ranges_text(plan.weights['streamed'])}, recomputing blocks {ranges_text(rc)}"
         )
+
+
+def _assumed_note(rev) -> str:
+    """The log's words for a revision that assumed a chunked loss (planner/revise.py), else ""."""
+    if not rev.assumed:
+        return ""
+    return (
+        f"; planned as if the loss were {rev.assumed} (ramstream.chunked_cross_entropy: one chunk of "
+        f"logits at a time): this step's dense logits would need {rev.uncounted_bytes / _GIB:.2f} GiB more, "
+        "not counted, so a dense loss may run out of memory in the loss; compute the loss with "
+        "ramstream.chunked_cross_entropy(hidden, head.weight, targets) and pass wrap(..., loss='chunked'), "
+        "or use a smaller batch"
+    )
+
+
+def _assumed_entry(rev) -> dict:
+    """The history's fields for a revision that assumed a chunked loss, else none."""
+    if not rev.assumed:
+        return {}
+    return {"loss": rev.assumed, "loss_assumed": True, "uncounted_logits_bytes": rev.uncounted_bytes}

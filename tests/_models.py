@@ -147,3 +147,21 @@ def open_files_in(folder: str) -> list[str]:
         if p.startswith(folder + os.sep):
             out.append(p)
     return out
+
+
+def scratch_folder(tmp_path, monkeypatch, prefix: str):
+    """A fixture body (`yield from scratch_folder(...)`): a folder for a disk tier's scratch file,
+    on tmpfs when there is one, RAMSTREAM_NVME_DIR unset; after the test nothing may be left open
+    or named in it."""
+    import gc
+    import os
+    import tempfile
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    monkeypatch.delenv("RAMSTREAM_NVME_DIR", raising=False)
+    d = tempfile.mkdtemp(dir=shm, prefix=prefix) if shm else str(tmp_path)
+    yield d
+    gc.collect()
+    assert open_files_in(d) == [] and os.listdir(d) == []
+    if shm:
+        os.rmdir(d)

@@ -11,7 +11,6 @@ import gc
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -22,22 +21,15 @@ import ramstream
 from ramstream.checkpoint import load_checkpoint, save_checkpoint
 from ramstream.planner.disk_weights import reads_per_step
 
-from _models import Block, TinyGPT, batches, open_files_in
+from _models import Block, TinyGPT, batches, open_files_in, scratch_folder
 
 LR, WD = 3e-3, 0.05
-SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     """A folder for the scratch file (tmpfs when there is one); nothing left open or named in it."""
-    monkeypatch.delenv("RAMSTREAM_NVME_DIR", raising=False)
-    d = tempfile.mkdtemp(dir=SHM, prefix="rs-nvw-") if SHM else str(tmp_path)
-    yield d
-    gc.collect()
-    assert open_files_in(d) == [] and os.listdir(d) == []
-    if SHM:
-        os.rmdir(d)
+    yield from scratch_folder(tmp_path, monkeypatch, "rs-nvw-")
 
 
 class LoraBlock(Block):

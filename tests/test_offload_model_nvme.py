@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import tempfile
 
 import pytest
 import torch
@@ -19,22 +18,15 @@ from ramstream import OffloadModel
 from ramstream.weights.disk_slab import DiskWeights
 from ramstream.weights.slab import make_copier
 
-from _models import open_files_in
+from _models import open_files_in, scratch_folder
 
-SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     """A folder for the scratch file (tmpfs when there is one); nothing left open in it after."""
-    monkeypatch.delenv("RAMSTREAM_NVME_DIR", raising=False)
-    d = tempfile.mkdtemp(dir=SHM, prefix="rs-omnvme-") if SHM else str(tmp_path)
-    yield d
-    gc.collect()
-    assert open_files_in(d) == [] and os.listdir(d) == []
-    if SHM:
-        os.rmdir(d)
+    yield from scratch_folder(tmp_path, monkeypatch, "rs-omnvme-")
 
 
 def _chunks(n=5, d=16, trained=()):

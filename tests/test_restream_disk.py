@@ -9,9 +9,6 @@ changes nothing; unwrap() and garbage collection leave no file."""
 from __future__ import annotations
 
 import dataclasses
-import gc
-import os
-import tempfile
 
 import pytest
 import torch
@@ -21,22 +18,15 @@ from ramstream.planner.replan import replan_stream
 from ramstream.runtime.apply import check_steps
 from ramstream.runtime.inspect import model_shape, plan_for
 
-from _models import batches, clone, gpu_profile, make_model, open_files_in, train_torch
+from _models import batches, clone, gpu_profile, make_model, open_files_in, scratch_folder, train_torch
 
 LR = 3e-3
-SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 SMALL, BIG = 2, 24  # batch x seq 8: the plan's step, and one that needs blocks 6-7 streaming too
 
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("RAMSTREAM_NVME_DIR", raising=False)
-    d = tempfile.mkdtemp(dir=SHM, prefix="rs-rsd-") if SHM else str(tmp_path)
-    yield d
-    gc.collect()
-    assert open_files_in(d) == [] and os.listdir(d) == []
-    if SHM:
-        os.rmdir(d)
+    yield from scratch_folder(tmp_path, monkeypatch, "rs-rsd-")
 
 
 def lora_like():

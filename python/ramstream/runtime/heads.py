@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 
-# id(head weight) -> (weakref to the weight, weakref to the callback's owner, its method name)
+# id(head weight) -> (weakref to the weight, weakref to the StepCheck told of the loss)
 _HEADS: dict[int, tuple] = {}
 
 
@@ -24,12 +24,6 @@ def register(weight, check) -> None:
             _HEADS.pop(key, None)
 
     _HEADS[key] = (weakref.ref(weight, gone), weakref.ref(check))
-
-
-def unregister(weight) -> None:
-    entry = _HEADS.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        del _HEADS[id(weight)]
 
 
 def seen(weight, loss: str = "chunked") -> None:

@@ -15,11 +15,11 @@ import torch
 import ramstream
 from ramstream.engine import layout, rates
 from ramstream.planner import inflight
-from ramstream.planner.inflight import BucketFacts
 from ramstream.planner.revise import revise_training
 from ramstream.planner.rules import KEEP_SAFETY, MAX_REFINEMENTS, MIN_GAIN, WATCHDOG_HEADROOM_USED
 from ramstream.planner.training import (
     MEASUREMENTS,
+    BucketFacts,
     FreeVram,
     HostTrialCheck,
     KeepCheck,

@@ -7,7 +7,7 @@ through the engine's mechanisms (engine/layout.py relocate, move_buckets) and re
 entry, which the session records (runtime/session.py TrainingSession). The same functions predict
 those decisions in the plan (planner/policy.py): one rule, used twice.
 
-The engine's buckets reach the planner as BucketFacts (runtime/facts.py bucket_facts): numbers
+The engine's buckets reach the planner as BucketFacts (runtime/measure.py bucket_facts): numbers
 only, no tensors.
 
 - choose_mapped_fraction: the share of the update the GPU does over PCIe ("mapped") where the host
@@ -25,43 +25,8 @@ only, no tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .rules import HOST_TRIAL_SHARE, MARGIN_BYTES, MAX_REFINEMENTS, MIN_GAIN
-from .training import Decision
-
-
-@dataclass(frozen=True)
-class BucketFacts:
-    """One optimizer bucket as the planner sees it. placement: "device" | "mapped" | "host";
-    working_bytes: the parameters' element size; moment_bytes: a moment's element size;
-    low_precision: the working dtype is not fp32 (an fp32 master exists); has_state: this rank
-    holds its state (data parallel: another rank's buckets have none)."""
-
-    index: int
-    numel: int
-    placement: str
-    working_bytes: int
-    moment_bytes: int
-    low_precision: bool
-    streamed: bool = False
-    on_disk: bool = False
-    has_state: bool = True
-
-    @property
-    def device_bytes(self) -> int:
-        """What the bucket's state adds to VRAM in the "device" placement."""
-        return self.numel * (2 * self.moment_bytes + (4 if self.low_precision else 0))
-
-    @property
-    def mapped_pcie_bytes(self) -> int:
-        """PCIe bytes each way per element when the GPU updates it over mapped memory."""
-        return 2 * self.moment_bytes + (4 if self.low_precision else 0)
-
-    @property
-    def shareable(self) -> bool:
-        """May take any placement (not streamed, not on disk, state held here)."""
-        return not self.streamed and not self.on_disk and self.has_state
+from .training import BucketFacts, Decision
 
 
 def choose_mapped_fraction(

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import math
 
-from .inflight import BucketFacts
 from .rules import KEEP_SAFETY, WATCHDOG_HEADROOM_USED
-from .training import Decision
+from .training import BucketFacts, Decision
 
 
 def keep_count(*, usable: int, peak: int, headroom: float, block_bytes: list[int], candidates: int) -> dict:

@@ -23,10 +23,39 @@ the history entries; the session (runtime/session.py TrainingSession) records th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .inflight import BucketFacts
+
+@dataclass(frozen=True)
+class BucketFacts:
+    """One optimizer bucket as the planner sees it. placement: "device" | "mapped" | "host";
+    working_bytes: the parameters' element size; moment_bytes: a moment's element size;
+    low_precision: the working dtype is not fp32 (an fp32 master exists); has_state: this rank
+    holds its state (data parallel: another rank's buckets have none)."""
+
+    index: int
+    numel: int
+    placement: str
+    working_bytes: int
+    moment_bytes: int
+    low_precision: bool
+    streamed: bool = False
+    on_disk: bool = False
+    has_state: bool = True
+
+    @property
+    def device_bytes(self) -> int:
+        """What the bucket's state adds to VRAM in the "device" placement."""
+        return self.numel * (2 * self.moment_bytes + (4 if self.low_precision else 0))
+
+    @property
+    def mapped_pcie_bytes(self) -> int:
+        """PCIe bytes each way per element when the GPU updates it over mapped memory."""
+        return 2 * self.moment_bytes + (4 if self.low_precision else 0)
+
+    @property
+    def shareable(self) -> bool:
+        """May take any placement (not streamed, not on disk, state held here)."""
+        return not self.streamed and not self.on_disk and self.has_state
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planner.inflight import BucketFacts
+from ..planner.training import BucketFacts
 
 
 def device_memory(device: torch.device) -> dict | None:

@@ -257,11 +257,8 @@ def plan_training(
     max_activation_slowdown: float = 0.15,
     nvme_offload="auto",
     nvme_weights="auto",
-    _suggest: bool = True,
-    _refine: bool = True,
-    _assume_disk: bool = False,
-    _disk_applied=None,
-) -> Plan:
+    _suggest: bool = True, _refine: bool = True, _assume_disk: bool = False, _disk_applied=None,
+) -> Plan:  # fmt: skip
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
     thread-safe.
 
@@ -286,12 +283,10 @@ def plan_training(
             state: disk_weights.py), True (every streamed block's), False, an int k (the last k
             streamed blocks) or block indices; plan.weights["disk"].
 
-    _assume_disk=True plans as if the profile had a disk of unbounded free space (suggest.py).
-    _disk_applied=(on disk, placed): a running wrap()'s frozen-weight placement between steps (the
-    blocks on disk now, the blocks whose place is fixed): only the others may go to disk
-    (disk_weights.py; runtime/apply.py disk_applied).
-    _refine=False times the split after step 2 instead of the refined one (runtime/refiner.py; the
-    engine before it existed: H200 rows measured then, tests/test_planner_h200.py).
+    Private: _assume_disk=True plans with an unbounded disk (suggest.py); _disk_applied=(on disk,
+    placed) a running wrap()'s frozen weights between steps, only other blocks may go to disk
+    (disk_weights.py); _refine=False times the split after step 2, not the refined one (the H200
+    rows of tests/test_planner_h200.py).
 
     activation_checkpointing="auto" also makes every block recompute when the plan without it
     cannot fit (whatever the rule in policy.auto_recompute said).

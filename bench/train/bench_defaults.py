@@ -181,9 +181,32 @@ def run_one(args, row: str, cap: float, variant: str) -> dict:
 def _phase(out: dict, phase: str, step: int | None = None) -> None:
     """Where the run is, in the result and on stdout (a run killed on timeout still says it)."""
     out.update(phase=phase, step=step)
-    print(
-        "PHASE " + json.dumps({"phase": phase, "step": step, "t": round(time.perf_counter(), 2)}), flush=True
-    )
+    rss = _rss_gib()
+    print("PHASE " + json.dumps({"phase": phase, "step": step, "t": round(time.perf_counter(), 2),
+                                 "rss_gib": rss}), flush=True)  # fmt: skip
+
+
+def _rss_gib() -> float | None:
+    """This process's resident host memory now (Linux; None elsewhere): a run the kernel kills for
+    memory (rc -9) still shows how its RSS grew step by step."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30, 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _new_events(model, seen: int) -> int:
+    """Print the decision-log lines added since `seen` as EVENT lines (a killed run keeps them)."""
+    import ramstream as rs
+
+    try:
+        ev = rs.memory_report(model).get("events", [])
+    except Exception:  # noqa: BLE001 - a report failing never stops the run
+        return seen
+    for line in ev[seen:]:
+        print("EVENT " + line[:400], flush=True)
+    return len(ev)
 
 
 def _build(spec, key: str, dev_cpu, hf_ckpt: bool):
@@ -251,7 +274,7 @@ def _train(args, spec, row, variant, dev, batch, seq, out) -> None:
 
     x = torch.randint(0, vocab, (batch, seq + (0 if hf else 1)), device=dev)
     try:
-        _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap)
+        _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap, model if rs else None)
         if rs is not None:
             opt.synchronize()
     finally:  # also after an OOM or an error: what wrap() had decided
@@ -262,7 +285,7 @@ def _train(args, spec, row, variant, dev, batch, seq, out) -> None:
         out["moment_dtype"] = str(st["exp_avg"].dtype).replace("torch.", "") if st else None
 
 
-def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap) -> None:
+def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap, wrapped=None) -> None:
     import torch
 
     cuda = dev.type == "cuda"
@@ -271,6 +294,7 @@ def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap) -> No
     warm = steps // 2  # the settled time: the median of the last steps - warm steps
     times, ends, losses = [], [], []  # in out as they come: an OOM at step i keeps steps 0..i-1
     out.update(step_times=times, losses=losses)
+    seen = _new_events(wrapped, 0) if wrapped is not None else 0
     for i in range(steps):
         _phase(out, "step", i)
         if i == warm and cuda:
@@ -288,6 +312,8 @@ def _steps(args, spec, row, dev, batch, seq, out, loss_fn, opt, x, t_wrap) -> No
         t1 = time.perf_counter()
         times.append(t1 - t0)
         ends.append(t1 - t_wrap)
+        if wrapped is not None:
+            seen = _new_events(wrapped, seen)
     settled = statistics.median(times[warm:])
     first = next((i for i, t in enumerate(times) if abs(t - settled) <= 0.1 * settled), None)
     out.update(phase="done", steps=steps, s_per_step=settled, to_settled_s=None if first is None else ends[first],
@@ -370,7 +396,7 @@ def spawn(args, row: str, cap: float, variant: str, timeout: float) -> dict:
     if got:
         r = got[-1]
     else:
-        err = (se or so)[-800:]
+        err = (se or so)[-4000:]
         oom = "OutOfMemoryError" in err or "out of memory" in err
         r = dict(base, **_last_phase(so), status="oom" if oom else "crash", error=f"rc {p.returncode}: {err}")
     r["wall_s"] = time.perf_counter() - t0

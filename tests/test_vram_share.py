@@ -207,3 +207,31 @@ def test_low_precision_accumulation_stays_on_the_host(monkeypatch):
     assert mapped_fraction_for(opt, "auto", torch.device("cuda", 0)) == 0.0
     assert opt.split_info["reason"] == "low-precision gradients accumulated" and "fp32" in logs[-1]
     assert mapped_fraction_for(opt, "gpu", torch.device("cuda", 0)) == 1.0  # asked for: as asked
+
+
+@pytest.mark.cuda
+def test_mapped_to_host_and_back_keeps_the_pinned_state_in_place():
+    """A mapped bucket moved to the host keeps its pinned master and moments (the host AdamW reads
+    them where they are: a copy would leave the arena's blocks resident beside it, the R5 row's
+    host out-of-memory) and gets them back as they are when it moves to mapped again; the run
+    equals torch's AdamW."""
+    base = make_model(0, dtype=torch.bfloat16, n_blocks=3).to(DEV)
+    data = batches(8, device=DEV)
+    ref, _ = _run(clone(base), data, mode="gpu")
+    model, opt = _run(clone(base), data[:3], mode="gpu")
+    e = opt._engine
+    ptrs = [(b.master.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in e.buckets]
+    in_use = ramstream.memory_stats()["bytes_in_use"]
+    for b in e.buckets:
+        layout.relocate(e, b, "host")
+    assert [(b.master.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in e.buckets] == ptrs
+    landing = sum(b.landing.nbytes for b in e.buckets)
+    assert ramstream.memory_stats()["bytes_in_use"] - in_use <= 2 * landing  # the landings, size-classed
+    train_torch(model, opt, data[3:5])
+    opt.synchronize()
+    for b in e.buckets:
+        layout.relocate(e, b, "mapped")
+    assert [(b.master.data_ptr(), b.exp_avg.data_ptr(), b.exp_avg_sq.data_ptr()) for b in e.buckets] == ptrs
+    train_torch(model, opt, data[5:])
+    opt.synchronize()
+    assert max_diff(ref, model) < 1e-2  # bf16 weights: host and GPU AdamW round alike to ~1 ulp

@@ -182,8 +182,11 @@ def _phase(out: dict, phase: str, step: int | None = None) -> None:
     """Where the run is, in the result and on stdout (a run killed on timeout still says it)."""
     out.update(phase=phase, step=step)
     rss = _rss_gib()
+    import resource
+
+    peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # so far (KiB on Linux)
     print("PHASE " + json.dumps({"phase": phase, "step": step, "t": round(time.perf_counter(), 2),
-                                 "rss_gib": rss}), flush=True)  # fmt: skip
+                                 "rss_gib": rss, "peak_rss_gib": peak}), flush=True)  # fmt: skip
 
 
 def _rss_gib() -> float | None:

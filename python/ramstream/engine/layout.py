@@ -95,9 +95,9 @@ def relocate(engine, b: Bucket, placement: str) -> None:
     master = master_flat(b)
     if placement == "host":
         new = dict(
-            master=master.to("cpu", torch.float32, copy=True),
-            exp_avg=b.exp_avg.to("cpu", copy=True),
-            exp_avg_sq=b.exp_avg_sq.to("cpu", copy=True),
+            master=_host_copy(master, torch.float32),
+            exp_avg=_host_copy(b.exp_avg, b.exp_avg.dtype),
+            exp_avg_sq=_host_copy(b.exp_avg_sq, b.exp_avg_sq.dtype),
             landing=dev.host_buffer(n, b.dtype),
             acc=torch.empty(n, dtype=torch.float32) if engine.accumulation_steps > 1 else None,
         )
@@ -106,6 +106,8 @@ def relocate(engine, b: Bucket, placement: str) -> None:
         def place(t, dtype):
             if placement == "device":
                 return t.to(engine.device, dtype, copy=True)
+            if t.device.type == "cpu" and t.dtype == dtype and _arena_pinned(t):
+                return t  # already in the pinned arena (a bucket that was mapped): no second copy
             return dev.host_buffer(n, dtype).copy_(t)
 
         new = dict(
@@ -121,6 +123,23 @@ def relocate(engine, b: Bucket, placement: str) -> None:
     for k, t in new.items():
         setattr(b, k, t)
     b.placement = placement
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The state tensor t for the host AdamW: kept as it is when it already lies in host memory
+    in `dtype` (a mapped bucket's pinned moments and fp32 master: the host reads them where they
+    are), else copied to ordinary host memory. A copy here would leave the pinned blocks cached in
+    the arena (they stay page-locked and resident), so moving 30 % of a 7B model's state from
+    mapped to host would hold ~26 GiB twice (the R5 row's host out-of-memory, bench/RESULTS.md)."""
+    if t.device.type == "cpu" and t.dtype == dtype:
+        return t
+    return t.to("cpu", dtype, copy=True)
+
+
+def _arena_pinned(t: torch.Tensor) -> bool:
+    from .._native import lib
+
+    return bool(lib().is_arena_pinned(t.data_ptr()))
 
 
 def weights_flat(b: Bucket) -> torch.Tensor:

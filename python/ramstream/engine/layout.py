@@ -285,14 +285,44 @@ def _resync_bucket(engine, b: Bucket, loaded: dict) -> int:
     return changed
 
 
-def move_buckets(opt, targets: list[str], relocate_fn=None, who: str = "ramstream") -> int:
+def relocation_host_bytes(engine, b: Bucket, placement: str) -> int:
+    """Bytes of host memory (pinned or not) relocate(engine, b, placement) newly allocates: to the
+    host, the landing (and the accumulation sum), plus the master and moments unless they already
+    lie in host memory (a mapped bucket's); to mapped, the pinned master and moments unless they
+    already lie in the pinned arena; to the device, none. What the move frees is not subtracted
+    (the arena keeps freed pinned blocks resident)."""
+    if b.streamed or b.exp_avg is None or placement == b.placement or placement == "device":
+        return 0
+
+    def cost(t, dtype) -> int:
+        size = b.numel * torch.empty((), dtype=dtype).element_size()
+        if t is None or t.device.type != "cpu" or t.dtype != dtype:
+            return size
+        return 0 if placement == "host" or _arena_pinned(t) else size
+
+    m = b.exp_avg.dtype
+    master = master_flat(b)
+    total = cost(b.exp_avg, m) + cost(b.exp_avg_sq, m)
+    if placement == "host":
+        total += cost(master, torch.float32) + b.numel * torch.empty((), dtype=b.dtype).element_size()
+        total += b.numel * 4 if engine.accumulation_steps > 1 else 0
+    elif b.dtype != torch.float32:
+        total += cost(master, torch.float32)
+    return total
+
+
+def move_buckets(opt, targets: list[str], relocate_fn=None, who: str = "ramstream", host_room=None) -> int:
     """Relocates opt's buckets whose target (in bucket order) differs from their placement, in
     bucket order, with relocate_fn (layout.relocate or a test's stand-in); the engine must be
     quiescent (after synchronize). Streamed buckets and those without state stay. Running out of
     memory (device or pinned), or pinned memory falling back to pageable memory the GPU cannot
     read, keeps that bucket, and the rest, where they were (logged, prefixed by `who`). Updates
     the engine's mapped_numel; returns the buckets moved. Used by the refinement and the
-    watchdog (runtime/refiner.py, runtime/watchdog.py)."""
+    watchdog (runtime/refiner.py, runtime/watchdog.py). host_room: None, or a callable giving the
+    bytes of host memory the process may still take (the runtime's measurement and reserve): a
+    bucket whose move would allocate more (relocation_host_bytes) stays, and the rest with it
+    (logged with the numbers): a move never runs the host out of memory, where the kernel would
+    kill the process with nothing saved."""
     from .._native import lib
 
     relocate_fn = relocate_fn or relocate
@@ -301,6 +331,14 @@ def move_buckets(opt, targets: list[str], relocate_fn=None, who: str = "ramstrea
         if where == b.placement or b.streamed or getattr(b, "disk", None) is not None or b.exp_avg is None:
             continue
         was = b.placement
+        if host_room is not None:
+            need, room = relocation_host_bytes(e, b, where), host_room()
+            if need > room:
+                opt._log(
+                    f"{who}: bucket {b.index} stays {was} (host RAM: the move needs {need / 2**20:.0f} MiB, "
+                    f"{max(room, 0) / 2**20:.0f} MiB may still be taken)"
+                )
+                break
         try:
             relocate_fn(e, b, where)
         except (torch.OutOfMemoryError, MemoryError) as exc:

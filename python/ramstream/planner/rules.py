@@ -28,6 +28,9 @@ MARGIN_BYTES = 512 << 20
 # The share of available host RAM ramstream's host memory may take (host_fit.py, moment dtype;
 # quantize.py host_room).
 HOST_RAM_SHARE = 0.9
+# The share of the machine's RAM a bucket moved mid-run (runtime/refiner.py, runtime/watchdog.py
+# through runtime/measure.py host_room) must leave available: a move that would eat into it stays.
+HOST_RESERVE_SHARE = 1 - HOST_RAM_SHARE
 
 # The step wrap() plans for when it is not told (batch=, seq=): PLAN_BATCH x PLAN_SEQ tokens; when
 # that cannot fit, the batch halves (then the sequence) down to PLAN_MIN_TOKENS, and the plan

@@ -23,6 +23,19 @@ def device_memory(device: torch.device) -> dict | None:
     }
 
 
+def host_room() -> int:
+    """Bytes of host memory this process may still take now: the RAM available (MemAvailable, or
+    the cgroup's limit less its usage) less rules.HOST_RESERVE_SHARE of the machine's RAM (or of
+    the cgroup's limit: the reserve the kernel and the rest of the process keep). Negative when
+    already inside it."""
+    from ..planner.profile import available_ram
+    from ..planner.rules import HOST_RESERVE_SHARE
+
+    ram = available_ram()
+    total = min(ram["total"], ram["cgroup_limit"] or ram["total"])
+    return int(ram["available"]) - int(total * HOST_RESERVE_SHARE)
+
+
 def bucket_facts(buckets) -> list[BucketFacts]:
     """The engine's buckets (or stand-ins with index, numel, dtype, placement, streamed, exp_avg and
     optionally disk) as the planner's BucketFacts, in bucket order."""

@@ -51,7 +51,7 @@ from ..engine.layout import move_buckets, relocate
 from ..planner.revise import revise_training
 from ..planner.rules import MEASURE_STEPS
 from ..planner.training import HostTrialCheck, SplitWindow
-from .measure import bucket_facts
+from .measure import bucket_facts, host_room
 
 WINDOW = ("host_numel", "host_s", "mapped_numel", "mapped_s", "mapped_bytes", "throttle_s", "wall_s")
 
@@ -246,7 +246,7 @@ class SplitRefiner:
         return entry, moved
 
     def _move(self, targets: list[str]) -> int:
-        return move_buckets(self.opt, targets, self.relocate, "optimizer split refinement")
+        return move_buckets(self.opt, targets, self.relocate, "optimizer split refinement", host_room)
 
 
 REFINED = (

@@ -202,7 +202,7 @@ class Watchdog:
             for x in buckets:
                 targets[x["bucket"]] = x["to"]
             before = [b.placement for b in e.buckets]
-            move_buckets(opt, targets, self.relocate, "watchdog")
+            move_buckets(opt, targets, self.relocate, "watchdog", _measure.host_room)
             done += [x for x in buckets if before[x["bucket"]] != e.buckets[x["bucket"]].placement]
         for x in moves:
             if x["lever"] == "activations":

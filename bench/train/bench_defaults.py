@@ -8,7 +8,7 @@ Rows x VRAM caps (GiB), each (row, cap, variant) in a process of its own (the ca
   R5  6.85B GPT bf16 full FT, 16x2048, ramstream.chunked_cross_entropy
   R6  6.85B GPT fp32 weights, bf16 autocast, 8x512, dense, no cap: defaults vs stock AdamW(fused=True)
 Variants: defaults = wrap(model, AdamW(lr=1e-5), device=...) and no other option; hand = HAND[row];
-stock = plain torch, only where it fits (STOCK_CAPS). Cells run most informative first (FIRST);
+hand32 = HAND[row] with moment_dtype="float32" (the defaults' precision where RAM holds it); stock = plain torch, only where it fits (STOCK_CAPS). Cells run most informative first (FIRST);
 --deadline stops launching cells (and cuts the running one) so one device call returns partial
 results. One JSON line per run as it ends (also appended to --out), then a markdown table.
 
@@ -67,11 +67,22 @@ def order(rows: list[str], caps: list[float]) -> list[tuple[str, float]]:
     return first + [c for c in cells if c not in first]
 
 
+def _options(row: str, variant: str) -> dict:
+    """wrap()'s options of a variant: hand = HAND[row]; hand32 = the same with fp32 moments (the
+    precision the defaults keep when RAM holds it: the like-for-like reference); else none."""
+    if variant == "hand":
+        return dict(HAND[row])
+    if variant == "hand32":
+        return dict(HAND[row], moment_dtype="float32")
+    return {}
+
+
 def variants_of(row: str, cap: float, wanted: list[str]) -> list[str]:
     ok = {
         "defaults": True,
         "sized": True,
         "hand": HAND.get(row) is not None,
+        "hand32": HAND.get(row) is not None,
         "stock": cap in STOCK_CAPS.get(row, ()),
     }
     return [v for v in wanted if ok.get(v)]
@@ -142,7 +153,7 @@ def run_one(args, row: str, cap: float, variant: str) -> dict:
     cuda = dev.type == "cuda"
     out = dict(row=row, cap_gib=cap, variant=variant, model=spec["model"], dtype=spec["dtype"],
                batch=spec["batch"], seq=spec["seq"], loss=spec["loss"], device=dev.type, pid=os.getpid(),
-               options=HAND[row] if variant == "hand" else {}, phase="start", step=None)  # fmt: skip
+               options=_options(row, variant), phase="start", step=None)  # fmt: skip
     batch, seq = (min(spec["batch"], 2), min(spec["seq"], 64)) if args.tiny else (spec["batch"], spec["seq"])
     out.update(batch=batch, seq=seq, tiny=args.tiny)
     t_proc = time.perf_counter()
@@ -255,7 +266,7 @@ def _train(args, spec, row, variant, dev, batch, seq, out) -> None:
         import ramstream as rs
 
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        options = HAND[row] if variant == "hand" else {}
+        options = _options(row, variant)
         if variant == "sized":  # the defaults, told the step's size and loss (wrap's batch=, seq=, loss=)
             b, s = (
                 (min(spec["batch"], 2), min(spec["seq"], 64)) if args.tiny else (spec["batch"], spec["seq"])
@@ -417,7 +428,7 @@ def table(results: list[dict]) -> list[str]:
     for r in results:
         ratio = ""
         if r["variant"] in ("defaults", "sized") and r.get("s_per_step"):
-            for ref in ("hand", "stock"):
+            for ref in ("hand32", "hand", "stock"):
                 o = by.get((r["row"], r["cap_gib"], ref))
                 if o and o.get("s_per_step"):
                     ratio = f"{r['s_per_step'] / o['s_per_step']:.2f} ({ref})"
@@ -462,10 +473,12 @@ def main() -> int:
     caps = [float(c) for c in args.caps.split(",") if c.strip()]
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [r for r in rows if r not in ROWS] + [
-        v for v in wanted if v not in ("defaults", "sized", "hand", "stock")
+        v for v in wanted if v not in ("defaults", "sized", "hand", "hand32", "stock")
     ]
     if bad:
-        ap.error(f"unknown rows/variants {bad}; rows: {', '.join(ROWS)}; variants: defaults, hand, stock")
+        ap.error(
+            f"unknown rows/variants {bad}; rows: {', '.join(ROWS)}; variants: defaults, sized, hand, hand32, stock"
+        )
     signal.signal(signal.SIGTERM, _on_term)
     t_run, results = time.perf_counter(), []
     if args.out and not args.append:

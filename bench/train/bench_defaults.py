@@ -30,6 +30,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from defaults_report import compact_plan, jsonable, table  # noqa: E402
 from stream_models import GPT_MODELS, TINY, build_qwen, fast_init_  # noqa: E402
 
 ROWS = {
@@ -89,62 +90,6 @@ def variants_of(row: str, cap: float, wanted: list[str]) -> list[str]:
 
 
 # ---- one run, in its own process ---------------------------------------------------------------
-def _jsonable(x, depth=0):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v, depth + 1) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        x = list(x)
-        return [_jsonable(v, depth + 1) for v in (x[:32] + ["..."] if len(x) > 48 else x)]
-    if isinstance(x, float):
-        return round(x, 6)
-    if isinstance(x, (int, str, bool)) or x is None:
-        return x if not isinstance(x, str) else x[:300]
-    return str(x)[:300]
-
-
-def _predicted(x, path="") -> dict:
-    """Every number under a key naming a prediction ("predicted_*", "planner", ...), by path."""
-    out = {}
-    if isinstance(x, dict):
-        for k, v in x.items():
-            p = f"{path}.{k}" if path else str(k)
-            if any(w in str(k) for w in ("predict", "planner")) and not isinstance(v, (dict, list)):
-                out[p] = v
-            else:
-                out.update(_predicted(v, p))
-    elif isinstance(x, list):
-        for i, v in enumerate(x[-6:]):
-            out.update(_predicted(v, f"{path}[{i}]"))
-    return out
-
-
-PLAN_KEYS = ("planner", "predicted", "weights", "recompute", "optimizer", "recompute_keep", "activations",
-             "profile", "history", "watchdog", "quantize")  # fmt: skip
-
-
-def compact_plan(plan: dict | None, limit: int = 4000) -> dict:
-    """memory_report(model)["plan"], JSON-safe and under ~limit bytes: the keys in PLAN_KEYS order
-    (then any other), a key that would not fit replaced by the head of its text; "predicted_all"
-    gathers every prediction found anywhere in it."""
-    if not isinstance(plan, dict):
-        return {"plan": _jsonable(plan)}
-    out: dict = {}
-    pred = _predicted(plan)
-    if pred:
-        out["predicted_all"] = _jsonable(dict(list(pred.items())[:24]))
-    keys = [k for k in PLAN_KEYS if k in plan] + [k for k in plan if k not in PLAN_KEYS]
-    for k in keys:
-        v = _jsonable(plan[k])
-        if k == "history" and isinstance(v, list):
-            v = v[-4:]
-        used = len(json.dumps(out))
-        text = json.dumps(v)
-        if used + len(text) > limit:
-            v = text[: max(0, min(200, limit - used - 40))] + "..." if limit - used > 60 else "<dropped>"
-        out[k] = v
-    return out
-
-
 def run_one(args, row: str, cap: float, variant: str) -> dict:
     import torch
 
@@ -365,7 +310,7 @@ def _record(rs, model, out: dict) -> None:
     o = rep.get("optimizer", {})
     out["moment_dtype"] = o.get("moment_dtype")
     out["optimizer"] = {k: o.get(k) for k in ("mode", "resident", "gpu_updated_numel", "host_state_bytes")}
-    out["streamed_blocks"] = _jsonable(rep.get("params", {}).get("streamed_blocks"))
+    out["streamed_blocks"] = jsonable(rep.get("params", {}).get("streamed_blocks"))
     out["plan"] = compact_plan(rep.get("plan"))
     # "measured": this run paid wrap()'s one-time hardware profile (setup_s includes it); "cache": not
     out["profile_source"] = ((rep.get("plan") or {}).get("profile") or {}).get("source")
@@ -415,34 +360,6 @@ def spawn(args, row: str, cap: float, variant: str, timeout: float) -> dict:
         r = dict(base, **_last_phase(so), status="oom" if oom else "crash", error=f"rc {p.returncode}: {err}")
     r["wall_s"] = time.perf_counter() - t0
     return r
-
-
-def _f(v, fmt):
-    return format(v, fmt) if isinstance(v, (int, float)) else "-"
-
-
-def table(results: list[dict]) -> list[str]:
-    by = {(r["row"], r["cap_gib"], r["variant"]): r for r in results}
-    lines = ["| row | cap GiB | variant | status | s/step | peak GiB | setup s | to settled s | model TFLOP/s | "
-             "moments | defaults/ref |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in results:
-        ratio = ""
-        if r["variant"] in ("defaults", "sized") and r.get("s_per_step"):
-            for ref in ("hand32", "hand", "stock"):
-                o = by.get((r["row"], r["cap_gib"], ref))
-                if o and o.get("s_per_step"):
-                    ratio = f"{r['s_per_step'] / o['s_per_step']:.2f} ({ref})"
-                    break
-        status = r.get("status", "?")
-        if status in ("oom", "error", "timeout", "crash") and r.get("phase"):
-            status += f" @{r['phase']}" + (f" {r['step']}" if r.get("phase") == "step" else "")
-        cap = _f(r["cap_gib"], "g") if r["cap_gib"] else "none"
-        lines.append(
-            f"| {r['row']} | {cap} | {r['variant']} | {status} | {_f(r.get('s_per_step'), '.3f')} | "
-            f"{_f(r.get('peak_gib'), '.2f')} | {_f(r.get('setup_s'), '.1f')} | {_f(r.get('to_settled_s'), '.1f')} | "
-            f"{_f(r.get('model_tflops'), '.1f')} | {r.get('moment_dtype') or '-'} | {ratio} |"
-        )
-    return lines
 
 
 def main() -> int:

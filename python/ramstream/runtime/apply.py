@@ -323,6 +323,7 @@ def head_weights(model, shape) -> list:
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     """A step larger than the plan's is checked at its first forward (runtime/tokens.py); with
     activation_checkpointing="auto" one that does not fit makes more blocks recompute."""
+    from . import measure
     from .tokens import StepCheck
 
     n = len(plan.activations)
@@ -364,12 +365,16 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         shape, prof, fixed, log, w.optimizer._session, strict=not paging, lever=lever, fixed_why=why,
         streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
         loss_given=opts.loss is not None, on_loss=lambda loss: _record_loss(w, loss),
+        ooms=lambda dev=w.optimizer._engine.device: measure.oom_count(dev),
     )  # fmt: skip
     if opts.loss is None:  # a chunked loss given the head tells the check (runtime/heads.py)
         from . import heads
+        from .loss_oom import guard_forward
 
         for p in head_weights(model, shape):
             heads.register(p, check)
+        # a dense loss's out-of-memory error in a step planned with a chunked loss is explained
+        w.handles.append(guard_forward(model, check))
     # first of the block's pre-hooks: a refused step loads, waits for and touches nothing; the
     # model's own pre-hook sees the step before any block ran (when the model itself is called)
     w.handles.append(blocks[0].register_forward_pre_hook(check, with_kwargs=True, prepend=True))

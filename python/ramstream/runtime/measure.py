@@ -53,3 +53,11 @@ def bucket_facts(buckets) -> list[BucketFacts]:
         )
         for b in buckets
     ]
+
+
+def oom_count(device: torch.device) -> int | None:
+    """How many times the device's allocator has run out of memory in this process (torch's
+    memory_stats "num_ooms", one dict built per call), or None where no count is kept (the CPU)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))

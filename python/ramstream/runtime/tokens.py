@@ -17,7 +17,9 @@ The loss: unless wrap(loss=...) named it, the plan counts a dense loss's logits 
 (runtime/heads.py calls learn_loss: later steps are planned with the chunked loss, one history
 entry). A step that fits only with the chunked loss is not refused meanwhile: it is planned as if
 its loss were chunked (logged with the dense logits' size, in the history), and a dense loss may
-then run out of memory in the loss itself."""
+then run out of memory in the loss itself: runtime/loss_oom.py turns that error, raised in the model's
+call, into PlanOutOfMemoryError (``assumed``: the arithmetic), and notices one raised elsewhere at the
+next forward (logged, in the history, a warning)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ..blocks import ranges_text
 from ..planner.plan import plan_training
 from ..planner.result import PlanError
 from ..planner.revise import Measured, RevisionError
+from . import loss_oom
 from .session import PlanSession
 
 _GIB = 2**30
@@ -43,18 +46,28 @@ class PlanOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
     ``replanned``: True when the plan was revised for this step and every block, the first too, now
     recomputes (``change`` says how: {"recompute": blocks now, "was": blocks before}), so that
     re-running the same step fits; False when nothing could change (re-wrap with batch= / seq=, or a
-    smaller step)."""
+    smaller step). ``assumed``: set when a dense loss ran out of memory in a step that the plan fit
+    only by assuming a chunked loss (runtime/loss_oom.py; raised from torch's error, in the model's
+    call: nothing was updated): the step's numbers ({"batch", "seq", "tokens", "vocab",
+    "bytes_per_logit", "dense_logits_bytes", "counted_logits_bytes"}); None otherwise."""
 
-    def __init__(self, message: str, *, replanned: bool = False, change: dict | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        replanned: bool = False,
+        change: dict | None = None,
+        assumed: dict | None = None,
+    ) -> None:
         super().__init__(message)
-        self.replanned, self.change = replanned, change
+        self.replanned, self.change, self.assumed = replanned, change, assumed
 
     def __reduce__(self):
-        return _rebuild, (self.args[0] if self.args else "", self.replanned, self.change)
+        return _rebuild, (self.args[0] if self.args else "", self.replanned, self.change, self.assumed)
 
 
-def _rebuild(message, replanned, change):
-    return PlanOutOfMemoryError(message, replanned=replanned, change=change)
+def _rebuild(message, replanned, change, assumed=None):
+    return PlanOutOfMemoryError(message, replanned=replanned, change=change, assumed=assumed)
 
 
 def step_tokens(args, kwargs) -> tuple[int, int] | None:
@@ -107,7 +120,7 @@ class StepCheck:
 
     def __init__(
         self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
-        streams=None, on_plan=None, disk=None, loss_given: bool = False, on_loss=None,
+        streams=None, on_plan=None, disk=None, loss_given: bool = False, on_loss=None, ooms=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(
             shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk,
@@ -122,6 +135,12 @@ class StepCheck:
         # refused steps' messages, by (batch, seq, blocks recomputing and streaming then): a change
         # of those blocks (a re-plan, the watchdog) may let a refused step fit
         self.refused: dict = {}
+        # a dense loss's out-of-memory error in a step planned as if its loss were chunked
+        # (runtime/loss_oom.py): ooms() reads the allocator's count (None: not counted); the most
+        # tokens the plan counted the dense logits for; the step under way when it was assumed
+        self.ooms = ooms or (lambda: None)
+        self.dense_fits = shape.tokens
+        self.assumed_now = None
 
     @property
     def shape(self):
@@ -162,6 +181,48 @@ class StepCheck:
         self._check(step_tokens(args, kwargs), hooked=HOOKED)
 
     def _check(self, bs, hooked):
+        last, self.assumed_now = self.assumed_now, None
+        if last is not None and last.ooms is not None:
+            self._noticed(last)
+        self._revise(bs, hooked)
+        if bs is None or not torch.is_grad_enabled():
+            return
+        if self.session.loss_source == "assumed":
+            if bs[0] * bs[1] > self.dense_fits:
+                self.assumed_now = loss_oom.assumed_step(self.shape, bs, self.ooms())
+        elif self.loss == "dense":
+            self.dense_fits = max(self.dense_fits, bs[0] * bs[1])
+
+    def dense_oom(self, error):
+        """The model's call raised `error` (runtime/loss_oom.py guard_forward): the
+        PlanOutOfMemoryError to raise instead when the step was planned as if its loss were chunked
+        (logged, in the plan history), else None."""
+        step, self.assumed_now = self.assumed_now, None
+        if step is None or isinstance(error, PlanOutOfMemoryError):
+            return None
+        msg = loss_oom.explain(step, "in the model's call (the dense loss)", unchanged=True)
+        self.log("plan: " + msg.replace("ramstream: ", "", 1))
+        self.session.record({"change": "out of memory: a dense loss in a step planned with a chunked loss",
+                             "where": "model call", **step.fields()})  # fmt: skip
+        return PlanOutOfMemoryError(msg, assumed=step.fields())
+
+    def _noticed(self, step) -> None:
+        """The last step was planned as if its loss were chunked: when the allocator ran out of
+        memory since it began, outside the model's call (the loss or its backward), say so."""
+        n = self.ooms()
+        if n is None or n <= step.ooms:
+            return
+        msg = loss_oom.explain(
+            step,
+            "in the previous step, outside ramstream's code (the loss, or its backward)",
+            unchanged=False,
+        )
+        self.log("plan: " + msg.replace("ramstream: ", "", 1))
+        self.session.record({"change": "out of memory: a dense loss in a step planned with a chunked loss",
+                             "where": "outside the model call", **step.fields()})  # fmt: skip
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def _revise(self, bs, hooked):
         if bs is None or bs[0] * bs[1] <= self.fits_up_to or not torch.is_grad_enabled():
             return None
         key = (*bs, _blocks_key(self._now()))

@@ -264,3 +264,20 @@ def test_the_wrapper_keeps_the_signature_and_comes_off():
     assert torch.equal(types.MethodType(inner, model)(x, y), model(x, y))
     ramstream.unwrap(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_deep_copy_runs_its_own_weights():
+    """copy.deepcopy of a guarded model (an EMA copy, say) rebinds the wrapper to the copy: the
+    copy's forward computes with the copy's weights, not the original's."""
+    import copy
+
+    ref = _ref()
+    model, _ = _wrapped(ref)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    (x, y) = batches(1, vocab=VOCAB, b=2, t=8)[0]
+    assert twin.forward.__self__ is twin
+    assert not torch.equal(twin(x, y), model(x, y))
+    ramstream.unwrap(model)

@@ -120,9 +120,9 @@ def guard_forward(model: torch.nn.Module, check):
     inner = model.forward
     ref = weakref.ref(check)
 
-    def call(*args, **kwargs):
+    def guarded(run, *args, **kwargs):
         try:
-            return inner(*args, **kwargs)
+            return run(*args, **kwargs)
         except torch.OutOfMemoryError as e:
             c = ref()
             err = c.dense_oom(e) if c is not None else None
@@ -132,11 +132,13 @@ def guard_forward(model: torch.nn.Module, check):
 
     func = getattr(inner, "__func__", None)
     if func is None:  # an instance forward that is a plain function: wrap it as it is
-        forward = functools.wraps(inner)(call)
+        forward = functools.wraps(inner)(functools.partial(guarded, inner))
     else:
 
         def method(self, *args, **kwargs):
-            return call(*args, **kwargs)
+            # `self`, not the model captured here: copy.deepcopy(model) rebinds the method to the
+            # copy, whose forward must then run on the copy
+            return guarded(func, self, *args, **kwargs)
 
         forward = types.MethodType(functools.wraps(func)(method), model)
     model.__dict__["forward"] = forward

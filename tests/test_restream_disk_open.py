@@ -268,3 +268,52 @@ def test_the_planner_opens_the_disk_between_steps_by_hand():
     assert disk["weights"] == len(disk["weight_blocks"]) * F and not set(disk["weight_blocks"]) & {0, 1}
     assert disk["budget"] == int(free * DISK_FREE_SHARE) < 4 * F <= disk["total"]
     assert "too small" in str(e.value)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_resident_frozen_weights_go_to_disk_or_stay_on_the_device(folder, monkeypatch):
+    """CUDA: blocks 8-11 are resident (their frozen weights on the device) until the 24 x 8 step. A
+    refused store leaves those very tensors on the device (the same storage); once the store opens,
+    they are read back from disk into the GPU while their block runs, and the run follows torch's
+    fused AdamW on the GPU (the host AdamW rounds otherwise: atol 1e-5); unwrap() brings them home
+    and removes the file."""
+    import ramstream.disk as rdisk
+
+    ref = lora_like()
+    prof = profile()
+    plan = plan_for(ref, profile=prof, batch=SMALL, seq=8, moment_dtype="float32")
+    shape = model_shape(ref, list(ref.blocks), batch=SMALL, seq=8, loss="dense")
+    model = clone(ref).to("cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(params, lr=LR), device="cuda", plan=plan, offload=True,
+        nvme_weights="auto", nvme_dir=folder,
+    )  # fmt: skip
+    w = model._ramstream
+    check_steps(model, w, plan, shape, prof, w.options, w.log)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(2, b=SMALL, t=8) + batches(2, b=BIG, t=8, seed=5)]
+    torch_model = clone(ref).to("cuda")
+    tparams = [p for p in torch_model.parameters() if p.requires_grad]
+    train_torch(torch_model, torch.optim.AdamW(tparams, lr=LR, fused=True), data)
+    train_torch(model, opt, data[:2])
+    frozen = {k: [t for t in model.blocks[k].fc1.parameters()] for k in NEW}
+    ptrs = {k: [t.data_ptr() for t in ts] for k, ts in frozen.items()}
+    assert all(t.device.type == "cuda" for ts in frozen.values() for t in ts)
+
+    def refuse(directory, sizes, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    real = rdisk.DiskStore
+    monkeypatch.setattr(rdisk, "DiskStore", refuse)
+    with pytest.raises(PermissionError, match=f"nvme_dir={folder!r}"):
+        model(*data[2])
+    assert {k: [t.data_ptr() for t in ts] for k, ts in frozen.items()} == ptrs  # where they were
+    assert getattr(w, "disk_weights", None) is None
+    monkeypatch.setattr(rdisk, "DiskStore", real)
+    train_torch(model, opt, data[2:])
+    assert ramstream.memory_report(model)["params"]["nvme_weights"]["blocks"] == NEW
+    assert all(t.numel() == 0 for ts in frozen.values() for t in ts)  # at rest: on disk
+    ramstream.unwrap(model)
+    for p, q in zip(torch_model.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach().to(p.device), rtol=0, atol=1e-5)
+    assert open_files_in(folder) == []

@@ -21,11 +21,16 @@ and the numbers do not change (the same bytes come back).
 
 Between steps (a larger step makes more blocks stream: replan.py replan_stream) the run's placement
 is given as `applied` = (blocks on disk now, blocks whose frozen weights' place is fixed: those
-streaming now; every block when the run has no disk store, as wrap() opened none). The blocks on
-disk stay there, the others fixed stay in RAM, and only the blocks that start streaming may go to
-disk, by the same rule: with True every one of them; with "auto" the fewest from the back whose
-frozen bytes, with those on disk already, less the staging ring cover what RAM lacks; with an int
-k or a list none (the option named wrap()'s blocks; the new ones stay in RAM: reason_in_ram).
+streaming now; every block when the run can put none on disk: no disk store and no folder given).
+The blocks on disk stay there, the others fixed stay in RAM, and only the blocks that start
+streaming may go to disk, by the same rule: with True every one of them; with "auto" the fewest
+from the back whose frozen bytes, with those on disk already, less the staging ring cover what RAM
+lacks; with an int k or a list none (the option named wrap()'s blocks; the new ones stay in RAM:
+reason_in_ram). With no block on disk yet (wrap() opened no store, a folder was given: the runtime
+opens the store then) "auto" also needs the profile to know the disk, as at wrap(), and the ring
+is a new one: fewer new blocks than the ring's NVME_WEIGHTS_WINDOW buffers free no RAM. The disk's
+budget (disk.py fits) bounds the blocks in either case; a step whose blocks do not fit it is
+refused with the arithmetic (disk.py error_lines).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def choose(option, streamed: list[int], sizes: dict, need: int, known: bool, app
     placement between steps (module docstring), None at wrap()."""
     order = [i for i in sorted(streamed) if sizes[i] > 0]
     if applied is not None:
-        return _choose_more(option, order, sizes, need, applied)
+        return _choose_more(option, order, sizes, need, applied, known)
     if option is False or not order:
         return []
     if option is True:
@@ -80,16 +85,17 @@ def choose(option, streamed: list[int], sizes: dict, need: int, known: bool, app
     return out
 
 
-def _choose_more(option, order: list[int], sizes: dict, need: int, applied) -> list[int]:
+def _choose_more(option, order: list[int], sizes: dict, need: int, applied, known: bool) -> list[int]:
     """choose() between steps: the blocks on disk now, and of the blocks not placed yet (those that
     start streaming) every one with True, the fewest from the back that cover `need` with "auto"
-    (the store exists: no disk rates needed), none otherwise."""
+    (no disk rates needed once a block is on disk: the store exists; without one, `known` as at
+    wrap()), none otherwise."""
     on, placed = set(applied[0]), set(applied[1])
     out = [i for i in order if i in on]
     new = [i for i in order if i not in placed]
     if option is True:
         return sorted(out + new)
-    if option != "auto":
+    if option != "auto" or need <= 0 or (not out and not known):
         return out
     for i in reversed(new):
         if sum(sizes[j] for j in out) - staging([sizes[j] for j in out]) >= need:
@@ -98,10 +104,16 @@ def _choose_more(option, order: list[int], sizes: dict, need: int, applied) -> l
     return out
 
 
-def reason_in_ram(option, store: bool) -> str:
-    """Why blocks that start streaming between steps keep their frozen weights in RAM."""
-    if not store:
-        return "no disk store: wrap() put no block's frozen weights on disk (nvme_weights), none is opened mid-run"
+def reason_in_ram(option, store: bool, folder: bool = False) -> str:
+    """Why blocks that start streaming between steps keep their frozen weights in RAM (store: the
+    run has a disk store; folder: nvme_dir or RAMSTREAM_NVME_DIR names one, so one may be opened)."""
+    if not store and not folder:
+        return (
+            "no disk store: wrap() put no block's frozen weights on disk and no folder was given "
+            "(nvme_dir, RAMSTREAM_NVME_DIR) to open one mid-run"
+        )
+    if not store and option == "auto":
+        return "RAM fits them, or the disk's rates are unknown (nvme_weights='auto'; no disk store opened)"
     if option is True or option == "auto":
         return "RAM fits them (nvme_weights='auto')" if option == "auto" else "they hold no frozen weight"
     return f"nvme_weights={option!r} named wrap()'s blocks; blocks that start streaming later stay in RAM"

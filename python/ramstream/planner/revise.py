@@ -154,7 +154,9 @@ def _revise(shape, profile, applied, measured, levers, first) -> Revision:
             step, profile, applied.get("param_offload") or [], first=first,
             activation_checkpointing=list(range(n)), **rest,
         )  # fmt: skip
-    except PlanError:
+    except PlanError as e:
+        if (e.arithmetic or {}).get("disk"):  # the blocks it streams tried the disk: its arithmetic
+            error = e
         raise RevisionError(
             error, LEVERS, why + " and every block it may stream streaming its weights"
         ) from None

@@ -187,7 +187,7 @@ class StreamLever:
         opt = self.w.optimizer  # (and not with optimizer state on disk: nvme_offload)
         return opt._resident is None and opt._engine.block_of != {} and opt._engine.disk is None
 
-    def stream(self, indices: list[int], plan) -> None:
+    def stream(self, indices: list[int], plan) -> dict | None:
         from ..weights.setup import extend_streamer, streamed_ids
 
         w, engine = self.w, self.w.optimizer._engine
@@ -196,15 +196,17 @@ class StreamLever:
             return
         ids = streamed_ids(self.model, self.blocks, new, w.log)
         to_disk = [i for i in plan.weights.get("disk", []) if i in set(new)]
-        frozen, on_disk, undo = self._frozen_then_trained(engine, new, ids, to_disk)
+        frozen, on_disk, d = self._frozen_then_trained(engine, new, ids, to_disk)
         if w.streamer is not None and w.streamer.evict_all in engine.on_abandon:
             engine.on_abandon.remove(w.streamer.evict_all)
         w.streamer = extend_streamer(
             w.streamer, self.blocks, new, ids, engine, w.options.weight_window, w.log, frozen, on_disk
         )
         engine.on_abandon.append(w.streamer.evict_all)
-        d = getattr(w, "disk_weights", None)
-        if d is not None:
+        if d is not None and getattr(w, "disk_weights", None) is None:  # opened now: the streamer owns it
+            w.handles += d.attach(self.model, w.streamer, w.optimizer)
+            w.disk_weights = d
+        elif d is not None:
             d.streamer = w.streamer
             w.handles += d.hook(self.blocks, on_disk)
         self._log_disk(new, ids, on_disk, d)
@@ -214,22 +216,33 @@ class StreamLever:
             "resident": [i for i in range(len(self.blocks)) if i not in set(idx)],
             **w.streamer.home_bytes(),
         }
+        return (
+            {"blocks": sorted(on_disk), "store": "opened" if d.opened_mid_run else "grown"}
+            if on_disk
+            else None
+        )
 
     def _log_disk(self, new: list[int], ids: dict, on_disk: dict, d) -> None:
         """The log's line for the new blocks' frozen weights: on disk, or kept in RAM and why."""
         from ..planner.disk_weights import reason_in_ram
-        from .disk_weights import frozen_tensors
+        from .disk_weights import folder_of, frozen_tensors
 
         if on_disk:
             nbytes = sum(s.nbytes for ss in on_disk.values() for s in ss)
+            how = (
+                "the disk store opened now (wrap() put no block on disk), its file created 0600 and removed "
+                "at unwrap()"
+                if d.opened_mid_run and set(on_disk) == set(d.indices)
+                else "more, a second file"
+            )
             self.w.log(
                 f"nvme_weights: blocks {_ranges(sorted(on_disk))} start streaming with their frozen weights on "
-                f"disk in {d.folder} ({nbytes / 2**30:.3f} GiB more, a second file; staging ring "
+                f"disk in {d.folder} ({nbytes / 2**30:.3f} GiB, {how}; staging ring "
                 f"{d.store.staging_bytes() / 2**30:.3f} GiB)"
             )
         ram = [k for k in new if k not in on_disk and frozen_tensors(self.blocks[k], k, ids)]
         if ram and (d is not None or self.w.options.nvme_weights is not False):
-            why = reason_in_ram(self.w.options.nvme_weights, d is not None)
+            why = reason_in_ram(self.w.options.nvme_weights, d is not None, bool(folder_of(self.w.options)))
             self.w.log(
                 f"nvme_weights: blocks {_ranges(ram)} start streaming with their frozen weights in RAM: {why}"
             )
@@ -237,17 +250,24 @@ class StreamLever:
     def _frozen_then_trained(self, engine, new: list[int], ids: dict, to_disk: list[int]) -> tuple:
         """The new blocks' frozen weights (on disk for those in `to_disk`, with the run's disk store:
         runtime/disk_weights.py extend; pinned slabs for the others), then their trained buckets
-        (engine/restream.py). Returns ({index: pinned slabs}, {index: [DiskSlab]}, undo token). When
-        host memory or the disk refuses any of it, the frozen weights already moved go back where
-        they were and the error (MemoryError, or the disk's OSError naming the folder) says what was
-        asked; nothing else changed."""
+        (engine/restream.py). A run without a disk store opens one for `to_disk` (runtime/disk_weights.py
+        open_mid_run). Returns ({index: pinned slabs}, {index: [DiskSlab]}, the run's DiskBlocks or
+        None). When host memory or the disk refuses any of it, the frozen weights already moved go
+        back where they were (a store opened here is closed) and the error (MemoryError, or the
+        disk's OSError naming the folder) says what was asked; nothing else changed."""
         from ..engine.restream import stream_buckets
         from ..weights.setup import block_frozen_slabs, make_copier
+        from .disk_weights import open_mid_run
 
         if engine.copier is None:
             engine.copier = make_copier(engine.device)
         d = getattr(self.w, "disk_weights", None)
-        on_disk, undo = ({}, None) if d is None or not to_disk else d.extend(self.blocks, to_disk, ids)
+        if not to_disk:
+            on_disk, undo = {}, None
+        elif d is None:
+            d, on_disk, undo = open_mid_run(self.w.options, self.blocks, to_disk, ids, engine)
+        else:
+            on_disk, undo = d.extend(self.blocks, to_disk, ids)
         made: dict = {}
         try:
             for k in new:
@@ -266,17 +286,23 @@ class StreamLever:
             raise MemoryError(
                 f"ramstream: streaming blocks {_ranges(new)}: host memory refused ({e})"
             ) from None
-        return made, on_disk, undo
+        return made, on_disk, d
 
 
 def disk_applied(w, n: int) -> tuple:
     """The run's frozen-weight placement for a re-plan between steps (plan_training's _disk_applied):
     (blocks whose frozen weights are on disk, blocks whose place is fixed: the streamed ones; every
-    block when the run has no disk store, as none is opened mid-run)."""
+    block when the run has no disk store and none may be opened: no folder, or an nvme_weights that
+    named wrap()'s blocks; runtime/disk_weights.py open_mid_run opens one otherwise)."""
+    from .disk_weights import folder_of
+
     d = getattr(w, "disk_weights", None)
-    if d is None:
-        return (), tuple(range(n))
-    return tuple(sorted(d.indices)), tuple(sorted(b.index for b in w.streamer.blocks))
+    streamed = tuple(sorted(b.index for b in w.streamer.blocks)) if w.streamer is not None else ()
+    if d is not None:
+        return tuple(sorted(d.indices)), streamed
+    if folder_of(w.options) and (w.options.nvme_weights is True or w.options.nvme_weights == "auto"):
+        return (), streamed
+    return (), tuple(range(n))
 
 
 def blocks_owner(model, first):

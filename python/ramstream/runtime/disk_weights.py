@@ -23,7 +23,11 @@ Between steps, blocks that start streaming (runtime/apply.py StreamLever) whose 
 revised plan puts on disk (planner/disk_weights.py, the same rule) join the store: extend() writes
 their records into a second file in the same folder, its space reserved at open as the first's (a
 full disk is an OSError naming the folder, nothing changed), and hooks them as attach() did;
-undo() takes them back out when a later part of the change fails.
+undo() takes them back out when a later part of the change fails. A run whose wrap() opened no
+store (nothing needed disk then) but was given a folder opens it at that point (open_mid_run), with
+wrap()'s safety: exclusive file, mode 0600, space reserved before any weight moves (an OSError
+naming the folder, nothing changed), removed by unwrap(), garbage collection or exit; undo() then
+closes it and puts every tensor back where it was.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from ..weights.disk_slab import _put_back
 
 _GIB = 2**30
 
@@ -45,16 +51,18 @@ class DiskBlocks:
         self.streamer = None
         self.steps, self._read_at_step = 0, 0
         self.read_last_step = 0
-        self.added: list[int] = []  # blocks extend() put on disk between steps
+        self.added: list[int] = []  # blocks extend() (or open_mid_run) put on disk between steps
+        self.opened_mid_run = False  # the store was opened between steps (wrap() opened none)
 
     @property
     def nbytes(self) -> int:
         return sum(self.store.sizes)
 
     # ---- build ---------------------------------------------------------------------------------
-    def build(self, engine) -> dict[int, list]:
+    def build(self, engine, was: list | None = None) -> dict[int, list]:
         """Writes each block's frozen tensors to its record ({index: [DiskSlab]}). A failed write
-        brings back the records written so far (nothing lost), closes the store and raises."""
+        brings back the records written so far (nothing lost; with `was`, per block the tensors as
+        they were before, e.g. on the device, put back instead), closes the store and raises."""
         from ..weights.disk_slab import DiskSlab
         from ..weights.slab import make_copier
 
@@ -65,8 +73,11 @@ class DiskBlocks:
             for r, g in enumerate(self.groups):
                 made.append(DiskSlab(self.store, r, list(g)))
         except BaseException:
-            for s in made:
-                s.restore()
+            if was is None:
+                for s in made:
+                    s.restore()
+            else:
+                _put_back(self.groups, was)
             self.store.close()
             raise
         self.slabs = {k: [s] for k, s in zip(self.indices, made)}
@@ -120,6 +131,13 @@ class DiskBlocks:
         if token is None:
             return
         made, was = token
+        if self.opened_mid_run and set(made) == set(self.indices):  # open_mid_run's store: closed
+            for s in (s for ss in made.values() for s in ss):
+                s.evict()
+            _put_back(self.groups, was)
+            self.store.close()
+            self.indices, self.groups, self.slabs, self.added = [], [], {}, []
+            return
         self.store.shrink([s for ss in made.values() for s in ss], was)
         for k in made:
             i = self.indices.index(k)
@@ -187,6 +205,7 @@ class DiskBlocks:
             "blocks": sorted(self.indices),
             # of them, the blocks that started streaming between steps (a larger step's re-plan)
             "added_mid_run": list(self.added),
+            "opened_mid_run": self.opened_mid_run,  # the store itself opened between steps
             "bytes_on_disk": self.nbytes,
             "staging_bytes": self.store.staging_bytes(),
             "loads": st["nvme_loads"],
@@ -253,13 +272,44 @@ def prepare(opts, plan, blocks, stream_idx: list[int], streamed: dict, log) -> D
     return _open(opts, blocks, idx, streamed, log, option)
 
 
-def _open(opts, blocks, idx: list[int], streamed: dict, log, option) -> DiskBlocks | None:
+def folder_of(opts) -> str | None:
+    """The scratch file's folder: nvme_dir, else RAMSTREAM_NVME_DIR; None: neither."""
     from .. import env
+
+    return opts.nvme_dir or env.get("RAMSTREAM_NVME_DIR") or None
+
+
+def open_mid_run(opts, blocks, new: list[int], streamed: dict, engine) -> tuple:
+    """Between steps, on a run whose wrap() opened no disk store: the store opened in folder_of(opts)
+    for the blocks `new` that start streaming and that the revised plan puts on disk (`streamed`:
+    their {id(tensor): block}), their frozen tensors written to its records (empty stand-ins then).
+    Returns (DiskBlocks, {index: [DiskSlab]}, undo token for DiskBlocks.undo); (None, {}, None)
+    when none of them holds a frozen tensor. The module docstring's safety: an OSError naming the
+    folder before any weight moved; on any failure nothing changed."""
+    from ..blocks import ranges_text
+    from ..weights.disk_slab import DiskWeights
+    from ..weights.slab import make_copier
+
+    keep = [(k, g) for k in new if (g := frozen_tensors(blocks[k], k, streamed))]
+    if not keep:
+        return None, {}, None
+    idx, groups = [k for k, _ in keep], [g for _, g in keep]
+    engine.copier = engine.copier or make_copier(engine.device)
+    where = f"ramstream: blocks {ranges_text(idx)} starting to stream between steps, option nvme_dir"
+    store = DiskWeights(groups, folder_of(opts), copier=engine.copier, ahead=opts.weight_window, where=where)
+    out = DiskBlocks(idx, groups, store, store.directory)
+    was = [[t.data for t in g] for g in groups]
+    made = out.build(engine, was)
+    out.added, out.opened_mid_run = list(idx), True
+    return out, dict(made), (dict(made), was)
+
+
+def _open(opts, blocks, idx: list[int], streamed: dict, log, option) -> DiskBlocks | None:
     from ..weights.disk_slab import DiskWeights
 
     if not idx:
         return None
-    folder = opts.nvme_dir or env.get("RAMSTREAM_NVME_DIR")
+    folder = folder_of(opts)
     if not folder:
         raise ValueError(
             f"wrap(): option nvme_weights={option!r} needs a folder for the scratch file: pass nvme_dir=<a "

@@ -119,7 +119,7 @@ class PlanSession:
     def apply(self, rev: Revision) -> dict:
         """Applies a revision's changes (the streamed blocks first: a refusal of pinned memory, a
         MemoryError, leaves everything as it was) and records the revised plan; returns what changed
-        ({"recompute", "was"(, "streamed", "streamed_was")})."""
+        ({"recompute", "was"(, "streamed", "streamed_was"(, "disk_weights": {"blocks", "store"})))."""
         now = self.applied()
         ckpt = now.get("activation_checkpointing")
         before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
@@ -129,8 +129,10 @@ class PlanSession:
         if streamed is not None and self.stream_lever is not None:
             was = self.stream_lever.streamed()
             if streamed != was:
-                self.stream_lever.stream(streamed, rev.plan)
+                disk = self.stream_lever.stream(streamed, rev.plan)
                 change.update(streamed=list(streamed), streamed_was=was)
+                if disk:  # the new blocks whose frozen weights went to disk (the store "opened" or "grown")
+                    change["disk_weights"] = disk
         if after != before:
             self.recompute_lever.recompute(after, rev.plan)
         self.shape = rev.shape

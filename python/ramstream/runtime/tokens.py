@@ -268,6 +268,10 @@ class StepCheck:
         what = f"now recomputing blocks {ranges_text(change['recompute'])} (was {ranges_text(change['was'])})"
         if "streamed" in change:
             what += f", streaming blocks {ranges_text(change['streamed'])} (was {ranges_text(change['streamed_was'])})"
+        if change.get("disk_weights"):
+            dw = change["disk_weights"]
+            store = "a disk store opened" if dw["store"] == "opened" else "the disk store grown"
+            what += f", the frozen weights of blocks {ranges_text(dw['blocks'])} on disk ({store})"
         newly = set(change["recompute"]) - set(change["was"])
         newly |= set(change.get("streamed", ())) - set(change.get("streamed_was", ()))
         goes_on = hooked is None or hooked not in newly

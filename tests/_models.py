@@ -165,3 +165,17 @@ def scratch_folder(tmp_path, monkeypatch, prefix: str):
     assert open_files_in(d) == [] and os.listdir(d) == []
     if shm:
         os.rmdir(d)
+
+
+class no_runtime_warning:
+    """A context in which a RuntimeWarning is an error (a test that something stays quiet)."""
+
+    def __enter__(self):
+        import warnings
+
+        self.cm = warnings.catch_warnings()
+        self.cm.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        self.cm.__exit__(*exc)

@@ -20,7 +20,7 @@ from ramstream.runtime.apply import check_steps
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError, StepCheck
 
-from _models import TinyGPT, batches, clone, gpu_profile, train_torch
+from _models import TinyGPT, batches, clone, gpu_profile, no_runtime_warning, train_torch
 
 LR = 3e-3
 VOCAB = 2048
@@ -47,6 +47,9 @@ class LossGPT(TinyGPT):
             return self.head(h)
         if self.chunked:
             return ramstream.chunked_cross_entropy(h, self.head.weight, targets)
+        return self.dense(h, targets)
+
+    def dense(self, h, targets):
         return dense_loss(self.head(h), targets, self.limit)
 
 
@@ -186,21 +189,9 @@ def test_a_dense_loss_out_of_memory_outside_the_model_is_noticed_at_the_next_for
     oom = [h for h in hist if h["change"].startswith("out of memory")]
     assert len(oom) == 1 and oom[0]["where"] == "outside the model call" and oom[0]["tokens"] == 2048
     # once: the next forward says nothing more
-    with _no_warning():
+    with no_runtime_warning():
         model(x)
     ramstream.unwrap(model)
-
-
-class _no_warning:
-    def __enter__(self):
-        import warnings
-
-        self.cm = warnings.catch_warnings()
-        self.cm.__enter__()
-        warnings.simplefilter("error", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self.cm.__exit__(*exc)
 
 
 @pytest.mark.parametrize("loss", ["chunked", "dense"])

@@ -14,7 +14,7 @@ from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError
 from test_loss_dense_oom import LR, VOCAB, LossGPT, dense_loss
 
-from _models import batches, clone, gpu_profile, train_torch
+from _models import batches, clone, gpu_profile, no_runtime_warning, train_torch
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda:0")
@@ -37,12 +37,7 @@ class CappedGPT(LossGPT):
 
     cap = False
 
-    def forward(self, idx, targets=None):
-        h = self.hidden(idx)
-        if targets is None:
-            return self.head(h)
-        if self.chunked:
-            return ramstream.chunked_cross_entropy(h, self.head.weight, targets)
+    def dense(self, h, targets):
         if self.cap:
             _cap_now()  # the [2048, 2048] fp32 logits (16 MiB) are refused
         return dense_loss(self.head(h), targets, 1 << 30)
@@ -99,7 +94,7 @@ def test_a_real_dense_loss_oom_in_the_model_is_a_plan_oom_and_the_chunked_loss_t
     assert all(torch.equal(before[k], after[k].cpu()) for k in before)
     # the chunked loss: the step trains as torch does; no second report of the same error
     model.chunked = ref.chunked = True
-    with _no_runtime_warning():
+    with no_runtime_warning():
         got += train_torch(model, opt, big)
     want += train_torch(ref, ref_opt, big)
     opt.synchronize()
@@ -136,15 +131,3 @@ def test_a_real_dense_loss_oom_outside_the_model_is_noticed_at_the_next_forward(
     hist = ramstream.memory_report(model)["plan"]["history"]
     assert [h["where"] for h in hist if h["change"].startswith("out of memory")] == ["outside the model call"]
     ramstream.unwrap(model)
-
-
-class _no_runtime_warning:
-    def __enter__(self):
-        import warnings
-
-        self.cm = warnings.catch_warnings()
-        self.cm.__enter__()
-        warnings.simplefilter("error", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self.cm.__exit__(*exc)

@@ -50,8 +50,10 @@ def profile(tight: bool):
                                disk_free=None, disk_dir="/nvme")  # fmt: skip
 
 
-def wrapped(ref, prof, folder, option):
-    plan = plan_for(ref, profile=prof, batch=SMALL, seq=8)
+def wrapped(ref, prof, folder, option, **plan_options):
+    """ref's clone wrapped on the CPU engine with ref's plan for a SMALL x 8 step under `prof` and the
+    step check of a GPU run (check_steps); (model, optimizer, plan)."""
+    plan = plan_for(ref, profile=prof, batch=SMALL, seq=8, **plan_options)
     shape = model_shape(ref, list(ref.blocks), batch=SMALL, seq=8, loss="dense")
     model = clone(ref)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -24,6 +24,7 @@ from ramstream.planner.rules import DISK_FREE_SHARE, NVME_WEIGHTS_WINDOW
 from ramstream.runtime.apply import check_steps
 from ramstream.runtime.inspect import model_shape, plan_for
 from ramstream.runtime.tokens import PlanOutOfMemoryError
+from test_restream_disk import wrapped as wrapped_with_check
 
 from _models import batches, clone, gpu_profile, make_model, open_files_in, scratch_folder, train_torch
 
@@ -59,17 +60,9 @@ def profile(disk_free=None, rates=True):
 
 
 def wrapped(ref, prof, folder, option="auto"):
-    plan = plan_for(ref, profile=prof, batch=SMALL, seq=8, moment_dtype="float32")
-    shape = model_shape(ref, list(ref.blocks), batch=SMALL, seq=8, loss="dense")
-    model = clone(ref)
-    params = [p for p in model.parameters() if p.requires_grad]
-    model, opt = ramstream.wrap(
-        model, torch.optim.AdamW(params, lr=LR), device="cpu", plan=plan, nvme_weights=option, nvme_dir=folder
-    )
-    w = model._ramstream
-    check_steps(model, w, plan, shape, prof, w.options, w.log)
+    model, opt, plan = wrapped_with_check(ref, prof, folder, option, moment_dtype="float32")
     assert plan.weights["streamed"] == [0, 1] and not plan.weights.get("disk")
-    assert getattr(w, "disk_weights", None) is None  # no store at wrap()
+    assert getattr(model._ramstream, "disk_weights", None) is None  # no store at wrap()
     return model, opt
 
 

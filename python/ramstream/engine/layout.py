@@ -295,7 +295,7 @@ def relocation_host_bytes(engine, b: Bucket, placement: str) -> int:
         return 0
 
     def cost(t, dtype) -> int:
-        size = b.numel * torch.empty((), dtype=dtype).element_size()
+        size = b.numel * dtype.itemsize
         if t is None or t.device.type != "cpu" or t.dtype != dtype:
             return size
         return 0 if placement == "host" or _arena_pinned(t) else size
@@ -304,7 +304,7 @@ def relocation_host_bytes(engine, b: Bucket, placement: str) -> int:
     master = master_flat(b)
     total = cost(b.exp_avg, m) + cost(b.exp_avg_sq, m)
     if placement == "host":
-        total += cost(master, torch.float32) + b.numel * torch.empty((), dtype=b.dtype).element_size()
+        total += cost(master, torch.float32) + b.numel * b.dtype.itemsize
         total += b.numel * 4 if engine.accumulation_steps > 1 else 0
     elif b.dtype != torch.float32:
         total += cost(master, torch.float32)

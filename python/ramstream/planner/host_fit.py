@@ -33,15 +33,57 @@ def host_components(
         "moments": int(numel * 2 * moment_bytes * keep),
         "landing buffer": numel * working_bytes,
         "streamed weights": streamed,
+        **step_buffers(numel, working_bytes, accumulate, delayed),
     }
-    if accumulate:
-        out["accumulator"] = numel * 4
-    if delayed:
-        out["delayed update buffers"] = numel * (2 * working_bytes + (4 if accumulate else 0))
     if nvme_share > 0:
         bucket = min(numel, max(1, bucket_bytes // working_bytes))
         out["nvme staging buffers"] = 3 * bucket * (4 + 2 * moment_bytes)
     return out
+
+
+def step_buffers(numel: int, working_bytes: int, accumulate: bool, delayed: bool) -> dict:
+    """Host bytes beside the optimizer state for `numel` host-updated elements: the fp32 gradient
+    accumulator (accumulation_steps > 1) and delayed_update's pending weights, second landing
+    buffer (working dtype) and second accumulator. wrap()'s check (host_components) and the
+    planner's RAM line (offload_host_memory) both count these."""
+    out = {}
+    if accumulate:
+        out["accumulator"] = numel * 4
+    if delayed:
+        out["delayed update buffers"] = numel * (2 * working_bytes + (4 if accumulate else 0))
+    return out
+
+
+def master_bytes(wb: int) -> int:
+    """The fp32 master's bytes per element beside weights of `wb` bytes (none for fp32 weights)."""
+    return 4 if wb < 4 else 0
+
+
+def moment_bytes(moment: str) -> int:
+    return 2 if moment == "bfloat16" else 4
+
+
+def plan_step_buffers(ctx, numel: int) -> dict:
+    """step_buffers with the plan's component names (plan.py's ctx: wb, accumulate, delayed)."""
+    extra = step_buffers(numel, ctx.wb, ctx.accumulate, ctx.delayed)
+    return {k.replace(" ", "_"): v for k, v in extra.items()}
+
+
+def offload_host_memory(ctx, split: dict, moment: str, ss: set, paged: int) -> tuple[dict, dict]:
+    """(RAM, pinned) components of an offloaded plan (plan.py's ctx) with the optimizer placement
+    `split` (numel per placement), streamed blocks `ss` and `paged` activation bytes."""
+    wb, mb = ctx.wb, moment_bytes(moment)
+    h, m = split["host"], split["mapped"]
+    streamed_w = sum(ctx.weight(ctx.shape.blocks[i]) for i in ss)
+    # an fp32 streamed block's home is its master (engine/updater.py): not counted twice
+    shared = 4 * sum(ctx.shape.blocks[i].trained_numel for i in ss) if wb == 4 else 0
+    mapped_state = m * (master_bytes(wb) + 2 * mb)
+    ram = {"optimizer_state": h * (4 + 2 * mb) - shared + mapped_state, "gradient_landing": h * wb,
+           "streamed_weights": streamed_w, "paged_activations": paged}  # fmt: skip
+    ram.update(plan_step_buffers(ctx, h + m))
+    pinned = {"gradient_landing": h * wb, "streamed_weights": streamed_w, "paged_activations": paged,
+              "mapped_state": mapped_state}  # fmt: skip
+    return ram, pinned
 
 
 def _text(parts: dict) -> str:

@@ -29,6 +29,10 @@ from . import policy
 from .act_modes import choose_modes
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
+from .host_fit import master_bytes as _master
+from .host_fit import moment_bytes as _mb
+from .host_fit import offload_host_memory as _host_memory
+from .host_fit import plan_step_buffers
 from .inflight import resident_peak
 from .measure import ADAMW_STATE_BYTES
 from .policy import auto_recompute, auto_streamed, optimizer_split
@@ -60,6 +64,8 @@ class _Ctx:
     recompute: tuple = ()
     refine: bool = True  # time the split optimizer_mode="auto" settles on (False: step 2's)
     disk: object = None  # disk.Disk: nvme_offload and the profile's disk
+    accumulate: bool = False  # accumulation_steps > 1: the fp32 accumulator counts (host_fit.py)
+    delayed: bool = False  # delayed_update: its buffers count (host_fit.py)
 
     @property
     def wb(self) -> int:
@@ -76,14 +82,6 @@ class _Ctx:
     def flop_rate(self) -> float | None:
         t = self.prof.matmul_tflops
         return t * 1e12 * MATMUL_EFFICIENCY if t else None
-
-
-def _master(wb: int) -> int:
-    return 4 if wb < 4 else 0
-
-
-def _mb(moment: str) -> int:
-    return 2 if moment == "bfloat16" else 4
 
 
 def _times(ctx: _Ctx, streamed, paged_bytes: int, modes, moment: str, split: dict) -> dict:
@@ -143,26 +141,15 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
     share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
     vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
     settled, bounds, rounds = _settle(ctx, streamed, paged, modes, moment, split, streamed_tr)
-    # host memory for the larger of the step-2 split and the settled one (a refinement moves state)
-    ram, pinned = max((_host_memory(ctx, sp, moment, ss, paged) for sp in (split, settled)),
+    # host memory for the largest of the first steps' split (the device share still on the host
+    # until vram_share moves it after step 2: wrap()'s host_fit check counts it), the step-2 split
+    # and the settled one (a refinement moves state)
+    first = {**split, "device": 0, "host": split["host"] + split["device"]}
+    ram, pinned = max((_host_memory(ctx, sp, moment, ss, paged) for sp in (first, split, settled)),
                       key=lambda rp: sum(rp[0].values()))  # fmt: skip
     return dict(select_s=step_of(bounds)[0], vram=vram, ram=ram, pinned=pinned, modes=modes, share=share,
                 bounds=bounds, act_why=act_why, streamed=sorted(ss), moment=moment, split=settled, peak=peak,
                 room=room, initial_split=split, refinements=rounds)  # fmt: skip
-
-
-def _host_memory(ctx: _Ctx, split: dict, moment: str, ss: set, paged: int) -> tuple[dict, dict]:
-    """(RAM, pinned) components with the optimizer placement `split`."""
-    wb, mb = ctx.wb, _mb(moment)
-    h, m = split["host"], split["mapped"]
-    streamed_w = sum(ctx.weight(ctx.shape.blocks[i]) for i in ss)
-    # an fp32 streamed block's home is its master (engine/updater.py): not counted twice
-    shared = 4 * sum(ctx.shape.blocks[i].trained_numel for i in ss) if wb == 4 else 0
-    ram = {"optimizer_state": h * (4 + 2 * mb) - shared + m * (_master(wb) + 2 * mb), "gradient_landing": h * wb,
-           "streamed_weights": streamed_w, "paged_activations": paged}  # fmt: skip
-    pinned = {"gradient_landing": h * wb, "streamed_weights": streamed_w, "paged_activations": paged,
-              "mapped_state": m * (_master(wb) + 2 * mb)}  # fmt: skip
-    return ram, pinned
 
 
 def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int):
@@ -257,6 +244,8 @@ def plan_training(
     max_activation_slowdown: float = 0.15,
     nvme_offload="auto",
     nvme_weights="auto",
+    accumulation_steps: int = 1,
+    delayed_update=False,
     _suggest: bool = True, _refine: bool = True, _assume_disk: bool = False, _disk_applied=None,
 ) -> Plan:  # fmt: skip
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
@@ -282,6 +271,8 @@ def plan_training(
             fewest streamed blocks' frozen weights on disk, from the back, before any optimizer
             state: disk_weights.py), True (every streamed block's), False, an int k (the last k
             streamed blocks) or block indices; plan.weights["disk"].
+        accumulation_steps, delayed_update: wrap()'s (options.py); the host buffers they add (the
+            fp32 accumulator, delayed_update's pending weights and second landing) count in RAM.
 
     Private: _assume_disk=True plans with an unbounded disk (suggest.py); _disk_applied=(on disk,
     placed) a running wrap()'s frozen weights between steps, only other blocks may go to disk
@@ -300,7 +291,7 @@ def plan_training(
               activation_checkpointing=activation_checkpointing, optimizer_mode=optimizer_mode,
               moment_dtype=moment_dtype, quantize=quantize, vram_headroom=vram_headroom,
               max_activation_slowdown=max_activation_slowdown, nvme_offload=nvme_offload, _refine=_refine,
-              nvme_weights=nvme_weights,
+              nvme_weights=nvme_weights, accumulation_steps=accumulation_steps, delayed_update=delayed_update,
               _assume_disk=_assume_disk, _disk_applied=_disk_applied)  # fmt: skip
     auto = isinstance(activation_checkpointing, str) and activation_checkpointing == "auto"
     if not auto or not profile.vram_total:
@@ -317,7 +308,8 @@ def plan_training(
 
 
 _OPTIONS = ("param_offload", "activation_offload", "activation_checkpointing", "optimizer_mode", "moment_dtype",
-            "quantize", "vram_headroom", "max_activation_slowdown", "nvme_offload", "nvme_weights")  # fmt: skip
+            "quantize", "vram_headroom", "max_activation_slowdown", "nvme_offload", "nvme_weights",
+            "accumulation_steps", "delayed_update")  # fmt: skip
 
 
 def _plan_training(
@@ -326,9 +318,12 @@ def _plan_training(
 ) -> Plan:  # fmt: skip
     """plan_training without the recompute fallback (opts: every name of _OPTIONS)."""
     (param_offload, activation_offload, activation_checkpointing, optimizer_mode, moment_dtype, quantize,
-     vram_headroom, max_activation_slowdown, nvme_offload, nvme_weights) = (opts[k] for k in _OPTIONS)  # fmt: skip
+     vram_headroom, max_activation_slowdown, nvme_offload, nvme_weights, accumulation_steps,
+     delayed_update) = (opts[k] for k in _OPTIONS)  # fmt: skip
     from ..blocks import chosen_blocks
+    from ..options import parse_accumulation_steps as parse_accum
     from ..options import parse_activation_offload, parse_block_choice, parse_mode, parse_moment_dtype
+    from ..options import parse_delayed_update as parse_delayed
 
     if not isinstance(shape, ModelShape):
         raise TypeError(f"plan_training: shape must be a ModelShape, got {type(shape).__name__}")
@@ -384,7 +379,9 @@ def _plan_training(
     budget = int(p.vram_free * (1 - vram_headroom))
     ctx = _Ctx(shape, p, budget, p.ram_per_rank, p.pin_per_rank, quantize, mode, act, float(max_activation_slowdown),
                policy.grad_inflight_bytes(p), refine=bool(_refine),
-               disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights, _disk_applied))  # fmt: skip
+               disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights, _disk_applied),
+               accumulate=parse_accum(accumulation_steps, where) > 1,
+               delayed=parse_delayed(delayed_update, where) is not None)  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "
@@ -463,7 +460,8 @@ def _plan_training(
         "  " + _line("RAM (least-RAM plan)", lo_r["ram"], ctx.ram, "available per rank"),
     ] + disk_lines  # fmt: skip
     options = suggestions(shape, profile, param_offload, activation_offload, optimizer_mode, moment, quantize,
-                           vram_headroom, max_activation_slowdown, nvme_offload, plan_fn=plan_training) if _suggest else []  # fmt: skip
+                           vram_headroom, max_activation_slowdown, nvme_offload, plan_fn=plan_training,
+                          fixed=dict(accumulation_steps=accumulation_steps, delayed_update=delayed_update)) if _suggest else []  # fmt: skip
     if _suggest:  # without it nothing was tried: no line rather than a wrong "none"
         lines.append("  would fit: " + ("; ".join(options) if options else NOTHING_FITS))
     raise PlanError("\n".join(lines), arithmetic=arithmetic, options=options)
@@ -478,6 +476,7 @@ def _cpu_plan(ctx: _Ctx, shape: ModelShape, moments: list[str], head: list[str])
             "weights": sum(ctx.weight(q) for q in sh.parts),
             "gradients": sh.trained_numel * wb,
             "optimizer_state": sh.trained_numel * (2 * _mb(m) + _master(wb)),
+            **plan_step_buffers(ctx, sh.trained_numel),
             "activations": sum(sh.act_bytes(i) for i in range(n)),
             "logits": sh.logits_bytes,
             "outside_activations": sh.outside_act_bytes,

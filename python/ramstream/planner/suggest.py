@@ -11,14 +11,15 @@ NOTHING_FITS = "none of bf16 moments, int8/nf4, a disk (nvme_dir=), a smaller ba
 
 
 def suggestions(
-    shape, profile, po, ao, om, moment, quant, headroom, slow, nvme="auto", *, plan_fn
+    shape, profile, po, ao, om, moment, quant, headroom, slow, nvme="auto", *, plan_fn, fixed=None
 ) -> list[str]:
     """The single changes that make the plan fit, each with its predicted step. plan_fn: plan.py's
-    plan_training, passed in so that this module does not import plan.py (which imports it)."""
+    plan_training, passed in so that this module does not import plan.py (which imports it);
+    fixed: further plan_training options every try keeps (accumulation_steps, delayed_update)."""
 
     def tryit(sh, **kw) -> Plan | None:
         args = dict(param_offload=po, activation_offload=ao, optimizer_mode=om, moment_dtype=moment, quantize=quant,
-                    vram_headroom=headroom, max_activation_slowdown=slow, nvme_offload=nvme)  # fmt: skip
+                    vram_headroom=headroom, max_activation_slowdown=slow, nvme_offload=nvme, **(fixed or {}))  # fmt: skip
         args.update(kw)
         try:
             return plan_fn(sh, profile, _suggest=False, **args)

@@ -372,6 +372,8 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         # the run's placement read at each re-plan (disk_applied)
         "nvme_offload": plan.optimizer.get("nvme_share", 0.0),
         "nvme_weights": opts.nvme_weights,
+        "accumulation_steps": opts.accumulation_steps,
+        "delayed_update": opts.delayed_update,
     }
     lever, why = None, ""
     if hf:

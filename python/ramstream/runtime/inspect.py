@@ -27,6 +27,8 @@ PLAN_OPTIONS = (
     "max_activation_slowdown",
     "nvme_offload",
     "nvme_weights",
+    "accumulation_steps",
+    "delayed_update",
 )
 _GIB = 2**30
 
@@ -202,7 +204,8 @@ def plan_for(model: torch.nn.Module, optimizer=None, *, batch: int | None = None
         profile: a HardwareProfile to plan on instead of this machine (tests, what-if).
         blocks: the block stack (default: ramstream's find_blocks).
         options: wrap()'s param_offload, activation_offload, activation_checkpointing,
-            optimizer_mode, moment_dtype, vram_headroom, max_activation_slowdown.
+            optimizer_mode, moment_dtype, vram_headroom, max_activation_slowdown, nvme_offload,
+            nvme_weights, accumulation_steps, delayed_update.
 
     Raises PlanError (a MemoryError) with the arithmetic when nothing fits; ValueError / TypeError
     for bad arguments.

@@ -1,0 +1,116 @@
+"""The planner counts the host buffers of accumulation_steps and delayed_update (issue 24 point 1,
+issue 29 point 2): wrap()'s host-RAM check (planner/host_fit.py) and the plan the planner makes for
+wrap() agree, so a plan never picks a moment dtype that wrap() then refuses.
+
+Found on the GPU machine (2026-12-05, bench_delayed.py, GPT 6.85B bf16, 24 GiB cap): the plan chose
+fp32 moments without the delayed-update buffers, and wrap() refused the run with a MemoryError whose
+arithmetic showed that bf16 moments fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from ramstream.planner import PlanError, plan_training
+from ramstream.planner.host_fit import host_components, pick_moment_dtype
+from ramstream.planner.profile import HardwareProfile
+from ramstream.planner.shape import ModelShape
+from ramstream.runtime.inspect import plan_for
+
+from _models import make_model
+
+GIB = 2**30
+
+
+def _h200(vram_gib: float, ram_gib: float = 120.0) -> HardwareProfile:
+    v = int(vram_gib * GIB)
+    return HardwareProfile(device="cuda", gpu_name="H200 (injected)", vram_total=v, vram_free=v,
+                           ram_total=int(ram_gib * GIB), ram_available=int(ram_gib * GIB), pin_budget=int(ram_gib * GIB) // 2,
+                           h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5, adamw_gbps=127.7, matmul_tflops=790.0,
+                           source="given")  # fmt: skip
+
+
+def _gpt685():
+    return ModelShape.gpt("6.85b", batch=8, seq=512, dtype="bf16", loss="chunked")
+
+
+def _ram(plan) -> dict:
+    return {k: v for k, v in plan.memory["ram"].items() if k not in ("total", "budget")}
+
+
+def test_delayed_update_buffers_make_the_plan_pick_bf16_moments_as_wrap_would():
+    shape, prof = _gpt685(), _h200(24)
+    plain = plan_training(shape, prof)
+    delayed = plan_training(shape, prof, delayed_update=True)
+    assert plain.optimizer["moment_dtype"] == "float32"
+    assert "delayed_update_buffers" not in _ram(plain)
+    # with fp32 moments the delayed run's host state exceeds the RAM budget: bf16, counted
+    assert delayed.optimizer["moment_dtype"] == "bfloat16"
+    n = shape.trained_numel
+    assert _ram(delayed)["delayed_update_buffers"] == n * 2 * shape.elem_bytes
+    # wrap()'s own check, on the same RAM budget (90 % of what is available), agrees
+    got = pick_moment_dtype("auto", numel=n, working_bytes=shape.elem_bytes, accumulate=False, streamed=0,
+                            check=True, log=lambda s: None, ram={"available": prof.ram_available},
+                            delayed=True)  # fmt: skip
+    assert str(got) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("delayed", [False, True])
+@pytest.mark.parametrize("moment", ["float32", "bfloat16"])
+def test_an_all_host_plan_counts_the_bytes_wraps_check_counts(accum, delayed, moment):
+    """Every parameter updated on the host, no block streamed: the plan's RAM components add up to
+    host_components' (the sum wrap() compares with the budget) for the same options."""
+    shape = ModelShape.gpt("1.8b", batch=8, seq=512, dtype="bf16", loss="chunked")
+    plan = plan_training(shape, _h200(24, ram_gib=400), optimizer_mode="cpu", param_offload=False,
+                         activation_offload=False, moment_dtype=moment, accumulation_steps=accum,
+                         delayed_update=delayed)  # fmt: skip
+    mb = 2 if moment == "bfloat16" else 4
+    want = host_components(shape.trained_numel, shape.elem_bytes, mb, accum > 1, 0, delayed)
+    ram = _ram(plan)
+    assert ram.get("accumulator", 0) == want.get("accumulator", 0)
+    assert ram.get("delayed_update_buffers", 0) == want.get("delayed update buffers", 0)
+    assert sum(ram.values()) == sum(want.values())
+
+
+def test_the_first_steps_count_the_device_share_on_the_host():
+    """optimizer state later moved into VRAM (vram_share after step 2) is on the host until then:
+    the plan's RAM counts every trained element's master and moments, as wrap()'s check does."""
+    shape = _gpt685()
+    plan = plan_training(shape, _h200(24), moment_dtype="float32")
+    assert plan.optimizer["split"]["device"] > 0  # some state goes to VRAM later
+    n = shape.trained_numel
+    assert _ram(plan)["optimizer_state"] >= n * (4 + 2 * 4)
+
+
+def test_suggestions_keep_accumulation_and_delayed_update():
+    """The refusal's "would fit" is tried with the run's own accumulation and delayed update: bf16
+    moments alone do not fit here and are not offered."""
+    shape, prof = _gpt685(), _h200(24)
+    with pytest.raises(PlanError) as e:
+        plan_training(shape, prof, delayed_update=True, accumulation_steps=2)
+    text = str(e.value)
+    assert "delayed_update_buffers" in text and "accumulator" in text
+    assert "moment_dtype='bfloat16'" not in text.split("would fit:")[1]
+
+
+@pytest.mark.parametrize(
+    "opt, err",
+    [({"accumulation_steps": 0}, "accumulation_steps=0"), ({"delayed_update": "yes"}, "delayed_update='yes'"),
+     ({"delayed_update": -1}, "delayed_update=-1")],
+)  # fmt: skip
+def test_bad_values_name_the_option(opt, err):
+    with pytest.raises(ValueError, match=err):
+        plan_training(_gpt685(), _h200(24), **opt)
+
+
+def test_plan_for_takes_the_options_and_counts_them():
+    model = make_model(0, n_blocks=4, d=64)
+    prof = _h200(1, ram_gib=64)
+    plain = plan_for(model, profile=prof, batch=2, seq=8, optimizer_mode="cpu")
+    both = plan_for(model, profile=prof, batch=2, seq=8, optimizer_mode="cpu", accumulation_steps=2,
+                    delayed_update=3)  # fmt: skip
+    n = sum(p.numel() for p in model.parameters())
+    wb = next(model.parameters()).element_size()
+    assert "accumulator" not in plain.memory["ram"]
+    assert both.memory["ram"]["accumulator"] == n * 4
+    assert both.memory["ram"]["delayed_update_buffers"] == n * (2 * wb + 4)

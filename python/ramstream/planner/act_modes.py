@@ -19,23 +19,30 @@ def choose_modes(ctx, avail: int, step0: float, t0: dict) -> tuple[list[str], in
     bnd = [sh.boundary_bytes(i) for i in range(n)]
     rate = ctx.flop_rate()
 
-    def cost(modes):
+    def cost(modes, paged_inputs=frozenset()):
         """Device bytes, paged bytes of `modes` (transients: two paged blocks in flight, one
-        recomputed block rebuilt)."""
-        pg = [acts[i] for i in range(n) if modes[i] == "page"]
+        recomputed block rebuilt); paged_inputs: recomputed blocks whose checkpointed input (their
+        boundary) is paged instead of kept."""
+        pg = [acts[i] for i in range(n) if modes[i] == "page"] + [bnd[i] for i in paged_inputs]
         rc = [acts[i] for i in range(n) if modes[i] == "recompute"]
         dev = sum(acts[i] for i in range(n) if modes[i] == "keep") + sum(
-            bnd[i] for i in range(n) if modes[i] == "recompute"
+            bnd[i] for i in range(n) if modes[i] == "recompute" and i not in paged_inputs
         )
         dev += 2 * max(pg, default=0) + max(rc, default=0)
         return dev, sum(pg)
 
     opt = ctx.act_opt
     if opt is True or isinstance(opt, float):
-        idx = range(n) if opt is True else fraction_to_blocks(opt, n)
-        modes = ["page" if i in set(idx) else "keep" for i in range(n)]
-        dev, pg = cost(modes)
-        return modes, dev, pg, f"activation_offload={opt!r}: paging {len(list(idx))} of {n} blocks"
+        # a block that also recomputes pages only its checkpointed input, as the runtime does
+        # (activations/: the saved tensors of a recomputed block are its input alone)
+        idx = set(range(n) if opt is True else fraction_to_blocks(opt, n))
+        both = idx & set(ctx.recompute)
+        modes = ["recompute" if i in ctx.recompute else "page" if i in idx else "keep" for i in range(n)]
+        dev, pg = cost(modes, frozenset(both))
+        why = f"activation_offload={opt!r}: paging {len(idx)} of {n} blocks"
+        if both:
+            why += f" ({len(both)} of them recompute: only their checkpointed inputs, {pg / _GIB:.2f} GiB, are paged)"
+        return modes, dev, pg, why
     keep = ["keep"] * n
     dev, _ = cost(keep)
     if dev <= avail or opt is False or n == 0:

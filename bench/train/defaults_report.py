@@ -1,6 +1,6 @@
 """bench_defaults.py's reporting: a wrapped run's plan made JSON-safe and compact (compact_plan),
-and the markdown table of the runs (table: each defaults run's ratio to the hand32, hand or stock
-run of the same row and cap)."""
+and the markdown table of the runs (table: measured against predicted step and peak, the applied
+plan, each defaults run's ratio to the hand32, hand or stock run of the same row and cap)."""
 
 from __future__ import annotations
 
@@ -67,10 +67,27 @@ def _f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
 
+def plan_columns(r: dict) -> tuple[str, str, str]:
+    """(predicted s/step, predicted peak GiB, the plan in a few words) of a run's applied plan
+    (memory_report's plan.planner, revised at step 0 when the step was larger); "-" without one."""
+    plan = r.get("plan") if isinstance(r.get("plan"), dict) else {}
+    pred = plan.get("predicted_all") if isinstance(plan.get("predicted_all"), dict) else {}
+    step, vram = pred.get("planner.predicted_step_s"), pred.get("planner.predicted_vram_bytes")
+    p = plan.get("planner")
+    text = "-"
+    if isinstance(p, dict):
+        text = (
+            f"{p.get('mode')} {p.get('batch')}x{p.get('seq')}: {len(p.get('streamed') or [])} streamed, "
+            f"{len(p.get('recompute') or [])} recompute"
+        )
+    return _f(step, ".3f"), _f(vram / 2**30 if isinstance(vram, (int, float)) else None, ".2f"), text
+
+
 def table(results: list[dict]) -> list[str]:
     by = {(r["row"], r["cap_gib"], r["variant"]): r for r in results}
-    lines = ["| row | cap GiB | variant | status | s/step | peak GiB | setup s | to settled s | model TFLOP/s | "
-             "moments | defaults/ref |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| row | cap GiB | variant | status | s/step | predicted s/step | peak GiB | predicted peak GiB | "
+             "setup s | to settled s | model TFLOP/s | moments | plan | defaults/ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         ratio = ""
         if r["variant"] in ("defaults", "sized") and r.get("s_per_step"):
@@ -83,9 +100,11 @@ def table(results: list[dict]) -> list[str]:
         if status in ("oom", "error", "timeout", "crash") and r.get("phase"):
             status += f" @{r['phase']}" + (f" {r['step']}" if r.get("phase") == "step" else "")
         cap = _f(r["cap_gib"], "g") if r["cap_gib"] else "none"
+        p_step, p_peak, plan = plan_columns(r)
         lines.append(
-            f"| {r['row']} | {cap} | {r['variant']} | {status} | {_f(r.get('s_per_step'), '.3f')} | "
-            f"{_f(r.get('peak_gib'), '.2f')} | {_f(r.get('setup_s'), '.1f')} | {_f(r.get('to_settled_s'), '.1f')} | "
-            f"{_f(r.get('model_tflops'), '.1f')} | {r.get('moment_dtype') or '-'} | {ratio} |"
+            f"| {r['row']} | {cap} | {r['variant']} | {status} | {_f(r.get('s_per_step'), '.3f')} | {p_step} | "
+            f"{_f(r.get('peak_gib'), '.2f')} | {p_peak} | {_f(r.get('setup_s'), '.1f')} | "
+            f"{_f(r.get('to_settled_s'), '.1f')} | {_f(r.get('model_tflops'), '.1f')} | {r.get('moment_dtype') or '-'} | "
+            f"{plan} | {ratio} |"
         )
     return lines

@@ -12,21 +12,13 @@ import pytest
 
 from ramstream.planner import PlanError, plan_training
 from ramstream.planner.host_fit import host_components, pick_moment_dtype
-from ramstream.planner.profile import HardwareProfile
 from ramstream.planner.shape import ModelShape
 from ramstream.runtime.inspect import plan_for
+from test_plan_value import _h200  # the H200 machine's rates under a cap
 
 from _models import make_model
 
 GIB = 2**30
-
-
-def _h200(vram_gib: float, ram_gib: float = 120.0) -> HardwareProfile:
-    v = int(vram_gib * GIB)
-    return HardwareProfile(device="cuda", gpu_name="H200 (injected)", vram_total=v, vram_free=v,
-                           ram_total=int(ram_gib * GIB), ram_available=int(ram_gib * GIB), pin_budget=int(ram_gib * GIB) // 2,
-                           h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=49.5, adamw_gbps=127.7, matmul_tflops=790.0,
-                           source="given")  # fmt: skip
 
 
 def _gpt685():

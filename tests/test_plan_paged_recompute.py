@@ -71,3 +71,17 @@ def test_blocks_that_do_not_recompute_page_their_whole_activations(ckpt):
     assert plan.activations == ["recompute" if i in rc else "page" for i in range(n)]
     want = sum(sh.boundary_bytes(i) if i in rc else sh.act_bytes(i) for i in range(n))
     assert plan.memory["ram"]["paged_activations"] == want
+
+
+def test_with_checkpointing_auto_paging_replaces_the_rules_recompute():
+    """activation_checkpointing="auto" with activation_offload=True: the rule's recompute gives way
+    to paging whole blocks (what wrap() has applied: it takes "auto"'s recompute from these modes),
+    unless the plan without recompute cannot fit, when every block recomputes and pages its input."""
+    sh = ModelShape.gpt("1.8b", batch=8, seq=512, dtype="fp32", autocast="bf16", loss="chunked")
+    roomy = plan_training(sh, _prof(24), param_offload=False, activation_offload=True)
+    # the rule (full fine-tuning past 90 % of the cap) would recompute; paging takes its place
+    assert any("pages the blocks instead of the rule's recompute" in r for r in roomy.reasons)
+    assert roomy.activations == ["page"] * len(sh.blocks)
+    tight = plan_training(_r5(), _prof(24), param_offload=True, activation_offload=True)
+    assert tight.activations == ["recompute"] * len(_r5().blocks)
+    assert tight.memory["ram"]["paged_activations"] == sum(_r5().boundary_bytes(i) for i in range(32))

@@ -34,10 +34,13 @@ def choose_modes(ctx, avail: int, step0: float, t0: dict) -> tuple[list[str], in
     opt = ctx.act_opt
     if opt is True or isinstance(opt, float):
         # a block that also recomputes pages only its checkpointed input, as the runtime does
-        # (activations/: the saved tensors of a recomputed block are its input alone)
+        # (activations/: the saved tensors of a recomputed block are its input alone); recompute
+        # asked for, not activation_checkpointing="auto"'s rule, which paging replaces (wrap()
+        # applies "auto" from these modes: the blocks paged whole recompute nothing)
         idx = set(range(n) if opt is True else fraction_to_blocks(opt, n))
-        both = idx & set(ctx.recompute)
-        modes = ["recompute" if i in ctx.recompute else "page" if i in idx else "keep" for i in range(n)]
+        rc = set() if ctx.recompute_auto else set(ctx.recompute)
+        both = idx & rc
+        modes = ["recompute" if i in rc else "page" if i in idx else "keep" for i in range(n)]
         dev, pg = cost(modes, frozenset(both))
         why = f"activation_offload={opt!r}: paging {len(idx)} of {n} blocks"
         if both:

@@ -62,6 +62,7 @@ class _Ctx:
     max_slowdown: float
     inflight_cap: int
     recompute: tuple = ()
+    recompute_auto: bool = False  # ctx.recompute from activation_checkpointing="auto"'s rule
     refine: bool = True  # time the split optimizer_mode="auto" settles on (False: step 2's)
     disk: object = None  # disk.Disk: nvme_offload and the profile's disk
     accumulate: bool = False  # accumulation_steps > 1: the fp32 accumulator counts (host_fit.py)
@@ -234,18 +235,10 @@ def plan_training(
     shape: ModelShape,
     profile: HardwareProfile,
     *,
-    param_offload="auto",
-    activation_offload="auto",
-    activation_checkpointing="auto",
-    optimizer_mode: str = "auto",
-    moment_dtype="auto",
-    quantize: str = "none",
-    vram_headroom: float = 0.10,
-    max_activation_slowdown: float = 0.15,
-    nvme_offload="auto",
-    nvme_weights="auto",
-    accumulation_steps: int = 1,
-    delayed_update=False,
+    param_offload="auto", activation_offload="auto", activation_checkpointing="auto",
+    optimizer_mode: str = "auto", moment_dtype="auto", quantize: str = "none",
+    vram_headroom: float = 0.10, max_activation_slowdown: float = 0.15,
+    nvme_offload="auto", nvme_weights="auto", accumulation_steps: int = 1, delayed_update=False,
     _suggest: bool = True, _refine: bool = True, _assume_disk: bool = False, _disk_applied=None,
 ) -> Plan:  # fmt: skip
     """The plan wrap() would follow for `shape` on `profile` (module docstring); pure arithmetic,
@@ -391,8 +384,11 @@ def _plan_training(
         return _cpu_plan(ctx, shape, moments, head)
     if ckpt == "auto":
         on, why = auto_recompute(shape, p.vram_free, ctx.weight, mode)
-        ctx.recompute = tuple(range(n)) if on else ()
-        head.append(f"activation_checkpointing=auto: {'every block recomputes' if on else 'off'} ({why})")
+        ctx.recompute, ctx.recompute_auto = (tuple(range(n)) if on else ()), True
+        said = "every block recomputes" if on else "off"
+        if on and (act is True or isinstance(act, float)):  # paged whole instead (act_modes.py)
+            said = "no recompute: activation_offload pages the blocks instead of the rule's recompute"
+        head.append(f"activation_checkpointing=auto: {said} ({why})")
     else:
         ctx.recompute = tuple(chosen_blocks("activation_checkpointing", ckpt, n))
     k_auto = None

@@ -106,3 +106,29 @@ def test_plan_for_takes_the_options_and_counts_them():
     assert "accumulator" not in plain.memory["ram"]
     assert both.memory["ram"]["accumulator"] == n * 4
     assert both.memory["ram"]["delayed_update_buffers"] == n * (2 * wb + 4)
+
+
+def test_delayed_update_plans_every_update_on_the_host_as_wrap_runs_it():
+    """wrap(delayed_update=...) makes optimizer_mode "cpu" (options.py): no mapped or device share;
+    the GPU optimizer cannot be delayed."""
+    plan = plan_training(_gpt685(), _h200(24), delayed_update=True)
+    assert plan.optimizer["split"]["mapped"] == plan.optimizer["split"]["device"] == 0
+    with pytest.raises(ValueError, match="delayed_update needs the host AdamW"):
+        plan_training(_gpt685(), _h200(24), delayed_update=True, optimizer_mode="gpu")
+
+
+def test_cli_plan_takes_accumulation_and_delayed_update(capsys, monkeypatch, tmp_path):
+    from ramstream.cli import main
+
+    monkeypatch.setenv("RAMSTREAM_CACHE_DIR", str(tmp_path / "empty-cache"))
+    args = ["plan", "--gpt", "6.85b", "--vram-gb", "24", "--ram-gb", "120", "--batch", "8", "--seq", "512",
+            "--chunked-loss"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--delayed-update", "--accumulation-steps", "2"]) == 2  # no longer fits 108 GiB
+    err = capsys.readouterr().err
+    assert "delayed_update_buffers" in err and "accumulator" in err and "moments float32" in plain
+    assert main(args + ["--delayed-update"]) == 0
+    assert "delayed_update_buffers" in capsys.readouterr().out
+    assert main(args + ["--accumulation-steps", "0"]) == 2
+    assert "--accumulation-steps 0 is not accepted" in capsys.readouterr().err

@@ -44,6 +44,10 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="working dtype (default: bf16)")
     p.add_argument("--chunked-loss", action="store_true", help="the loss never builds the full logits")
+    p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
+                   help="wrap()'s accumulation_steps (N > 1: a 4-byte fp32 sum per trained parameter in RAM)")  # fmt: skip
+    p.add_argument("--delayed-update", action="store_true",
+                   help="wrap(delayed_update=True): its pending weights and second landing buffer count in RAM")  # fmt: skip
     p.add_argument(
         "--autocast",
         action="store_true",
@@ -284,6 +288,10 @@ def run(args) -> int:
     try:
         nvme = _nvme_offload(args.nvme_offload)
         nvme_w = _nvme_weights(args.nvme_weights)
+        if args.accumulation_steps < 1:
+            raise ValueError(
+                f"--accumulation-steps {args.accumulation_steps} is not accepted; accepted: an integer >= 1"
+            )
         prof, sources = _machine(args)
     except (OSError, ValueError) as e:
         print(f"ramstream plan: {e}", file=sys.stderr)
@@ -296,7 +304,8 @@ def run(args) -> int:
         )
         return 2
     try:
-        plan = plan_training(shape, prof, nvme_offload=nvme, nvme_weights=nvme_w)
+        plan = plan_training(shape, prof, nvme_offload=nvme, nvme_weights=nvme_w,
+                             accumulation_steps=args.accumulation_steps, delayed_update=args.delayed_update)  # fmt: skip
     except PlanError as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "arithmetic": e.arithmetic, "options": e.options,

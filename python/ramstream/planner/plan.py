@@ -328,6 +328,10 @@ def _plan_training(
     act = parse_activation_offload(activation_offload)
     ckpt = parse_block_choice("activation_checkpointing", activation_checkpointing)
     mode = parse_mode(optimizer_mode, where=f"{where} optimizer_mode")
+    delayed = parse_delayed(delayed_update, where) is not None
+    if delayed and mode == "gpu":
+        raise ValueError(f"{where} delayed_update needs the host AdamW: optimizer_mode 'auto' or 'cpu'")
+    mode = "cpu" if delayed else mode  # as wrap()'s options (options.py): the state stays on the host
     moment = parse_moment_dtype(moment_dtype, where=where)
     if quantize not in QUANT_BYTES:
         raise ValueError(f"{where} quantize={quantize!r} is not accepted; accepted: 'none', 'int8', 'nf4'")
@@ -374,7 +378,7 @@ def _plan_training(
                policy.grad_inflight_bytes(p), refine=bool(_refine),
                disk=_disk.tier(p, nvme_offload, where, _assume_disk, nvme_weights, _disk_applied),
                accumulate=parse_accum(accumulation_steps, where) > 1,
-               delayed=parse_delayed(delayed_update, where) is not None)  # fmt: skip
+               delayed=delayed)  # fmt: skip
     moments = ["float32", "bfloat16"] if moment == "auto" else [moment]
     head = [
         f"usable VRAM {budget / _GIB:.2f} GiB = free {p.vram_free / _GIB:.2f} GiB x (1 - headroom {vram_headroom:g}); "

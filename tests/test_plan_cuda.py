@@ -183,8 +183,12 @@ def test_a_larger_step_streams_more_blocks_on_the_gpu_and_trains_as_torch():
 
 
 def test_ram_forced_bf16_moments_are_fp32_once_resident(monkeypatch):
+    """The state starting on the host (as without ramstream's CUDA kernels): RAM forces bf16 moments
+    for the first steps, fp32 once resident. The state starting in VRAM: test_state_on_device.py."""
     import ramstream.planner.profile as profile_mod
+    import ramstream.wrap as wrap_mod
 
+    monkeypatch.setattr(wrap_mod, "state_starts_on_device", lambda *a: (False, "test: the host start"))
     model = make_model(0, n_blocks=2)
     host = sum(p.numel() * p.element_size() for p in model.parameters())
     # fp32 host state does not fit in this RAM, bf16 state does (the model's own bytes leave for the GPU)
@@ -196,4 +200,14 @@ def test_ram_forced_bf16_moments_are_fp32_once_resident(monkeypatch):
     assert opt.resident and opt._moment_dtype == torch.float32
     assert all(st["exp_avg"].dtype == torch.float32 for st in opt._resident.state.values())
     assert ramstream.memory_report(model)["plan"]["planner"]["moment_dtype"] == "float32"
+    ramstream.unwrap(model)
+    monkeypatch.undo()
+    # the same RAM, the state starting in VRAM (the plan is resident): fp32 moments from wrap() on
+    monkeypatch.setattr(profile_mod, "available_ram", lambda *a: {"total": 1 << 30, "available": 200_000})
+    model = make_model(0, n_blocks=2)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=DEV)
+    assert opt._moment_dtype == torch.float32
+    assert ramstream.memory_report(model)["optimizer"]["host_state_bytes"] == 0
+    train_torch(model, opt, batches(4, device=DEV))
+    assert opt.resident
     ramstream.unwrap(model)

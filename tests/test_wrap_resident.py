@@ -442,7 +442,9 @@ def test_resident_peak_reuses_the_offloaded_runs_transient_memory_for_gradients(
 
     g = 2**30
     numel = 6_850_000_000
-    b = SimpleNamespace(numel=numel, dtype=torch.float32, exp_avg=torch.empty(0, dtype=torch.float32))
+    b = SimpleNamespace(
+        numel=numel, dtype=torch.float32, exp_avg=torch.empty(0, dtype=torch.float32), placement="mapped"
+    )
     mem = {"now": int(25.5 * g), "peak": 58 * g, "usable": 140 * g}
     peak, text = resident_peak(SimpleNamespace(buckets=[b]), mem)
     state, grads, transient = 8 * numel, 4 * numel, 58 * g - int(25.5 * g)
@@ -450,9 +452,36 @@ def test_resident_peak_reuses_the_offloaded_runs_transient_memory_for_gradients(
     assert peak < 0.9 * 140 * g
     assert f"{state / g:.2f}" in text
     # a bf16 model: fp32 master joins the persistent state, an fp32 gradient copy the gradients
-    b16 = SimpleNamespace(numel=1000, dtype=torch.bfloat16, exp_avg=torch.empty(0, dtype=torch.bfloat16))
+    b16 = SimpleNamespace(
+        numel=1000, dtype=torch.bfloat16, exp_avg=torch.empty(0, dtype=torch.bfloat16), placement="host"
+    )
     p16, _ = resident_peak(SimpleNamespace(buckets=[b16]), {"now": 0, "peak": 0})
     assert p16 == (2 * 1000 * 2 + 1000 * 4) + (1000 * 2 + 1000 * 4)
+
+
+def test_state_already_in_vram_adds_nothing_persistent_at_the_switch():
+    """A resident plan's state starts in VRAM ("device" buckets): the switch takes it over as it is,
+    so only the gradients it keeps are new, unless bf16 moments are upcast (fp32 copies made)."""
+    from types import SimpleNamespace
+
+    from ramstream.engine.resident import resident_split
+
+    def bucket(dtype, moments, placement):
+        return SimpleNamespace(
+            numel=1000, dtype=dtype, exp_avg=torch.empty(0, dtype=moments), placement=placement
+        )
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert resident_split(SimpleNamespace(buckets=[bucket(fp32, fp32, "device")])) == (0, 4000)
+    assert resident_split(SimpleNamespace(buckets=[bucket(bf16, fp32, "device")])) == (0, 2000 + 4000)
+    # upcast: the device bucket's bf16 moments become new fp32 tensors; its fp32 master stays
+    assert resident_split(SimpleNamespace(buckets=[bucket(bf16, bf16, "device")]), upcast=True) == (
+        8000,
+        6000,
+    )
+    assert resident_split(SimpleNamespace(buckets=[bucket(fp32, fp32, "mapped")])) == (8000, 4000)
+    both = SimpleNamespace(buckets=[bucket(fp32, fp32, "device"), bucket(fp32, fp32, "mapped")])
+    assert resident_split(both) == (8000, 8000)
 
 
 def test_the_switch_is_recorded_in_the_plan_history(roomy):

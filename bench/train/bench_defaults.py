@@ -312,6 +312,7 @@ def _record(rs, model, out: dict) -> None:
     out["optimizer"] = {k: o.get(k) for k in ("mode", "resident", "gpu_updated_numel", "host_state_bytes")}
     out["streamed_blocks"] = jsonable(rep.get("params", {}).get("streamed_blocks"))
     out["plan"] = compact_plan(rep.get("plan"))
+    out["wrap_phases_s"] = (rep.get("plan") or {}).get("setup_s")  # where wrap()'s time went
     # "measured": this run paid wrap()'s one-time hardware profile (setup_s includes it); "cache": not
     out["profile_source"] = ((rep.get("plan") or {}).get("profile") or {}).get("source")
     ev = list(rep.get("events", []))  # the decisions wrap() logged (first) and what came later

@@ -132,6 +132,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         _streamed=None,
         _block_of=None,
         _nvme_share: float = 0.0,
+        _device_state: bool = False,
     ) -> None:
         _checks.check_hyper(lr, betas, eps, weight_decay)
         eager_updates, max_grad_norm = _ts_args.translate(
@@ -215,7 +216,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             order=_order,
             device=device,
             moment_dtype=self._moment_dtype,
-            mapped_fraction=self._mapped_fraction(mode, device),
+            mapped_fraction=0.0 if _device_state else self._mapped_fraction(mode, device),
             max_grad_norm=self._max_grad_norm,
             accumulation_steps=self._accumulation_steps,
             bucket_bytes=bucket_bytes,
@@ -231,7 +232,14 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             delayed_update=self._delayed_update,
             nvme_dir=nvme_dir,
             nvme_share=nvme_share,
+            device_state=_device_state,
         )
+        if _device_state:  # wrap()'s resident plan (runtime/optimizer_split.py state_starts_on_device)
+            self.split_info = {
+                "fraction": 0.0,
+                "device": 1.0,
+                "reason": "resident plan: the state starts in VRAM",
+            }
         from .runtime.refiner import make_refiner
 
         # "auto": the host / mapped split solved again from the rates of steps 3-4 (runtime/refiner.py)

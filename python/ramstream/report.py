@@ -21,15 +21,38 @@ class EventLog:
             print(f"ramstream: {msg}", flush=True)
 
 
+class Laps:
+    """Seconds per phase of wrap() (memory_report(model)["plan"]["setup_s"]): lap(name) ends the
+    phase `name` (phases may repeat)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.t = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.t
+        self.t = now
+
+    def done(self) -> dict:
+        self("the rest")
+        return {**{k: round(v, 3) for k, v in self.laps.items()}, "total": round(self.t - self.t0, 3)}
+
+    def text(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.laps.items() if v >= 0.05)
+        return f"{self.t - self.t0:.1f} s" + (f" ({parts})" if parts else "")
+
+
 def host_state_bytes(engine) -> int:
     """Bytes of the buckets' fp32 masters, moments and accumulation sums in host RAM (off the
-    device: 0 once the optimizer is resident; state on disk is not counted, nor its staging
-    buffers: stats()["nvme_state_bytes"], ["nvme_staging_bytes"])."""
+    device: 0 once the optimizer is resident, and for buckets whose state is in VRAM; state on disk
+    is not counted, nor its staging buffers: stats()["nvme_state_bytes"], ["nvme_staging_bytes"])."""
     return sum(
         t.nbytes
         for b in engine.buckets
         for t in (b.master, b.exp_avg, b.exp_avg_sq, b.acc)
-        if t is not None and t.device.type != "meta"  # meta: paged out to disk (disk_tier.py)
+        # meta: paged out to disk (disk_tier.py); a CUDA engine's "device" buckets: in VRAM
+        if t is not None and t.device.type == "cpu"
     )
 
 

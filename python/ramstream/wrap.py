@@ -10,10 +10,11 @@ from .frontends.offload_model.optim import wrap_offload_model
 from .optim import OffloadAdamW
 from .options import WrapOptions
 from .planner.host_fit import pick_moment_dtype
-from .report import EventLog, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
+from .report import EventLog, Laps, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
 from .runtime.convert import _convert_optimizer, _hand_over
+from .runtime.optimizer_split import state_starts_on_device
 from .weights.setup import (
     agree_streamed,
     build_streamer,
@@ -172,8 +173,9 @@ def _use_data_parallel(option) -> bool:
 
 
 def _make_optimizer(
-    groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None, nvme=(0.0, None)
-):
+    groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None, nvme=(0.0, None),
+    on_device=False,
+):  # fmt: skip
     """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers)."""
     return OffloadAdamW(
         groups,
@@ -202,6 +204,7 @@ def _make_optimizer(
         _log=log,
         _streamed=streamed,
         _block_of=block_of,
+        _device_state=on_device,
     )
 
 
@@ -276,6 +279,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         raise ValueError("wrap(): this model is already wrapped; call ramstream.unwrap(model) first")
     opts = WrapOptions.parse(**options)
     log = EventLog(opts.verbose)
+    lap = Laps()  # where wrap()'s time goes: memory_report(model)["plan"]["setup_s"]
     _check_model(model, optimizer)
     if opts.blocks is not None:
         from .blocks import check_blocks
@@ -301,6 +305,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     from .runtime.quantize import apply_quantize
 
     quant_report, quant_removed = apply_quantize(model, opts, device, log)
+    lap("quantize")
     # --- end quantize ---
     # the host memory check comes before anything moves: a refusal leaves the model as it was
     if optimizer is not None and not isinstance(
@@ -322,6 +327,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             "requires_grad on the parameters to train before wrap()"
         )
     plan, plan_shape, plan_prof = make_plan(model, optimizer, opts, device, log)
+    lap("plan")
     nvme = _resolve_nvme(opts, plan, use_dp, log)  # before anything moves
     blocks, stream_idx, streamed = _plan_streaming(model, opts, device, use_dp, log, plan)
     block_of = restreamable(model, blocks, opts, plan, use_dp)
@@ -336,21 +342,32 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     if plan is not None and moment_option == "auto" and plan.mode != "resident":
         moment_option = plan.optimizer["moment_dtype"]
         log(f"moment_dtype=auto -> {moment_option} (the plan)")
-    moment_dtype = pick_moment_dtype(
-        moment_option,
-        numel=sum(p.numel() for p in dict.fromkeys(trained)),
-        working_bytes=trained[0].element_size(),
-        accumulate=opts.accumulation_steps > 1,
-        # packed quantized codes included; frozen weights on disk replaced by their staging ring
-        streamed=streamed_bytes(model, streamed)
-        - (disk_w.nbytes - disk_w.store.staging_bytes() if disk_w is not None else 0),
-        check=opts.check_memory,
-        log=log,
-        ram=_ram_with_model(model, device, streamed),
-        delayed=opts.delayed_update is not False,
-        nvme_share=nvme[0],
-        bucket_bytes=opts.bucket_bytes,
-    )
+    on_device, why_not = state_starts_on_device(plan, opts, device, use_dp, trained[0].dtype != torch.float32)
+    if plan is not None and plan.mode == "resident":
+        log(
+            "the plan is resident: the optimizer state starts in VRAM (no host state)"
+            if on_device
+            else f"the plan is resident; the state starts on the host until the switch ({why_not})"
+        )
+    if on_device:  # nothing of the state lives in host RAM: the plan's moment dtype, no host check
+        moment_dtype = torch.bfloat16 if moment_option == "bfloat16" else torch.float32
+        log(f"moment_dtype={moment_option} -> {str(moment_dtype).replace('torch.', '')} (in VRAM)")
+    else:
+        moment_dtype = pick_moment_dtype(
+            moment_option,
+            numel=sum(p.numel() for p in dict.fromkeys(trained)),
+            working_bytes=trained[0].element_size(),
+            accumulate=opts.accumulation_steps > 1,
+            # packed quantized codes included; frozen weights on disk replaced by their staging ring
+            streamed=streamed_bytes(model, streamed)
+            - (disk_w.nbytes - disk_w.store.staging_bytes() if disk_w is not None else 0),
+            check=opts.check_memory,
+            log=log,
+            ram=_ram_with_model(model, device, streamed),
+            delayed=opts.delayed_update is not False,
+            nvme_share=nvme[0],
+            bucket_bytes=opts.bucket_bytes,
+        )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):
         if device.type == "cuda" and opts.check_memory:
@@ -361,6 +378,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         failed = _oom_or_none(move_resident, model, device, streamed)
         if failed is not None:
             raise _oom_at_wrap(model, homes, device, "moving the weights", failed)
+    lap("moving the weights")
     if use_dp:
         from .engine.distributed import broadcast_model
 
@@ -372,6 +390,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             f"({dist.get_backend()}); rank 0's weights broadcast"
         )
     profile = _use_profile(opts, device, log)
+    lap("profile")
     groups, old_state, _ = _convert_optimizer(optimizer, model, opts)
     if quant_removed:  # quantized weights left the model: drop them from the optimizer's groups
         for g in groups:
@@ -388,13 +407,25 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     failed = _oom_or_none(
         lambda: made.append(
             _make_optimizer(
-                groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of, nvme
+                groups,
+                g0,
+                opts,
+                moment_dtype,
+                device,
+                use_dp,
+                model,
+                log,
+                streamed,
+                block_of,
+                nvme,
+                on_device,
             )
         )
     )
     if failed is not None:
         raise _oom_at_wrap(model, homes, device, "laying out the weights and optimizer buffers", failed)
     opt = made[0]
+    lap("optimizer state")
     # bf16 moments chosen only for host RAM (moment_dtype="auto"): a resident switch makes them fp32
     opt._moments_for_ram = opts.moment_dtype == "auto" and moment_dtype == torch.bfloat16
     if old_state is not None:
@@ -448,6 +479,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         quant_report["lora_fused"] = n = fuse_lora_(model)
         if n:
             log(f"prefer='speed': {n} LoRA layers over quantized bases run as one fused node each")
+    w.plan["setup_s"] = lap.done()
+    log(f"wrap() took {lap.text()}")
     log(
         f"wrapped: {len(engine.slots)} parameters ({numel:,} elements) in {len(engine.buckets)} "
         f"buckets on {device} ({len(engine.frozen)} frozen ones left as they are); moments "

@@ -55,6 +55,7 @@ class Engine:
         block_of: dict | None = None,
         nvme_dir: str | None = None,
         nvme_share: float = 0.0,
+        device_state: bool = False,
     ) -> None:
         """streamed: {id(parameter): block index} of the parameters whose weights live in
         pinned host memory and visit the device only while their block runs (weights/).
@@ -66,7 +67,10 @@ class Engine:
         blocks, so that a block can start streaming between steps (restream.py); None: buckets
         break only between streamed blocks and the rest.
         nvme_dir, nvme_share: that share (0..1] of the host-updated state's bytes, from the back of
-        the stack, lives on disk in nvme_dir (disk_tier.py); host placement only, single process."""
+        the stack, lives on disk in nvme_dir (disk_tier.py); host placement only, single process.
+        device_state: every bucket's state starts in VRAM (placement "device": a resident plan,
+        runtime/optimizer_split.py state_starts_on_device); CUDA, one process, nothing streamed,
+        no disk tier, no delayed update."""
         self.param_groups = param_groups
         self.skip_nonfinite = skip_nonfinite
         self.eager_updates = eager_updates
@@ -80,6 +84,13 @@ class Engine:
         self.dev = make_device(device)
         if mapped_fraction > 0 and self.dev.type != "cuda":
             raise ValueError("ramstream: optimizer_mode='gpu' needs a CUDA device")
+        if device_state and (
+            self.dev.type != "cuda" or distributed or streamed or nvme_share > 0 or delayed_update is not None
+        ):
+            raise ValueError(
+                "ramstream: device_state=True needs a CUDA device, one process, no streamed weights, "
+                "no nvme_offload and no delayed_update"
+            )
         self.slots, self.frozen = self._make_slots(param_groups, order)
         self.streamed = dict(streamed or {})
         self.block_of = dict(block_of or {})
@@ -123,7 +134,8 @@ class Engine:
         for b in self.buckets:  # the first buckets in forward order go to the GPU kernel
             use_gpu = mapped_fraction > 0 and mapped + b.numel / 2 <= mapped_fraction * total
             use_gpu = use_gpu and not b.streamed  # streamed weights are updated on the host
-            layout.allocate(self, b, "mapped" if use_gpu else "host", owned=self.parallel.owns(b))
+            where = "device" if device_state else "mapped" if use_gpu else "host"
+            layout.allocate(self, b, where, owned=self.parallel.owns(b))
             mapped += b.numel if use_gpu else 0
             if b.index in disk_buckets:
                 self.disk.adopt(b)  # written to its record, freed from RAM

@@ -8,7 +8,9 @@ Placements:
             an fp32 model's weights on the GPU are their own master (optimizer_mode="gpu").
   "device": as "mapped", with the moments (and a low-precision model's master) in device memory:
             the same CUDA kernel updates them at device bandwidth, nothing crosses PCIe. Buckets
-            move there with relocate() when the planner finds VRAM to spare (runtime/optimizer_split.py maybe_share).
+            move there with relocate() when the planner finds VRAM to spare (runtime/optimizer_split.py
+            maybe_share), or start there when the plan is resident (runtime/optimizer_split.py
+            state_starts_on_device: no host state is made that the resident switch would drop).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from .disk_tier import paged
 def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
     """Points b's parameters at a fresh flat device buffer and allocates its state (none when
     another data-parallel rank owns the bucket)."""
+    if placement not in ("host", "mapped", "device"):
+        raise ValueError(f"allocate: placement={placement!r}; accepted: 'host', 'mapped', 'device'")
+    if placement == "device" and engine.device.type != "cuda":
+        raise ValueError("allocate: placement 'device' needs a CUDA device")
     dev = engine.dev
     b.placement = placement
     b.dtype, b.device = b.slots[0].param.dtype, engine.device
@@ -48,8 +54,11 @@ def allocate(engine, b: Bucket, placement: str, owned: bool = True) -> None:
         b.exp_avg = dev.host_buffer(b.numel, engine.moment_dtype).zero_()
         b.exp_avg_sq = dev.host_buffer(b.numel, engine.moment_dtype).zero_()
         b.landing = b.acc = None
-    else:
-        raise ValueError(f"unknown placement {placement!r}")
+    else:  # "device", a resident plan: the state starts in VRAM, nothing of it on the host
+        b.master = None if b.dtype == torch.float32 else b.device_flat.to(torch.float32, copy=True)
+        b.exp_avg = torch.zeros(b.numel, dtype=engine.moment_dtype, device=engine.device)
+        b.exp_avg_sq = torch.zeros(b.numel, dtype=engine.moment_dtype, device=engine.device)
+        b.landing = b.acc = None
     dev.synchronize()
 
 

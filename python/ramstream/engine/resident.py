@@ -30,14 +30,19 @@ from .updater import clip_coefficient
 
 def resident_split(engine, upcast: bool = False) -> tuple[int, int]:
     """(persistent, gradients): device bytes the resident update adds for good (moments, fp32
-    masters of low-precision buckets) and the gradients it keeps on the device during backward
-    (with their fp32 copies for low-precision buckets). upcast: the moments become fp32."""
+    masters of low-precision buckets; none for a bucket whose state is in VRAM already, unless its
+    moments are upcast) and the gradients it keeps on the device during backward (with their fp32
+    copies for low-precision buckets). upcast: the moments become fp32."""
     persistent = grads = 0
     for b in engine.buckets:
-        persistent += 2 * b.numel * (4 if upcast else b.exp_avg.element_size())
+        # a bucket whose state started in VRAM (a resident plan) hands it over as it is
+        on_device = b.placement == "device"
+        moment = 4 if upcast else b.exp_avg.element_size()
+        if not on_device or moment != b.exp_avg.element_size():
+            persistent += 2 * b.numel * moment
         grads += b.numel * b.dtype.itemsize
         if b.dtype != torch.float32:
-            persistent += b.numel * 4
+            persistent += 0 if on_device else b.numel * 4
             grads += b.numel * 4
     return persistent, grads
 
@@ -60,15 +65,17 @@ class Resident:
         for s in self.slots:
             b = s.bucket
             sl = slice(s.offset, s.offset + s.numel)
+            # state that started in VRAM (placement "device") is taken over as it is, not copied
+            copy = b.placement != "device"
             if s.param.dtype == torch.float32:
                 master = s.param  # the fp32 weights are their own master
             else:
-                master = master_flat(b)[sl].to(self.device, copy=True).view(s.param.shape)
+                master = master_flat(b)[sl].to(self.device, copy=copy).view(s.param.shape)
             self.masters[s.index] = master
             self.state[s.index] = {
                 "step": torch.tensor(float(s.step), dtype=torch.float32, device=self.device),
-                "exp_avg": b.exp_avg[sl].to(self.device, copy=True, **moment).view(s.param.shape),
-                "exp_avg_sq": b.exp_avg_sq[sl].to(self.device, copy=True, **moment).view(s.param.shape),
+                "exp_avg": b.exp_avg[sl].to(self.device, copy=copy, **moment).view(s.param.shape),
+                "exp_avg_sq": b.exp_avg_sq[sl].to(self.device, copy=copy, **moment).view(s.param.shape),
                 "offset": b.state_offset + s.offset,
             }
             fault_point("resident.switch")

@@ -12,7 +12,8 @@ default policy (policy.py) and predicts the step with timing.py's model.
   kept activations or the blocks' inputs, autocast's weight copies, the logits) and the
   backward's (the same without the copies and logits, with the gradients in flight).
 - offload="auto" (optimizer_mode "auto"): resident, torch's fused AdamW, when the resident peak
-  estimated from it (policy.resident_peak) fits in usable VRAM (free x (1 - vram_headroom));
+  estimated from it (policy.resident_peak) fits in usable VRAM (free x (1 - vram_headroom)); wrap()
+  then lays the state out in VRAM from the start (runtime/optimizer_split.py state_starts_on_device);
   else the optimizer state of the first parameters that fits in usable - peak - 512 MiB lives in
   VRAM ("device"), the rest is split between the GPU over PCIe ("mapped") and the host threads
   (policy.optimizer_split); the step is timed at the split the measured refinement after steps 4
@@ -413,11 +414,8 @@ def _plan_training(
             c = _resident(ctx, {**off, "moment": final})
             if sum(c["vram"].values()) <= budget and _fits(ctx, off)[0]:
                 why = _line("resident: the resident peak", c["vram"], budget, "usable")
-                up = (
-                    [f"moments: {m} on the host for the first steps (RAM), float32 once resident"]
-                    if m != final
-                    else []
-                )
+                up = [f"state in VRAM from wrap() on, moments {final} (with the CUDA kernels; else on the host "
+                      f"until the switch, moments {m})"]  # fmt: skip
                 return _make_plan(ctx, c, "resident", head + [why, off["act_why"]] + up)
     # (b) offload: wrap()'s streamed blocks (or the given ones); when they cannot fit, the best of all
     first = [forced] if forced is not None else [list(range(k_auto))]

@@ -346,6 +346,16 @@ def head_weights(model, shape) -> list:
     return out
 
 
+def _state_mover(opt):
+    """The StepCheck's state callback when the optimizer state started in VRAM (a resident plan),
+    else None."""
+    if not any(b.placement == "device" for b in opt._engine.buckets):
+        return None
+    from .optimizer_split import fit_state_to
+
+    return lambda plan: fit_state_to(opt, plan)
+
+
 def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     """A step larger than the plan's is checked at its first forward (runtime/tokens.py); with
     activation_checkpointing="auto" one that does not fit makes more blocks recompute."""
@@ -394,6 +404,7 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
         streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
         loss_given=opts.loss is not None, on_loss=lambda loss: _record_loss(w, loss),
         ooms=lambda dev=w.optimizer._engine.device: measure.oom_count(dev),
+        state=_state_mover(w.optimizer),
     )  # fmt: skip
     if opts.loss is None:  # a chunked loss given the head tells the check (runtime/heads.py)
         from . import heads

@@ -76,6 +76,61 @@ def mapped_fraction_for(opt, mode: str, device: torch.device) -> float:
     return f
 
 
+def state_starts_on_device(
+    plan, opts, device: torch.device, use_dp: bool, low_precision: bool
+) -> tuple[bool, str]:
+    """(start, why): whether wrap() lays the optimizer state out in VRAM from the start (every
+    bucket "device": engine/layout.py), as the plan says a resident run fits (plan.mode
+    "resident", its placement "device"), so that no host state is pinned that the resident switch
+    would drop. It applies the plan when the mechanism can run it: offload="auto" on a CUDA device
+    with ramstream's CUDA kernels (which update the state until the switch), one process, no
+    delayed_update, no disk tier, and no gradient accumulation of a low-precision model (the GPU
+    update would take gradients summed in bf16/fp16). why: the reason it does not (or "")."""
+    if plan is None or plan.mode != "resident" or plan.optimizer.get("placement") != "device":
+        return False, ""
+    if device.type != "cuda" or opts.offload != "auto" or opts.optimizer_mode != "auto":
+        return False, "offload='auto' and optimizer_mode='auto' on a CUDA device are needed"
+    if use_dp or opts.delayed_update is not False or plan.optimizer.get("nvme_share", 0.0) > 0:
+        return False, "data parallel, delayed_update and the disk tier keep the state on the host"
+    if opts.accumulation_steps > 1 and low_precision:
+        return False, "gradient accumulation of a low-precision model sums its gradients on the host"
+    from .. import hardware
+
+    problem = hardware.kernels_problem()
+    if problem:
+        return False, problem
+    return True, ""
+
+
+def fit_state_to(opt, plan) -> dict | None:
+    """A step re-planned before it ran (runtime/tokens.py): when the state started in VRAM
+    (state_starts_on_device) and the revised plan is not resident, the device buckets move to
+    pinned host memory that the GPU updates over PCIe ("mapped": the same kernel, bit for bit),
+    as a plan that offloads has them; the switch and the share decide again after
+    SWITCH_AFTER_STEPS. Returns the history entry (None: nothing moved). A MemoryError (pinned
+    memory refused) leaves each bucket that did not move as it was."""
+    from ..engine.layout import relocate
+
+    engine = opt._engine
+    if opt._resident is not None or plan.mode == "resident":
+        return None
+    on_device = [b for b in engine.buckets if b.placement == "device" and b.exp_avg is not None]
+    if not on_device:
+        return None
+    opt.synchronize()
+    for b in on_device:
+        relocate(engine, b, "mapped")
+    engine.mapped_numel = sum(b.numel for b in engine.buckets if b.placement == "mapped")
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+    n = sum(b.numel for b in on_device)
+    opt._log(
+        f"plan: the revised plan offloads the optimizer: the state of {n:,} parameters left VRAM for "
+        "pinned host memory the GPU updates over PCIe"
+    )
+    return {"change": "optimizer state: device -> mapped (the revised plan offloads it)", "numel": n}
+
+
 def maybe_switch(opt, after_steps: int):
     """offload="auto" after `after_steps` steps: (resident, entry). resident: the engine's Resident
     that replaces opt's engine when the planner says a resident run fits (ResidentCheck) and its
@@ -158,6 +213,8 @@ def maybe_share(opt, after_steps: int) -> dict | None:
     mem = _measure.device_memory(engine.device)
     if mem is None or engine.dp is not None or opt.mode == "cpu" or hardware.kernels_problem():
         return None
+    if all(b.placement == "device" for b in engine.buckets if b.exp_avg is not None):
+        return {"step": after_steps, "change": "keep optimizer placement", "reason": "the state is in VRAM"}
     if engine.accumulation_steps > 1 and any(b.dtype != torch.float32 for b in engine.buckets):
         return None  # the GPU update would take gradients summed in bf16/fp16 (mapped_fraction_for)
     # the isolated rates the rest's host / mapped split is solved with (measured once per process:

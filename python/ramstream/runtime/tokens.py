@@ -121,6 +121,7 @@ class StepCheck:
     def __init__(
         self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
         streams=None, on_plan=None, disk=None, loss_given: bool = False, on_loss=None, ooms=None,
+        state=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(
             shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk,
@@ -141,6 +142,9 @@ class StepCheck:
         self.ooms = ooms or (lambda: None)
         self.dense_fits = shape.tokens
         self.assumed_now = None
+        # state(plan): puts the optimizer state where a re-planned step's plan has it (the state of
+        # a resident plan starts in VRAM: runtime/optimizer_split.py fit_state_to); its history entry
+        self.state = state
 
     @property
     def shape(self):
@@ -244,6 +248,17 @@ class StepCheck:
             self._refuse(bs, self._advice(bs, e, why, self._rewrap(bs)), "refused: does not fit the plan")
         vram = rev.plan.memory["vram"]
         note = _assumed_note(rev)
+        if self.state is not None:
+            try:
+                moved = self.state(rev.plan)
+            except MemoryError as e:  # pinned memory refused: the buckets not moved stay in VRAM
+                msg = (
+                    f"ramstream: this step's batch {bs[0]} x seq {bs[1]} needs the optimizer state out of "
+                    f"VRAM (the plan for it offloads the optimizer), and pinned host memory for it was refused: {e}"
+                )
+                self._refuse(bs, msg, "refused: pinned memory for the optimizer state")
+            if moved is not None:
+                self.session.record({"step_tokens": tokens, **moved})
         if not rev.changed:
             self.fits_up_to = tokens
             if rev.assumed:

@@ -185,9 +185,11 @@ def test_a_larger_step_streams_more_blocks_on_the_gpu_and_trains_as_torch():
 def test_ram_forced_bf16_moments_are_fp32_once_resident(monkeypatch):
     """The state starting on the host (as without ramstream's CUDA kernels): RAM forces bf16 moments
     for the first steps, fp32 once resident. The state starting in VRAM: test_state_on_device.py."""
-    import ramstream.planner.profile as profile_mod
-    import ramstream.wrap as wrap_mod
+    import importlib
 
+    import ramstream.planner.profile as profile_mod
+
+    wrap_mod = importlib.import_module("ramstream.wrap")  # the module (ramstream.wrap is the function)
     monkeypatch.setattr(wrap_mod, "state_starts_on_device", lambda *a: (False, "test: the host start"))
     model = make_model(0, n_blocks=2)
     host = sum(p.numel() * p.element_size() for p in model.parameters())

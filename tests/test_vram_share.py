@@ -157,6 +157,12 @@ def test_host_to_device_matches_torch(accumulation):
 
 @pytest.mark.cuda
 def test_auto_keeps_the_share_that_fits_in_vram_and_stays_exact(monkeypatch):
+    """The state starting on the host (a plan that is not resident; this small model's plan is, so
+    the start is patched): the share that fits the VRAM left moves there after step 2."""
+    import importlib
+
+    wrap_mod = importlib.import_module("ramstream.wrap")
+    monkeypatch.setattr(wrap_mod, "state_starts_on_device", lambda *a: (False, "test: the host start"))
     ref = make_model(0, n_blocks=4).to(DEV)
     model = clone(ref)
     data = batches(8, device=DEV)

@@ -395,3 +395,23 @@ def test_the_step_is_timed_at_the_refined_split(monkeypatch):
     assert r.optimizer["refinements"][0]["reverted"]
     assert r.optimizer["split"] == r.optimizer["initial_split"]
     assert r.predicted["step_s"] == pytest.approx(step2.predicted["step_s"])
+
+
+def test_a_long_step_that_fits_only_with_paging_says_so_and_the_suggestion_is_a_real_plan():
+    """The 6.85B GPT, 16 x 2048 tokens, chunked loss, 16 GiB (issue 24's R5 at 16 GiB, refused at
+    step 0 on the GPU): every block recomputing and any number streaming keeps 8 GiB of checkpointed
+    inputs, which only paging frees; the refusal names activation_offload=True, and that plan fits."""
+    s = ModelShape.gpt("6.85b", batch=16, seq=2048, dtype="bfloat16", loss="chunked")
+    p16 = prof(16, 120)
+    with pytest.raises(PlanError) as e:
+        plan_training(s, p16)
+    hint = [o for o in e.value.options if o.startswith("activation_offload=True")]
+    assert len(hint) == 1 and "step ~" in hint[0]
+    paged = plan_training(s, p16, activation_offload=True)
+    assert paged.memory["vram"]["total"] <= paged.memory["vram"]["budget"]
+    assert f"step ~{paged.predicted['step_s'] * 1e3:.0f} ms" in hint[0]
+    assert paged.memory["ram"].get("paged_activations", 0) > 0
+    # asked for already: not suggested again
+    with pytest.raises(PlanError) as again:
+        plan_training(s, prof(6, 120), activation_offload=True)
+    assert not any(o.startswith("activation_offload=True") for o in again.value.options)

@@ -42,6 +42,9 @@ def suggestions(
         add("a chunked loss (ramstream.chunked_cross_entropy)", tryit(_with_loss(shape, "chunked")))
     if po is False:
         add("param_offload='auto'", tryit(shape, param_offload="auto"))
+    if ao is not True:  # every block's saved activations (a recomputed block's: its input) paged
+        add("activation_offload=True (saved activations paged to host RAM, bit for bit)",
+            tryit(shape, activation_offload=True))  # fmt: skip
     if nvme is not False and nvme != 0:  # a disk, or one with more free space (disk.py)
         plan = tryit(shape, _assume_disk=True)
         d = plan.memory.get("disk") if plan is not None else None

@@ -11,6 +11,9 @@ steps are tried, the cheapest first:
    of the stack (replan.py replan_recompute, order="back"); the weights stay where they are.
 2. "stream": where every block recomputing does not fit either, the fewest more blocks stream their
    weights, from the back (replan.py replan_stream), every block recomputing.
+3. "page": where that does not fit either and activation paging is off (wrap()'s default
+   activation_offload=False), paging on: every block recomputing, its checkpointed input paged to
+   host RAM, the blocks streaming as they are or the fewest more from the back.
 
 `first` is the first block that may change: 0 when nothing of the step ran, 1 when the step's first
 block is running already (its forward was read before the check; a change of the first block then
@@ -54,7 +57,7 @@ from .training import (
     SplitWindow,
 )
 
-LEVERS = ("recompute", "stream")
+LEVERS = ("recompute", "stream", "page")
 
 
 @dataclass(frozen=True)
@@ -145,23 +148,45 @@ def _revise(shape, profile, applied, measured, levers, first) -> Revision:
     except PlanError as e:
         error = e
     why = "; not even with every block recomputing its activations"
-    if "stream" not in levers:
-        raise RevisionError(error, ("recompute",), why)
-    n = len(shape.blocks)
+    n, tried = len(shape.blocks), ("recompute",)
     rest = {k: v for k, v in rest.items() if k != "param_offload"}
+    every, streamed = list(range(n)), applied.get("param_offload") or []
+    if "stream" in levers:
+        tried += ("stream",)
+        try:
+            plan = replan_stream(step, profile, streamed, first=first, activation_checkpointing=every, **rest)
+            changed = {
+                "activation_checkpointing": _recomputed(plan),
+                "param_offload": list(plan.weights["streamed"]),
+            }
+            return Revision(plan, step, changed)
+        except PlanError as e:
+            if (e.arithmetic or {}).get("disk"):  # the blocks it streams tried the disk: its arithmetic
+                error = e
+        why += " and every block it may stream streaming its weights"
+    if "page" in levers and rest.get("activation_offload") is False:
+        tried += ("page",)
+        paged = {**rest, "activation_offload": True, "activation_checkpointing": every}
+        try:
+            plan = _paged(step, profile, streamed, first, "stream" in levers, paged)
+            changed = {"activation_checkpointing": _recomputed(plan), "param_offload": list(plan.weights["streamed"]),
+                       "activation_offload": True}  # fmt: skip
+            return Revision(plan, step, changed)
+        except PlanError:
+            pass
+        why += ", nor with their checkpointed inputs paged to host RAM"
+    raise RevisionError(error, tried, why)
+
+
+def _paged(step, profile, streamed, first, stream: bool, fixed) -> Plan:
+    """The plan with activation paging on (every block recomputing, its input paged): the blocks
+    streaming as they are, else (stream) the fewest more from the back."""
     try:
-        plan = replan_stream(
-            step, profile, applied.get("param_offload") or [], first=first,
-            activation_checkpointing=list(range(n)), **rest,
-        )  # fmt: skip
-    except PlanError as e:
-        if (e.arithmetic or {}).get("disk"):  # the blocks it streams tried the disk: its arithmetic
-            error = e
-        raise RevisionError(
-            error, LEVERS, why + " and every block it may stream streaming its weights"
-        ) from None
-    changed = {"activation_checkpointing": _recomputed(plan), "param_offload": list(plan.weights["streamed"])}
-    return Revision(plan, step, changed)
+        return plan_training(step, profile, quantize="none", _suggest=False, param_offload=streamed, **fixed)
+    except PlanError:
+        if not stream:
+            raise
+    return replan_stream(step, profile, streamed, first=first, **fixed)
 
 
 def _recomputed(plan: Plan) -> list[int]:

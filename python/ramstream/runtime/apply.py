@@ -169,6 +169,29 @@ def restreamable(model, blocks, opts: WrapOptions, plan, use_dp: bool) -> dict |
     return streamed_ids(model, blocks, list(range(len(blocks))), lambda msg: None)
 
 
+class PageLever:
+    """What a re-plan between steps may turn on when every block recomputes and streaming every
+    block it may still does not fit: activation paging (wrap()'s activation_offload=True, the
+    recomputed blocks' checkpointed inputs paged to host RAM, bit for bit), attached as wrap()
+    attaches it (runtime/attach.py attach_paging) and recorded in memory_report(model)."""
+
+    def __init__(self, model, w) -> None:
+        self.model, self.w = model, w
+
+    def paging(self) -> bool:
+        return self.w.activations is not None
+
+    def page(self) -> None:
+        import dataclasses
+
+        from .attach import attach_paging
+
+        w = self.w
+        w.options = dataclasses.replace(w.options, activation_offload=True)
+        attach_paging(w, self.model, w.options)
+        w.plan["activation_offload"] = True
+
+
 class StreamLever:
     """What a re-plan between steps may change besides the recomputed blocks: which blocks stream
     their weights (engine/restream.py makes their buckets streamed, values unchanged;
@@ -399,9 +422,11 @@ def check_steps(model, w, plan, shape, prof, opts: WrapOptions, log) -> None:
     streams = None
     if lever is not None and w.optimizer._engine.block_of:  # laid out by block: restreamable()
         streams = StreamLever(model, w, blocks)
+    # activation_offload=False (the default) may become paging when nothing else fits a step
+    pages = PageLever(model, w) if lever is not None and opts.activation_offload is False else None
     check = StepCheck(
         shape, prof, fixed, log, w.optimizer._session, strict=not paging, lever=lever, fixed_why=why,
-        streams=streams, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
+        streams=streams, pages=pages, on_plan=lambda p: _record_plan(w, p), disk=lambda: disk_applied(w, n),
         loss_given=opts.loss is not None, on_loss=lambda loss: _record_loss(w, loss),
         ooms=lambda dev=w.optimizer._engine.device: measure.oom_count(dev),
         state=_state_mover(w.optimizer),

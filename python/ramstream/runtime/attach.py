@@ -61,6 +61,25 @@ def _log_rebuilt(before: set, after: set, log: EventLog) -> None:
         log(f"engine rebuilt: parameters moved or cast ({kinds(before)} -> {kinds(after)})")
 
 
+def attach_paging(w, model: torch.nn.Module, opts: WrapOptions) -> None:
+    """Activation paging (runtime/activation_policy.py) on a wrapped model, with opts'
+    activation_offload: at wrap(), or between steps when a re-plan turns it on (runtime/apply.py
+    PageLever). Its step callbacks run before the watchdog's, which then sees it."""
+    from .activation_policy import ActivationPolicy
+
+    opt = w.optimizer
+    engine = opt._engine
+    w.activations = ActivationPolicy(model, engine.device, opts, w.log)
+    watchdog = getattr(w, "watchdog", None)
+    at = len(opt._step_callbacks)
+    if watchdog is not None and watchdog.after_step in opt._step_callbacks:
+        at = opt._step_callbacks.index(watchdog.after_step)
+        watchdog.activations = w.activations
+    opt._step_callbacks[at:at] = [w.activations.on_step, w.activations.off._pool.commit]
+    opt._zero_grad_callbacks.append(w.activations.off.after_failed_step)
+    engine.on_abandon.append(w.activations.off.release_abandoned)
+
+
 def attach_model(
     model: torch.nn.Module, opt: torch.optim.Optimizer, opts: WrapOptions, log: EventLog, recompute=None
 ) -> _Wrapped:
@@ -103,13 +122,7 @@ def attach_model(
             w.keep = KeepPolicy(w.recompute, device, opts.vram_headroom, log)
             opt._step_callbacks.append(w.keep.after_step)
     if opts.activation_offload is not False:
-        from .activation_policy import ActivationPolicy
-
-        w.activations = ActivationPolicy(model, device, opts, log)
-        opt._step_callbacks.append(w.activations.on_step)
-        opt._zero_grad_callbacks.append(w.activations.off.after_failed_step)
-        opt._step_callbacks.append(w.activations.off._pool.commit)
-        engine.on_abandon.append(w.activations.off.release_abandoned)
+        attach_paging(w, model, opts)
     if opts.watchdog:  # after the activation policy's callback: it sees this step's phase
         from ..planner.rules import SWITCH_AFTER_STEPS
         from .watchdog import Watchdog

@@ -63,7 +63,7 @@ class PlanSession:
 
     def __init__(
         self, shape, profile, fixed: dict, log, history, *, recompute=None, streams=None, on_plan=None,
-        disk=None, loss_given: bool = False, on_loss=None,
+        disk=None, loss_given: bool = False, on_loss=None, pages=None,
     ) -> None:  # fmt: skip
         self.shape, self.profile, self.fixed = shape, profile, fixed
         # how the shape's loss is known: "given" (wrap(loss=)), "default" (rules.PLAN_LOSS),
@@ -72,7 +72,7 @@ class PlanSession:
         self.on_loss = on_loss or (lambda loss: None)
         self.recorder = history if isinstance(history, TrainingSession) else TrainingSession(history)
         self.log, self.history = log, self.recorder.history
-        self.recompute_lever, self.stream_lever = recompute, streams
+        self.recompute_lever, self.stream_lever, self.page_lever = recompute, streams, pages
         self.on_plan = on_plan or (lambda plan: None)
         self.disk = disk
 
@@ -87,14 +87,19 @@ class PlanSession:
         now["activation_checkpointing"] = self.recompute_lever.recomputed()
         if self.stream_lever is not None:
             now["param_offload"] = self.stream_lever.streamed()
+        if self.page_lever is not None and self.page_lever.paging():
+            now["activation_offload"] = True
         return now
 
     def levers(self) -> tuple:
         if self.recompute_lever is None:
             return ()
+        out = ("recompute",)
         if self.stream_lever is not None and self.stream_lever.usable():
-            return ("recompute", "stream")
-        return ("recompute",)
+            out += ("stream",)
+        if self.page_lever is not None and not self.page_lever.paging():
+            out += ("page",)
+        return out
 
     def revise(self, measured: Measured, *, first: int, check_only: bool = False) -> Revision:
         """The planner's answer for `measured` (RevisionError when nothing fits); applies nothing."""
@@ -118,8 +123,9 @@ class PlanSession:
 
     def apply(self, rev: Revision) -> dict:
         """Applies a revision's changes (the streamed blocks first: a refusal of pinned memory, a
-        MemoryError, leaves everything as it was) and records the revised plan; returns what changed
-        ({"recompute", "was"(, "streamed", "streamed_was"(, "disk_weights": {"blocks", "store"})))."""
+        MemoryError, leaves everything as it was), then activation paging, and records the revised
+        plan; returns what changed ({"recompute", "was"(, "streamed", "streamed_was"(, "disk_weights":
+        {"blocks", "store"}))(, "activation_offload": True))."""
         now = self.applied()
         ckpt = now.get("activation_checkpointing")
         before = list(ckpt) if isinstance(ckpt, (list, tuple)) else []
@@ -133,6 +139,9 @@ class PlanSession:
                 change.update(streamed=list(streamed), streamed_was=was)
                 if disk:  # the new blocks whose frozen weights went to disk (the store "opened" or "grown")
                     change["disk_weights"] = disk
+        if rev.changed.get("activation_offload") and self.page_lever is not None:
+            self.page_lever.page()
+            change["activation_offload"] = True
         if after != before:
             self.recompute_lever.recompute(after, rev.plan)
         self.shape = rev.shape

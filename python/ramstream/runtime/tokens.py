@@ -121,11 +121,11 @@ class StepCheck:
     def __init__(
         self, shape, profile, fixed: dict, log, history, strict: bool = True, lever=None, fixed_why="",
         streams=None, on_plan=None, disk=None, loss_given: bool = False, on_loss=None, ooms=None,
-        state=None,
+        state=None, pages=None,
     ) -> None:  # fmt: skip
         self.session = PlanSession(
             shape, profile, fixed, log, history, recompute=lever, streams=streams, on_plan=on_plan, disk=disk,
-            loss_given=loss_given, on_loss=on_loss,
+            loss_given=loss_given, on_loss=on_loss, pages=pages,
         )  # fmt: skip
         self.log = log
         # strict=False (activation paging asked for: the plan's model of paged recomputed blocks is
@@ -287,9 +287,12 @@ class StepCheck:
             dw = change["disk_weights"]
             store = "a disk store opened" if dw["store"] == "opened" else "the disk store grown"
             what += f", the frozen weights of blocks {ranges_text(dw['blocks'])} on disk ({store})"
+        if change.get("activation_offload"):
+            what += ", paging the recomputed blocks' inputs to host RAM (activation_offload=True)"
         newly = set(change["recompute"]) - set(change["was"])
         newly |= set(change.get("streamed", ())) - set(change.get("streamed_was", ()))
-        goes_on = hooked is None or hooked not in newly
+        # paging turned on attaches hooks to every block: the first one is running already
+        goes_on = hooked is None or (hooked not in newly and not change.get("activation_offload"))
         self.session.record(
             {
                 "step_tokens": tokens,

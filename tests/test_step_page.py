@@ -90,6 +90,7 @@ def test_from_the_first_block_the_step_is_refused_replanned_and_its_rerun_pages(
     with pytest.raises(PlanOutOfMemoryError) as e:
         model.forward(x, y)
     assert e.value.replanned is True and e.value.change.get("activation_offload") is True
+    assert "Activation paging is attached to every block, the first too" in str(e.value)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # nothing ran
     del e
     got += train_torch(model, opt, big)  # the same step, as is

@@ -314,7 +314,12 @@ class StepCheck:
         raise PlanOutOfMemoryError(
             f"ramstream: this step's batch {bs[0]} x seq {bs[1]} does not fit the plan wrap() applied (made "
             f"for batch {was[0]} x seq {was[1]}), so the plan was revised before anything ran: {what}. "
-            "Every block must recompute, the first too, and this forward had entered it already. The "
+            + (
+                "Activation paging is attached to every block, the first too"
+                if change.get("activation_offload")
+                else "Every block must recompute, the first too"
+            )
+            + ", and this forward had entered it already. The "
             f"weights stay where they were (VRAM {vram['total'] / _GIB:.2f} of {vram['budget'] / _GIB:.2f} "
             f"GiB predicted{note}). Weights, optimizer state and memory are as before this step: re-run the "
             "same step as is (OffloadTrainer does it by itself; see docs/planning.md)",

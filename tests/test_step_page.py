@@ -120,3 +120,43 @@ def test_issue_24s_r5_at_16_gib_is_revised_to_page_not_refused():
     assert rev.changed["activation_offload"] is True
     assert set(range(8)) <= set(rev.changed["param_offload"])
     assert rev.plan.memory["vram"]["total"] <= rev.plan.memory["vram"]["budget"]
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_step_turns_paging_on_and_trains_as_torch():
+    """The same on cuda:0 (the plan made on the injected 32 MiB profile, the check as wrap()
+    installs it): paging attached between steps on the GPU engine, the run within float rounding of
+    torch's fused AdamW (the CUDA update kernels differ from torch's in last bits)."""
+    from ramstream.runtime.apply import check_steps
+    from ramstream.runtime.inspect import model_shape, plan_for
+
+    from _models import clone
+
+    dev = torch.device("cuda:0")
+    ref = make_model(0, n_blocks=8, d=128)
+    prof = _profile(32)
+    plan = plan_for(ref, profile=prof, batch=2, seq=8)
+    shape = model_shape(ref, list(ref.blocks), batch=2, seq=8, loss="dense")
+    model = clone(ref).to(dev)
+    model, opt = ramstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), device=dev, plan=plan)
+    w = model._ramstream
+    check_steps(model, w, plan, shape, prof, w.options, w.log)
+    ref = ref.to(dev)
+    data = batches(2, b=2, t=8, device=dev) + batches(2, b=BIG, t=8, seed=6, device=dev)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # embedding backward: atomics
+    try:
+        want = train_torch(ref, torch.optim.AdamW(ref.parameters(), lr=LR, fused=True), data)
+        got = train_torch(model, opt, data)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert (
+        max(
+            float((p.detach() - q.detach()).abs().max()) for p, q in zip(ref.parameters(), model.parameters())
+        )
+        < 1e-4
+    )
+    rep = ramstream.memory_report(model)
+    assert rep["activations"]["paged_blocks"] == list(range(8)) and rep["activations"]["packed_bytes"] > 0
+    assert rep["plan"]["activation_offload"] is True
+    ramstream.unwrap(model)

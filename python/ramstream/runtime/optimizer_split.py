@@ -118,9 +118,11 @@ def fit_state_to(opt, plan) -> dict | None:
     if not on_device:
         return None
     opt.synchronize()
-    for b in on_device:
-        relocate(engine, b, "mapped")
-    engine.mapped_numel = sum(b.numel for b in engine.buckets if b.placement == "mapped")
+    try:
+        for b in on_device:
+            relocate(engine, b, "mapped")
+    finally:  # also after a refused allocation: the buckets that moved count as mapped
+        engine.mapped_numel = sum(b.numel for b in engine.buckets if b.placement == "mapped")
     if engine.device.type == "cuda":
         torch.cuda.empty_cache()
     n = sum(b.numel for b in on_device)

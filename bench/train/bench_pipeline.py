@@ -381,7 +381,8 @@ def report(rows, args) -> None:
         line += x(r.get("throughput_vs_one_gpu"), "throughput vs 1 GPU (>= 1.8)")
         if "prediction_error" in r:
             line += (
-                f"  simulator {r['predicted_s']:.3f} s predicted ({r['prediction_error']:+.1%}; within 15 %)"
+                f"  simulator {r['predicted_s']:.3f} s predicted ({r['prediction_error']:+.1%}; target within 15 %: "
+                f"{'met' if abs(r['prediction_error']) <= 0.15 else 'NOT met'})"
             )
         if line:
             print(" " + line)

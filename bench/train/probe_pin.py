@@ -123,6 +123,27 @@ def probe(n: int, threads: list[int]) -> list[dict]:
                 cudart.cudaHostUnregister(p)
             finally:
                 libc.munmap(p, n)
+    # the arena itself (ramstream.pinned_empty), each of RAMSTREAM_PIN_METHOD's ways
+    from ramstream.ops import memory
+
+    for method in ("alloc", "register"):
+        os.environ["RAMSTREAM_PIN_METHOD"] = method
+        t = time.perf_counter()
+        x = memory.pinned_empty(n, torch.uint8)
+        dt = time.perf_counter() - t
+        pinned = bool(memory.lib().is_arena_pinned(x.data_ptr()))
+        rows.append(
+            {
+                "method": f"arena {method}",
+                "pin_s": dt,
+                "gbs": n / dt / 1e9,
+                "pinned": pinned,
+                "h2d_gbs": _h2d_gbs(x),
+            }
+        )
+        del x
+        memory.lib().empty_cache()
+    os.environ.pop("RAMSTREAM_PIN_METHOD", None)
     base = rows[0]["pin_s"]
     for r in rows:
         if "pin_s" in r:
@@ -155,6 +176,7 @@ def main() -> None:
             f"{r['method']:<10} T={r.get('threads', 1):<3} {a.gib:.0f} GiB pinned in {r['pin_s']:.2f} s = "
             f"{r['gbs']:.1f} GB/s{extra}; H2D from it {r['h2d_gbs']:.1f} GB/s; "
             f"{r['speedup_vs_hostalloc']:.2f}x of hostalloc"
+            + ("" if r.get("pinned", True) else " (NOT pinned: fell back)")
         )
     if a.out:
         with open(a.out + ".tmp", "w") as f:

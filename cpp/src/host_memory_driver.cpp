@@ -2,9 +2,12 @@
 // available without a CUDA build.
 #include "ramstream/host_memory.h"
 
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "host_memory_internal.h"
+#include "host_pages.h"
 
 #ifdef RAMSTREAM_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -36,9 +39,38 @@ std::string cuda_availability() {
   return n > 0 ? std::string() : std::string("no CUDA device visible");
 }
 
+// Blocks pinned by map_touched + cudaHostRegister, with their sizes (for munmap); the others came
+// from cudaHostAlloc. Never destroyed: the global arena unpins its blocks at exit, after any
+// function-local static made later than it would be gone.
+std::mutex& mapped_mu() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::unordered_map<void*, std::size_t>& mapped_blocks() {
+  static auto* m = new std::unordered_map<void*, std::size_t>;
+  return *m;
+}
+
+constexpr std::size_t kRegisterMin = std::size_t{64} << 20;  // smaller blocks: cudaHostAlloc
+
 Status cuda_pin(int device, std::size_t bytes, void** out) {
   *out = nullptr;
   RAMSTREAM_RETURN_IF_ERROR(select_device(device));
+  const detail::PinMethod method = detail::pin_method();
+  if (method == detail::PinMethod::kRegister && bytes >= kRegisterMin && bytes % 4096 == 0) {
+    void* p = nullptr;
+    RAMSTREAM_RETURN_IF_ERROR(detail::map_touched(bytes, detail::touch_threads(bytes), &p));
+    cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      detail::unmap(p, bytes);
+      return cuda::from_cuda(err, ("cudaHostRegister(" + std::to_string(bytes) + " bytes)").c_str());
+    }
+    std::lock_guard<std::mutex> g(mapped_mu());
+    mapped_blocks()[p] = bytes;
+    *out = p;
+    return Status::ok();
+  }
   cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
   if (err != cudaSuccess) {
     cudaGetLastError();
@@ -49,6 +81,20 @@ Status cuda_pin(int device, std::size_t bytes, void** out) {
 
 void cuda_unpin(int device, void* p) {
   (void)select_device(device);
+  std::size_t mapped = 0;
+  {
+    std::lock_guard<std::mutex> g(mapped_mu());
+    auto it = mapped_blocks().find(p);
+    if (it != mapped_blocks().end()) {
+      mapped = it->second;
+      mapped_blocks().erase(it);
+    }
+  }
+  if (mapped) {
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+    detail::unmap(p, mapped);
+    return;
+  }
   if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // nothing else to do about it
 }
 

@@ -186,6 +186,15 @@ VARIABLES: dict[str, EnvVar] = {
             here=lambda: _gib(_physical_ram() // 2),
         ),
         EnvVar(
+            "RAMSTREAM_PIN_METHOD",
+            CORE,
+            "alloc or register",
+            "alloc",
+            "how the arena page-locks blocks of 64 MiB and more: alloc (cudaHostAlloc, one thread) or "
+            "register (an anonymous mapping faulted in by up to 16 threads, then cudaHostRegister)",
+            _choice("alloc", "register"),
+        ),
+        EnvVar(
             "RAMSTREAM_AVX512BF16",
             CORE,
             "0 or 1",

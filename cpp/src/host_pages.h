@@ -1,0 +1,26 @@
+// Large page-lockable blocks faulted in by several threads (host_pages.cpp); the host arena's CUDA
+// driver registers them instead of asking cudaHostAlloc (RAMSTREAM_PIN_METHOD=register).
+#pragma once
+#include <cstddef>
+
+#include "ramstream/status.h"
+
+namespace ramstream::detail {
+
+enum class PinMethod { kAlloc, kRegister };
+
+// RAMSTREAM_PIN_METHOD: "register" (map_touched + cudaHostRegister); unset, "alloc" or anything
+// else kAlloc (cudaHostAlloc; a bad value is reported by Python's env check at import).
+PinMethod pin_method();
+
+// How many threads map_touched uses for `bytes`: one per 64 MiB, at most 16 and the core count.
+int touch_threads(std::size_t bytes);
+
+// An anonymous private mapping of `bytes` (a positive multiple of 4096), zero-filled, every page
+// faulted in by `threads` threads; asks for transparent huge pages and no inheritance by fork.
+Status map_touched(std::size_t bytes, int threads, void** out);
+
+// munmap of a map_touched block.
+void unmap(void* p, std::size_t bytes);
+
+}  // namespace ramstream::detail

@@ -23,7 +23,7 @@ constexpr std::size_t kPerThreadMin = std::size_t{64} << 20;  // less per thread
 
 PinMethod pin_method() {
   const char* env = std::getenv("RAMSTREAM_PIN_METHOD");
-  return env != nullptr && std::strcmp(env, "register") == 0 ? PinMethod::kRegister : PinMethod::kAlloc;
+  return env != nullptr && std::strcmp(env, "alloc") == 0 ? PinMethod::kAlloc : PinMethod::kRegister;
 }
 
 int touch_threads(std::size_t bytes) {

@@ -1,5 +1,5 @@
 // Large page-lockable blocks faulted in by several threads (host_pages.cpp); the host arena's CUDA
-// driver registers them instead of asking cudaHostAlloc (RAMSTREAM_PIN_METHOD=register).
+// driver registers them instead of asking cudaHostAlloc (unless RAMSTREAM_PIN_METHOD=alloc).
 #pragma once
 #include <cstddef>
 
@@ -9,8 +9,9 @@ namespace ramstream::detail {
 
 enum class PinMethod { kAlloc, kRegister };
 
-// RAMSTREAM_PIN_METHOD: "register" (map_touched + cudaHostRegister); unset, "alloc" or anything
-// else kAlloc (cudaHostAlloc; a bad value is reported by Python's env check at import).
+// RAMSTREAM_PIN_METHOD: "alloc" (cudaHostAlloc); unset, "register" or anything else kRegister
+// (map_touched + cudaHostRegister, 10x faster on the H100 machine: bench/train/probe_pin.py; a bad
+// value is reported by Python's env check at import).
 PinMethod pin_method();
 
 // How many threads map_touched uses for `bytes`: one per 64 MiB, at most 16 and the core count.

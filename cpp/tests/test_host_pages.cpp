@@ -58,13 +58,13 @@ int main() {
   CHECK(map_touched(4097, 2, &p).code() == StatusCode::kInvalidArgument && p == nullptr);
 
   unsetenv("RAMSTREAM_PIN_METHOD");
-  CHECK(pin_method() == PinMethod::kAlloc);
+  CHECK(pin_method() == PinMethod::kRegister);
   setenv("RAMSTREAM_PIN_METHOD", "alloc", 1);
   CHECK(pin_method() == PinMethod::kAlloc);
   setenv("RAMSTREAM_PIN_METHOD", "register", 1);
   CHECK(pin_method() == PinMethod::kRegister);
   setenv("RAMSTREAM_PIN_METHOD", "fast", 1);  // bad: the default (Python's env check warns)
-  CHECK(pin_method() == PinMethod::kAlloc);
+  CHECK(pin_method() == PinMethod::kRegister);
   unsetenv("RAMSTREAM_PIN_METHOD");
 
   CHECK(touch_threads(4096) == 1);

@@ -189,9 +189,10 @@ VARIABLES: dict[str, EnvVar] = {
             "RAMSTREAM_PIN_METHOD",
             CORE,
             "alloc or register",
-            "alloc",
-            "how the arena page-locks blocks of 64 MiB and more: alloc (cudaHostAlloc, one thread) or "
-            "register (an anonymous mapping faulted in by up to 16 threads, then cudaHostRegister)",
+            "register",
+            "how the arena page-locks blocks of 64 MiB and more: register (an anonymous mapping "
+            "faulted in by up to 16 threads, then cudaHostRegister; 10x cudaHostAlloc's rate on the "
+            "H100 machine) or alloc (cudaHostAlloc, one thread)",
             _choice("alloc", "register"),
         ),
         EnvVar(
@@ -200,6 +201,15 @@ VARIABLES: dict[str, EnvVar] = {
             "0 or 1",
             "1 (used where the CPU has AVX512-BF16)",
             "0: the AVX-512 AdamW writes bf16 without the AVX512-BF16 instruction (tests)",
+            _switch,
+        ),
+        EnvVar(
+            "RAMSTREAM_EXPANDABLE_SEGMENTS",
+            PYTHON,
+            "0 or 1",
+            "1 (unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set)",
+            "1: wrap() on CUDA turns on the caching allocator's expandable segments (no stranded "
+            "fragments under a tight plan); 0: the allocator is left as it is",
             _switch,
         ),
         EnvVar(

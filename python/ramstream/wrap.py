@@ -11,6 +11,7 @@ from .optim import OffloadAdamW
 from .options import WrapOptions
 from .planner.host_fit import pick_moment_dtype
 from .report import EventLog, Laps, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
+from .runtime.allocator import use_expandable_segments
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
 from .runtime.convert import _convert_optimizer, _hand_over
@@ -369,6 +370,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             bucket_bytes=opts.bucket_bytes,
         )
     homes = devices_of(model)  # where a wrap() that runs out of device memory puts them back
+    use_expandable_segments(device, log)  # before the weights arrive: their segments expandable too
     if any(p.device != device for p in model.parameters() if id(p) not in streamed):
         if device.type == "cuda" and opts.check_memory:
             from .hardware import gpu_memory

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -32,11 +34,33 @@ int touch_threads(std::size_t bytes) {
   return static_cast<int>(std::min<std::size_t>({hw, by_size, std::size_t{16}}));
 }
 
+std::uint64_t available_memory_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  std::uint64_t kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long long v = 0;
+    if (std::sscanf(line, "MemAvailable: %llu kB", &v) == 1) {
+      kib = v;
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib * 1024;
+}
+
 Status map_touched(std::size_t bytes, int threads, void** out) {
   *out = nullptr;
   if (bytes == 0 || bytes % kPage != 0)
     return Status::invalid("map_touched: bytes must be a positive multiple of 4096, got " +
                            std::to_string(bytes));
+  // Touching pages the machine does not have would bring the kernel's OOM killer, not an error:
+  // refuse first, as cudaHostAlloc would (the arena then falls back and says why).
+  const std::uint64_t avail = available_memory_bytes();
+  if (avail > 0 && bytes > avail)
+    return Status::oom("page-locking " + std::to_string(bytes) + " bytes: only " +
+                       std::to_string(avail) + " bytes of RAM available (MemAvailable)");
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     return Status::oom("mmap(" + std::to_string(bytes) + " bytes): " + std::strerror(errno));

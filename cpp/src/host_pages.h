@@ -2,6 +2,7 @@
 // driver registers them instead of asking cudaHostAlloc (unless RAMSTREAM_PIN_METHOD=alloc).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "ramstream/status.h"
 
@@ -17,8 +18,12 @@ PinMethod pin_method();
 // How many threads map_touched uses for `bytes`: one per 64 MiB, at most 16 and the core count.
 int touch_threads(std::size_t bytes);
 
+// MemAvailable of /proc/meminfo in bytes (0 when unreadable).
+std::uint64_t available_memory_bytes();
+
 // An anonymous private mapping of `bytes` (a positive multiple of 4096), zero-filled, every page
 // faulted in by `threads` threads; asks for transparent huge pages and no inheritance by fork.
+// Out of memory, touching nothing, when `bytes` exceeds MemAvailable.
 Status map_touched(std::size_t bytes, int threads, void** out);
 
 // munmap of a map_touched block.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "../src/host_pages.h"
@@ -52,6 +53,16 @@ int main() {
   check_block(std::size_t{3} << 20, 3);    // pages not a multiple of the thread count
   check_block(std::size_t{96} << 20, 4);
   check_block(std::size_t{64} << 20, 0);   // no thread asked: the caller's thread alone
+
+  const std::uint64_t avail = available_memory_bytes();
+  CHECK(avail > 0);  // Linux: /proc/meminfo
+  if (avail > 0) {   // more than the machine has: refused before anything is touched
+    void* big = reinterpret_cast<void*>(1);
+    const std::size_t over = static_cast<std::size_t>((avail * 2 + 4095) / 4096 * 4096);
+    Status s = map_touched(over, 4, &big);
+    CHECK(s.code() == StatusCode::kOutOfMemory && big == nullptr);
+    CHECK(s.message().find("MemAvailable") != std::string::npos);
+  }
 
   void* p = reinterpret_cast<void*>(1);
   CHECK(map_touched(0, 2, &p).code() == StatusCode::kInvalidArgument && p == nullptr);

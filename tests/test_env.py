@@ -31,6 +31,7 @@ BAD = [
     ("RAMSTREAM_FORCE_ISA", "avx9", "scalar, avx2 or avx512"),
     ("RAMSTREAM_PIN_BUDGET", "lots", "bytes with an optional K/M/G/T suffix"),
     ("RAMSTREAM_AVX512BF16", "yes", "0 or 1"),
+    ("RAMSTREAM_PIN_METHOD", "fast", "alloc or register"),
 ]
 
 _IMPORT = (

@@ -84,7 +84,12 @@ def run_variant(args, delayed) -> dict:
     options = dict(device=str(dev), delayed_update=delayed, moment_dtype=args.moments)
     if cuda:
         options.update(loss="chunked", batch=args.batch, seq=args.seq)
+    name = "plain" if delayed is False else "delayed"
+    t_wrap = time.perf_counter()
     model, opt = ramstream.wrap(model, opt, **options)
+    # progress on stderr (the parent lets it through): a run cut by a time limit still shows how far
+    # it got and at what pace
+    print(f"[{name}] wrap() {time.perf_counter() - t_wrap:.1f} s", file=sys.stderr, flush=True)
     data = markov_batches(vocab, args.batch, args.seq, args.steps)
 
     def loss_fn(x):
@@ -102,6 +107,12 @@ def run_variant(args, delayed) -> dict:
         opt.zero_grad()
         losses.append(loss.item())  # the device's work for this step is done
         times.append(time.perf_counter() - t0)
+        if len(times) % 10 == 0 or len(times) == 1:
+            print(
+                f"[{name}] step {len(times)}: loss {losses[-1]:.4f}, {times[-1]:.3f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     opt.synchronize()
     st = opt.stats()
     timed = times[args.skip :] or times
@@ -133,10 +144,11 @@ def _child(args, name: str, script: str = __file__) -> dict:
             "--variant-out",
             path,
         ]
-        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        # stderr passes through (progress, and the traceback of a failed run)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
         if p.returncode != 0:
-            print(p.stdout[-4000:], p.stderr[-4000:], file=sys.stderr)
-            return dict(error=p.stderr[-2000:])
+            print(p.stdout[-4000:], file=sys.stderr)
+            return dict(error=f"exit status {p.returncode} (its stderr is above)")
         with open(path) as f:
             return json.load(f)
 

@@ -132,13 +132,15 @@ for stage in $STAGES; do
         --cap-gib 24 --steps "${DELAYED_STEPS:-200}" --out "$OUT/delayed.json" ${DELAYED_ARGS:-} > "$OUT/delayed.log" 2>&1
       summary "delayed rc=$?"; tail -4 "$OUT/delayed.log" | tee -a "$OUT/summary.txt" ;;
     nvme)  # issue 29: the optimizer state on disk vs in RAM, GPT 6.85B bf16 8x512 chunked, 24 GiB;
-           # NVME_DIR: a folder on the fastest local disk (default /tmp)
+           # NVME_DIR: a folder on the fastest local disk (default /tmp); NVME_ARGS and NVME_WEIGHTS_ARGS
+           # (e.g. "--share 0.1 --steps 6 --skip 2", "--model 1.8b") fit the runs to a small or slow disk
       timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --model 6.85b --batch 8 --seq 512 \
         --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme.json" ${NVME_ARGS:-} > "$OUT/nvme.log" 2>&1
       summary "nvme rc=$?"; tail -4 "$OUT/nvme.log" | tee -a "$OUT/summary.txt"
       # and a frozen base's streamed weights on disk (nvme_weights) vs in pinned RAM, same model
       timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --what weights --model 6.85b --batch 8 \
-        --seq 512 --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme_weights.json" > "$OUT/nvme_weights.log" 2>&1
+        --seq 512 --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme_weights.json" ${NVME_WEIGHTS_ARGS:-} \
+        > "$OUT/nvme_weights.log" 2>&1
       summary "nvme weights rc=$?"; tail -4 "$OUT/nvme_weights.log" | tee -a "$OUT/summary.txt" ;;
     trainer)  # issue 12: Qwen2-1.5B shape, stock Trainer vs OffloadTrainer, uncapped and at 12 GiB
       timeout $(( ${TRAINER_DEADLINE:-300} + 30 )) python3 bench/train/bench_trainer.py \

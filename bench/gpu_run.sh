@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): build, then the stages named in $STAGES
-# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, pipeline, delayed, nvme, trainer, loss, doctor, probe, pin, defaults), each under a time limit, logs under $OUT. Prints a short
+# (tests, cpu, cputorch, micro, train, act, diag, soak, sanitize, dp, loadprobe, stream, quant, offload, pipeline, delayed, nvme, io, trainer, loss, doctor, probe, pin, defaults), each under a time limit, logs under $OUT. Prints a short
 # summary last.
 #   STAGES="tests micro" bash bench/gpu_run.sh
 #   STAGES="stream" STREAM_ROWS="F,E,D8" STREAM_DEADLINE=450 bash bench/gpu_run.sh
@@ -156,6 +156,13 @@ for stage in $STAGES; do
         --rows "${DEFAULTS_ROWS:-R1,R3,R5,R4,R6}" --caps "${DEFAULTS_CAPS:-8,12,16,24}" \
         --deadline "${DEFAULTS_DEADLINE:-500}" --out "$OUT/defaults.jsonl" ${DEFAULTS_ARGS:-} > "$OUT/defaults.log" 2>&1
       summary "defaults rc=$?"; sed -n '/^| row /,$p' "$OUT/defaults.log" | tee -a "$OUT/summary.txt" ;;
+    io)      # issue 29: direct I/O by pread/pwrite threads (the disk store's way) vs io_uring, same file
+             # (bench/probe_io.cpp): IO_DIR (default /tmp), IO_GIB (default 4)
+      g++ -O2 -std=c++17 -pthread bench/probe_io.cpp -o /tmp/probe_io \
+        && timeout 150 /tmp/probe_io "${IO_DIR:-/tmp}" "${IO_GIB:-4}" 1,8 1,4,16 > "$OUT/io.jsonl" 2> "$OUT/io.log"
+      summary "io rc=$?"
+      python3 -c 'import json,sys; [print("  %-13s %-5s %2d MiB x%-2d %6.2f GB/s" % (r["method"], r["op"], r["chunk_mib"], r["concurrency"], r["gbps"])) for r in map(json.loads, open(sys.argv[1]))]' \
+        "$OUT/io.jsonl" | tee -a "$OUT/summary.txt" ;;
     pin)     # where the offloaded setup goes: page-locking rate by method (probe_pin.py), PIN_GIB
       timeout 120 python3 bench/train/probe_pin.py --gib "${PIN_GIB:-8}" --out "$OUT/pin.json" > "$OUT/pin.log" 2>&1
       summary "pin rc=$?"; tee -a "$OUT/summary.txt" < "$OUT/pin.log" ;;

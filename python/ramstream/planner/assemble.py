@@ -38,6 +38,14 @@ def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
             f"pinned {pinned['total'] / _GIB:.2f} GiB > the page-lock budget {ctx.pin / _GIB:.2f} GiB per rank: "
             "the excess is ordinary memory and its copies are slower (raise RAMSTREAM_PIN_BUDGET)"
         )
+    cut = max(c.get("split", {}).get("pin_cut", 0), c.get("initial_split", {}).get("pin_cut", 0))
+    if cut:
+        reasons.append(
+            f"optimizer: {cut / 1e6:.1f}M parameters updated by the host instead of the GPU over PCIe: their "
+            f"mapped state does not fit the page-lock budget {ctx.pin / _GIB:.2f} GiB per rank beside the "
+            "landing buffers and streamed weights (the runtime keeps such buckets on the host; "
+            "RAMSTREAM_PIN_BUDGET raises the budget)"
+        )
     placement = (
         "device"
         if mode == "resident"

@@ -86,6 +86,27 @@ def offload_host_memory(ctx, split: dict, moment: str, ss: set, paged: int) -> t
     return ram, pinned
 
 
+def cap_mapped_to_pin(ctx, split: dict, moment: str, ss: set, paged: int) -> dict:
+    """`split` with its mapped share cut so the plan's pinned memory fits the page-lock budget
+    (ctx.pin; 0: unknown, no cut): the runtime keeps a bucket on the host when the arena cannot
+    page-lock its mapped state (engine/layout.py), after the landing buffers (the device share's
+    included: it starts on the host) and streamed weights took their pinned memory at wrap(). A cut element is updated by the host: its state leaves the
+    pinned memory and its landing slot joins it. optimizer_mode="gpu" (every element mapped) is
+    not cut. The cut count is in split["pin_cut"]."""
+    m = split["mapped"]
+    if not m or ctx.pin <= 0 or ctx.opt_mode == "gpu":
+        return split
+    # the landing buffers as wrap() pins them: the device share's too (vram_share moves it later)
+    first = {**split, "device": 0, "host": split["host"] + split.get("device", 0)}
+    _, pinned = offload_host_memory(ctx, first, moment, ss, paged)
+    over = sum(pinned.values()) - ctx.pin
+    per = master_bytes(ctx.wb) + 2 * moment_bytes(moment) - ctx.wb
+    if over <= 0 or per <= 0:
+        return split
+    cut = min(m, -(-over // per))
+    return {**split, "mapped": m - cut, "host": split["host"] + cut, "pin_cut": split.get("pin_cut", 0) + cut}
+
+
 def _text(parts: dict) -> str:
     return (
         " + ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)

@@ -30,10 +30,10 @@ from . import policy
 from .act_modes import choose_modes
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
+from .host_fit import cap_mapped_to_pin, plan_step_buffers
 from .host_fit import master_bytes as _master
 from .host_fit import moment_bytes as _mb
 from .host_fit import offload_host_memory as _host_memory
-from .host_fit import plan_step_buffers
 from .inflight import resident_peak
 from .measure import ADAMW_STATE_BYTES
 from .policy import auto_recompute, auto_streamed, optimizer_split
@@ -140,6 +140,7 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
     streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
     split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=room, mode=ctx.opt_mode,
                             wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
+    split = cap_mapped_to_pin(ctx, split, moment, ss, paged)
     share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
     vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
     settled, bounds, rounds = _settle(ctx, streamed, paged, modes, moment, split, streamed_tr)
@@ -167,7 +168,8 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
         return split, bounds, []
     kw = dict(streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment), state_bytes=ADAMW_STATE_BYTES[moment],
               prof=ctx.prof)  # fmt: skip
-    rounds = refinement_rounds(split, **kw)
+    ss = set(streamed)
+    rounds = [cap_mapped_to_pin(ctx, r, moment, ss, paged) for r in refinement_rounds(split, **kw)]
     now, t_now = split, bounds
     if rounds:
         first = _times(ctx, streamed, paged, modes, moment, rounds[0])

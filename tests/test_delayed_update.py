@@ -201,6 +201,27 @@ def test_with_bf16_moments():
     _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(10)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_weights_bf16_moments_and_many_buckets(device):
+    """The GPU bench's configuration (bf16 weights with fp32 masters, bf16 moments, the state in
+    many buckets, every update installed by H2D) on a model small enough to check bit for bit."""
+    ref_model = make_model(0, dtype=torch.bfloat16, n_blocks=4).to(device)
+    model = clone(ref_model)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        device=device,
+        delayed_update=2,
+        moment_dtype="bfloat16",
+        bucket_bytes=1 << 14,
+    )
+    assert len(opt._engine.buckets) > 4
+    offsets = [p._ramstream_slot.bucket.state_offset + p._ramstream_slot.offset for p in model.parameters()]
+    ref = DelayedReference(ref_model, 2, bf16_offsets=offsets)
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(12, device=device)))
+    assert opt.stats()["delayed_steps"] == 10
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_with_streamed_blocks(dtype):
     ref_model = make_model(0, dtype=dtype, n_blocks=4)

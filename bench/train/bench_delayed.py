@@ -84,7 +84,7 @@ def run_variant(args, delayed) -> dict:
     options = dict(device=str(dev), delayed_update=delayed, moment_dtype=args.moments)
     if cuda:
         options.update(loss="chunked", batch=args.batch, seq=args.seq)
-    name = "plain" if delayed is False else "delayed"
+    name = "plain" if delayed is False else f"delayed, warm-up {delayed}"
     t_wrap = time.perf_counter()
     model, opt = ramstream.wrap(model, opt, **options)
     # progress on stderr (the parent lets it through): a run cut by a time limit still shows how far
@@ -153,6 +153,11 @@ def _child(args, name: str, script: str = __file__) -> dict:
             return json.load(f)
 
 
+def _warmup_of(args, name: str):
+    """delayed_update's value for variant `name`: False (plain), --warmup or --extra-warmup."""
+    return {"plain": False, "delayed": args.warmup, "delayed2": args.extra_warmup}[name]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -177,6 +182,12 @@ def main() -> int:
         default=None,
         help="delayed_update's undelayed warm-up steps (default 40; --tiny: 2)",
     )
+    ap.add_argument(
+        "--extra-warmup",
+        type=int,
+        default=None,
+        help="a second delayed run with this many warm-up steps (variant 'delayed2'), e.g. 5 beside 40",
+    )
     ap.add_argument("--skip", type=int, default=45, help="steps left out of s/step (warm-up, plan)")
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="a PNG of both loss curves (matplotlib)")
@@ -191,21 +202,22 @@ def main() -> int:
     args.steps = 200 if args.steps is None else args.steps
     args.warmup = 40 if args.warmup is None else args.warmup
     if args.variant is not None:
-        res = run_variant(args, False if args.variant == "plain" else args.warmup)
+        res = run_variant(args, _warmup_of(args, args.variant))
         with open(args.variant_out, "w") as f:
             json.dump(res, f)
         return 0
     results = {}
-    for name in ("plain", "delayed"):
+    names = ("plain", "delayed") + (("delayed2",) if args.extra_warmup is not None else ())
+    for name in names:
         if args.device == "cpu":  # no per-process cap to keep apart: both runs in this process
-            results[name] = run_variant(args, False if name == "plain" else args.warmup)
+            results[name] = run_variant(args, _warmup_of(args, name))
         else:
             results[name] = _child(args, name)
         r = results[name]
         if "error" in r:
             continue
         print(
-            f"{name:8s} s/step {r['step_s']:.4f}  host AdamW/step {r['host_update_s_per_step']:.4f} s  "
+            f"{name:8s} (warm-up {_warmup_of(args, name)}) s/step {r['step_s']:.4f}  host AdamW/step {r['host_update_s_per_step']:.4f} s  "
             f"last loss {r['losses'][-1]:.4f}  delayed steps {r['delayed_steps']}"
         )
     ok = all("error" not in r for r in results.values())
@@ -213,12 +225,10 @@ def main() -> int:
         p, d = results["plain"], results["delayed"]
         tail = min(20, len(p["losses"]))
         results["ratio_step_s"] = d["step_s"] / p["step_s"]
-        results["tail_mean_loss"] = {
-            k: statistics.fmean(results[k]["losses"][-tail:]) for k in ("plain", "delayed")
-        }
+        results["tail_mean_loss"] = {k: statistics.fmean(results[k]["losses"][-tail:]) for k in names}
         print(
             f"delayed/plain s/step {results['ratio_step_s']:.3f}; mean loss of the last {tail} steps: "
-            f"plain {results['tail_mean_loss']['plain']:.4f}, delayed {results['tail_mean_loss']['delayed']:.4f}"
+            + ", ".join(f"{k} {v:.4f}" for k, v in results["tail_mean_loss"].items())
         )
     results["config"] = {
         k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out", "plot")
@@ -238,9 +248,10 @@ def plot(results: dict, path: str) -> None:
 
     cfg = results["config"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ("plain", "delayed"):
+    for name in [k for k in ("plain", "delayed", "delayed2") if k in results and "losses" in results[k]]:
         r = results[name]
-        label = "no delay" if name == "plain" else f"delayed_update={cfg['warmup']} (warm-up steps)"
+        w = {"delayed": cfg["warmup"], "delayed2": cfg.get("extra_warmup")}.get(name)
+        label = "no delay" if name == "plain" else f"delayed_update={w} (warm-up steps)"
         if cfg["device"] != "cpu":  # on the CPU engine compute and host AdamW share the cores
             label += f": {r['step_s']:.3f} s/step"
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, lw=1)

@@ -30,7 +30,7 @@ from .ops.memory import (  # noqa: E402
     unregister_host_memory,
 )
 from .optim import OffloadAdamW  # noqa: E402
-from .pipeline import Pipeline, PipelineModel, PipelinePaddingWarning  # noqa: E402
+from .pipeline import Pipeline, PipelineModel, PipelineOutOfMemoryError, PipelinePaddingWarning  # noqa: E402
 from .planner import HardwareProfile, ModelShape, Plan, PlanError, plan_training, profile_hardware  # noqa: E402
 from .quant import dequantize_model, quantize_model  # noqa: E402
 from .report import pinned_stats  # noqa: E402
@@ -74,6 +74,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanOutOfMemoryError",
+    "PipelineOutOfMemoryError",
     "functional",
     "find_blocks",  # the repeated block stack wrap() detects (TrainStream's name)
     # pinned host memory

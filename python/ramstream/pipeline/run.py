@@ -126,6 +126,7 @@ class Run:
         self.end_events: dict = {}  # stage -> event on its stream at its end
         self.spans: list | None = [] if trace else None
         self.pagers = pagers if train and pagers and not self.replace else None
+        self.failed_at = None  # (stage, op) of the first op that raised (oom.py says where)
 
     # ---- the caller's side -----------------------------------------------------------------------
     def mark_start(self) -> None:
@@ -202,10 +203,17 @@ class Run:
 
     def run_op(self, s: int, op) -> None:
         t0 = time.perf_counter()
-        if op.kind == "F":
-            self.forward(s, op.chunk, op.mb)
-        else:
-            self.backward(s, op.chunk, op.mb)
+        try:
+            if op.kind == "F":
+                self.forward(s, op.chunk, op.mb)
+            else:
+                self.backward(s, op.chunk, op.mb)
+        except Stopped:
+            raise
+        except BaseException:
+            if self.failed_at is None:
+                self.failed_at = (s, op)
+            raise
         if self.spans is not None:
             self.spans.append((s, f"{op.kind} mb{op.mb} c{op.chunk}", t0, time.perf_counter()))
 

@@ -16,6 +16,7 @@ from . import schedule as schedules
 from .checks import check_autocast, check_devices, check_offload, check_paths, dice
 from .fake import check_fake_compute, refuse_replace
 from .microbatch import cut_inputs
+from .oom import explain as out_of_memory
 from .paging import StagePager
 from .pinning import set_offload_pinned
 from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
@@ -240,6 +241,9 @@ class Pipeline:
             run.join_streams()
             if run.exchange.error is not None:
                 raise run.exchange.error
+        except torch.OutOfMemoryError as e:  # where, the schedule's arithmetic, what holds less
+            raise out_of_memory(e, run, stages=self.num_stages, chunks_per_stage=self.chunks_per_stage,
+                                devices=self.devices, paging=bool(self._pagers)) from e  # fmt: skip
         finally:
             self._lock.release()
 

@@ -157,3 +157,25 @@ def host_trial(split: dict, *, streamed_trained: int, wb: int, mb: int, state_by
         return None
     base = {k: v for k, v in split.items() if k != "refine_rates"}
     return {**base, "mapped": 0, "host": split["host"] + split["mapped"], "host_trial": True}
+
+
+def delayed_verdict(delayed, plain) -> str | None:
+    """wrap(delayed_update=...)'s check (runtime/apply.py): delayed_update keeps the whole optimizer
+    state on the host (runtime/optimizer_split.py), so where the plan without it updates a share on
+    the GPU its host AdamW has more to do. `delayed` and `plain`: the Plans with and without it.
+    Returns the warning's text when `plain` predicts a step more than rules.DELAYED_SLOWER shorter,
+    with both predictions and their bounds, else None."""
+    from .rules import DELAYED_SLOWER
+
+    d, p = delayed.predicted["step_s"], plain.predicted["step_s"]
+    if not (d and p) or d <= p * (1 + DELAYED_SLOWER):
+        return None
+    split = plain.optimizer.get("split") or {}
+    gpu = split.get("device", 0.0) + split.get("mapped", 0.0)
+    return (
+        f"delayed_update is predicted slower on this machine: {d:.3f} s/step with it (bound by "
+        f"{delayed.predicted['bound']}, host AdamW {delayed.bounds.get('host_adamw_s', 0.0):.3f} s) vs "
+        f"{p:.3f} s without it (bound by {plain.predicted['bound']}): it keeps the whole optimizer state "
+        f"on the host, where without it the plan updates {gpu:.0%} of it on the GPU; compare both "
+        "(docs/guide/delayed_update.md) or leave delayed_update=False"
+    )

@@ -109,3 +109,7 @@ PIPELINE_OPTIMIZER_BYTES = 8
 # block), and the last this many streamed blocks stay loaded from the forward into the backward (read
 # once per step; the others twice).
 NVME_WEIGHTS_WINDOW = 3
+
+# wrap(delayed_update=...) warns when the plan without it predicts a step this much shorter
+# (delayed_update keeps the whole optimizer state on the host: policy.delayed_verdict)
+DELAYED_SLOWER = 0.05

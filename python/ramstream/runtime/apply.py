@@ -76,7 +76,32 @@ def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
             options=e.options,
         ) from None
     log("plan:\n" + plan.explain())
+    if opts.delayed_update is not False:
+        _check_delayed(model, optimizer, blocks, prof, opts, kw, plan, log)
     return plan, shape, prof
+
+
+def _check_delayed(model, optimizer, blocks, prof, opts: WrapOptions, kw: dict, plan, log) -> None:
+    """delayed_update keeps the whole optimizer state on the host: a UserWarning (and the log) when
+    the plan without it predicts a shorter step (planner/policy.py delayed_verdict)."""
+    import warnings
+
+    from ..planner.policy import delayed_verdict
+    from ..planner.result import PlanError
+    from .inspect import _trained_only, plan_model
+
+    try:
+        with _trained_only(model, optimizer):
+            plain, _ = plan_model(
+                model, blocks, prof, batch=opts.batch, seq=opts.seq, loss=opts.loss,
+                **{**kw, "delayed_update": False},
+            )  # fmt: skip
+    except PlanError:
+        return  # without it nothing fits either: nothing to compare
+    text = delayed_verdict(plan, plain)
+    if text is not None:
+        log(text)
+        warnings.warn(f"ramstream.wrap(): {text}", UserWarning, stacklevel=4)
 
 
 def with_disk(prof, opts: WrapOptions, log):

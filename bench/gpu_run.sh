@@ -189,3 +189,9 @@ for stage in $STAGES; do
   esac
 done
 echo "==== summary"; cat "$OUT/summary.txt"
+# The device tool brings back at most 8 files from $OUT: past that, every file goes into one
+# archive (all.tgz; `tar xzf all.tgz` here) and only it, summary.txt and tests_cuda.log stay.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/ramstream-all.tgz --exclude=./all.tgz . && mv /tmp/ramstream-all.tgz all.tgz) \
+    && find "$OUT" -maxdepth 1 -type f ! -name all.tgz ! -name summary.txt ! -name tests_cuda.log -delete
+fi

@@ -90,9 +90,10 @@ def cap_mapped_to_pin(ctx, split: dict, moment: str, ss: set, paged: int) -> dic
     """`split` with its mapped share cut so the plan's pinned memory fits the page-lock budget
     (ctx.pin; 0: unknown, no cut): the runtime keeps a bucket on the host when the arena cannot
     page-lock its mapped state (engine/layout.py), after the landing buffers (the device share's
-    included: it starts on the host) and streamed weights took their pinned memory at wrap(). A cut element is updated by the host: its state leaves the
-    pinned memory and its landing slot joins it. optimizer_mode="gpu" (every element mapped) is
-    not cut. The cut count is in split["pin_cut"]."""
+    included: it starts on the host) and streamed weights took their pinned memory at wrap(). A cut
+    element is updated by the host: its state leaves the pinned memory and its landing slot joins
+    it. optimizer_mode="gpu" (every element mapped) is not cut. The cut count is in
+    split["pin_cut"]."""
     m = split["mapped"]
     if not m or ctx.pin <= 0 or ctx.opt_mode == "gpu":
         return split

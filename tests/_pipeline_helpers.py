@@ -49,6 +49,16 @@ def assert_same(a, b):
             assert torch.equal(p.grad, q.grad), name
 
 
+def next_step_is_exact(pipe, mine, ref, x, y, n=4, **step_kw):
+    """After a failed step: flush_grads(), one step of `pipe` (over `mine`'s modules) and the same
+    microbatches through the unsplit `ref`; every weight and .grad equal bit for bit."""
+    pipe.flush_grads()  # the next step starts a new sum
+    run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=n, **step_kw))
+    ref.zero_grad()
+    reference_grads(ref, x, y, n)
+    assert_same(mine, ref)
+
+
 def run_with_timeout(fn, seconds=60):
     """fn() on a thread; fails the test (instead of hanging) if it has not returned in time."""
     box = {}

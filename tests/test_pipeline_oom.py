@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ramstream import Pipeline
 from ramstream.pipeline.oom import PipelineOutOfMemoryError
 
-from _pipeline_helpers import assert_same, batch, blocks, groups, reference_grads, run_with_timeout
+from _pipeline_helpers import batch, blocks, groups, next_step_is_exact, run_with_timeout
 
 ALLOCATOR = "CUDA out of memory. Tried to allocate 194.00 MiB. GPU 0 has a total capacity of 79.18 GiB"
 
@@ -71,11 +71,7 @@ def test_out_of_memory_says_where_and_the_arithmetic_and_changes_nothing(schedul
         assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
     # the next step is exact
     oom.at = None
-    pipe.flush_grads()
-    run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, schedule=schedule, n_microbatches=4))
-    ref.zero_grad()
-    reference_grads(ref, x, y, 4)
-    assert_same(mine, ref)
+    next_step_is_exact(pipe, mine, ref, x, y, schedule=schedule)
     pipe.close()
 
 

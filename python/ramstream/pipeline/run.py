@@ -377,3 +377,19 @@ def _detach(out):
     if isinstance(out, tuple):
         return tuple(_detach(o) for o in out)
     return out
+
+
+def commit_grads(stash, *, fresh: bool) -> None:
+    """A successful step's gradients into `.grad`: `stash` holds (parameter, its .grad before the
+    step); the step's sum is in p.grad now. Added to the old .grad, or (fresh: flush_grads() ran
+    since the last step) in its place; a parameter without a new gradient keeps the old one (or
+    none after a flush). CUDA gradients are recorded on the caller's stream."""
+    with torch.no_grad():
+        for p, old in stash:
+            new = p.grad
+            if new is not None and new.is_cuda:
+                new.record_stream(torch.cuda.current_stream(new.device))
+            if new is None:
+                p.grad = None if fresh else old
+            elif old is not None and not fresh:
+                p.grad = old.add_(new)

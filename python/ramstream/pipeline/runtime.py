@@ -19,7 +19,7 @@ from .microbatch import cut_inputs
 from .oom import explain as out_of_memory
 from .paging import StagePager
 from .pinning import set_offload_pinned
-from .run import Chunk, PipelineResult, Run, cat_outputs, sum_loss
+from .run import Chunk, PipelineResult, Run, cat_outputs, commit_grads, sum_loss
 from .split import Sequence, split_model
 from .stage import StageThread, stop_all
 from .streamed import StreamedStage, stream_choices
@@ -358,24 +358,13 @@ class Pipeline:
                     st.end(ok)  # streamed gradients (landed at home) into .grad, or dropped
             finally:
                 if ok and not replace:
-                    self._commit(stash)
+                    commit_grads(stash, fresh=self._flushed)
+                    self._flushed = False
                 else:
                     for p, old in stash:
                         p.grad = old
         losses = [x for x in run.losses if x is not None] if grads is None else []
         return PipelineResult(run.outputs, losses, self)
-
-    def _commit(self, stash) -> None:
-        fresh, self._flushed = self._flushed, False
-        with torch.no_grad():
-            for p, old in stash:
-                new = p.grad
-                if new is not None and new.is_cuda:
-                    new.record_stream(torch.cuda.current_stream(new.device))
-                if new is None:
-                    p.grad = None if fresh else old
-                elif old is not None and not fresh:
-                    p.grad = old.add_(new)
 
     def infer(self, data, *, n_microbatches: int | None = None, trace_path=None, profile_path=None):
         """Forward only, under no_grad: data cut into n_microbatches (default 4) along dim 0, or

@@ -7,7 +7,8 @@
 //   g++ -O2 -std=c++17 -pthread bench/probe_io.cpp -o /tmp/probe_io
 //   /tmp/probe_io DIR [GIB=2] [CHUNKS_MIB=1,8] [CONCURRENCY=1,4,16]
 //
-// One JSON line per (method, op, chunk, concurrency): GB/s over the whole file. The file is
+// One JSON line per (method, op, chunk, concurrency): GB/s over the whole file (GIB rounded down to
+// a multiple of 32 MiB and of the largest chunk; chunks are powers of two). The file is
 // created exclusive with mode 0600 and removed at the end (also when a measurement fails).
 #include <fcntl.h>
 #include <linux/io_uring.h>
@@ -15,6 +16,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -156,9 +158,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s DIR [GIB=2] [CHUNKS_MIB=1,8] [CONCURRENCY=1,4,16]\n", argv[0]);
     return 2;
   }
-  const size_t file = static_cast<size_t>(std::atof(argc > 2 ? argv[2] : "2") * (1 << 30)) & ~((size_t(8) << 20) * 4 - 1);
+  size_t file = static_cast<size_t>(std::atof(argc > 2 ? argv[2] : "2") * (1 << 30));
   const auto chunks = parse_list(argc > 3 ? argv[3] : "1,8");
   const auto conc = parse_list(argc > 4 ? argv[4] : "1,4,16");
+  size_t largest = 0;
+  for (size_t mib : chunks) largest = mib > largest ? mib : largest;
+  bool bad = chunks.empty() || conc.empty();
+  for (size_t mib : chunks) bad = bad || mib < 1 || mib > 1024 || (mib & (mib - 1)) != 0;
+  for (size_t c : conc) bad = bad || c < 1 || c > 256;
+  const size_t step = std::max(size_t(32) << 20, largest << 20);  // every chunk divides the file
+  file = file / step * step;
+  if (bad || file == 0) {
+    std::fprintf(stderr,
+                 "probe_io: CHUNKS_MIB must be powers of two in 1..1024, CONCURRENCY integers in 1..256, "
+                 "and GIB at least 32 MiB and the largest chunk (got GIB %s, CHUNKS_MIB %s, CONCURRENCY %s)\n",
+                 argc > 2 ? argv[2] : "2", argc > 3 ? argv[3] : "1,8", argc > 4 ? argv[4] : "1,4,16");
+    return 2;
+  }
   const std::string path = std::string(argv[1]) + "/ramstream-probe-io." + std::to_string(getpid());
   const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT, 0600);
   if (fd < 0) {

@@ -201,6 +201,10 @@ def main() -> int:
         args.skip = min(args.skip, args.steps // 4)
     args.steps = 200 if args.steps is None else args.steps
     args.warmup = 40 if args.warmup is None else args.warmup
+    for name in ("warmup", "extra_warmup"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            ap.error(f"--{name.replace('_', '-')} must be an int >= 0 (undelayed warm-up steps), got {v}")
     if args.variant is not None:
         res = run_variant(args, _warmup_of(args, args.variant))
         with open(args.variant_out, "w") as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -55,6 +56,18 @@ def test_switched_off_by_the_variable(fresh, monkeypatch):
 def test_a_bad_value_warns_and_the_default_applies(fresh, monkeypatch):
     monkeypatch.setenv("RAMSTREAM_EXPANDABLE_SEGMENTS", "yes")
     with pytest.warns(RuntimeWarning, match="RAMSTREAM_EXPANDABLE_SEGMENTS='yes' is not accepted"):
+        assert allocator.use_expandable_segments(CUDA, [].append) is True
+    assert fresh[0] == "expandable_segments:True"
+
+
+def test_torchs_deprecation_warning_of_the_call_is_not_passed_on(fresh, monkeypatch):
+    def deprecated(value):
+        warnings.warn("torch.cuda._set_allocator_settings is deprecated", FutureWarning, stacklevel=2)
+        fresh.append(value)
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert allocator.use_expandable_segments(CUDA, [].append) is True
     assert fresh[0] == "expandable_segments:True"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -39,7 +40,11 @@ def _decide() -> tuple[bool, str]:
     if setter is None:
         return False, f"torch {torch.__version__} has no allocator settings call: left as it is"
     try:
-        setter("expandable_segments:True")
+        with warnings.catch_warnings():
+            # torch >= 2.10 deprecates this call (for torch._C._accelerator_setAllocatorSettings, not yet
+            # checked on a GPU here): the call verified on the GPU stays, without the user-facing warning
+            warnings.simplefilter("ignore", FutureWarning)
+            setter("expandable_segments:True")
     except (RuntimeError, ValueError) as e:
         return False, f"expandable segments refused ({e}): the allocator is left as it is"
     torch.cuda.empty_cache()  # the cached free segments go; later ones are expandable

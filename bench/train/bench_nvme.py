@@ -12,10 +12,12 @@ process on a GPU (the VRAM cap is per process), the disk's own rates measured fi
 the LoRA shape of a host state, with no adapter library) with param_offload=True, once with the
 streamed blocks' frozen weights in pinned RAM and once on disk (nvme_weights=True).
 
-Reports per variant: s/step (median after --skip), the engine's disk bytes read and written per
-step, the losses (equal in both: the disk tier is bit-exact); and for the disk variant the disk
-GB/s achieved (bytes per step / s per step) against the measured rate, and the bound the issue
-names, max(the RAM run's step, disk bytes / measured rates), with the ratio s/step / bound.
+Reports per variant: s/step (median after --skip), the disk bytes read and written per step over
+the timed steps only (the counters' difference from before the first timed step to the end: the
+write of the state at wrap() and the warm-up are not counted), the losses (equal in both: the
+disk tier is bit-exact); and for the disk variant the disk GB/s achieved (bytes per step / s per
+step) against the measured rate, and the bound the issue names, max(the RAM run's step, disk
+bytes / measured rates), with the ratio s/step / bound.
 """
 
 from __future__ import annotations
@@ -28,6 +30,33 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed_steps(args, step, io, sync=lambda: None) -> dict:
+    """args.steps calls of step(i) -> loss. s/step: the median of the timed steps (those after
+    --skip). io() -> (disk bytes read, written) so far: the bytes per step are its difference over
+    the timed steps, from before the first (after sync(): the warm-up's I/O in flight has ended
+    and is counted before) to the end (after sync())."""
+    first = args.skip if args.skip < args.steps else 0
+    losses, times, io0 = [], [], (0, 0)
+    for i in range(args.steps):
+        if i == first:
+            sync()
+            io0 = io()
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - t0)
+    sync()
+    io1 = io()
+    n = args.steps - first
+    return dict(
+        losses=losses,
+        steps_s=times,
+        step_s=statistics.median(times[first:]),
+        timed_steps=n,
+        disk_read_per_step=(io1[0] - io0[0]) / n,
+        disk_written_per_step=(io1[1] - io0[1]) / n,
+    )
 
 
 def run_variant(args, share) -> dict:
@@ -61,36 +90,35 @@ def run_variant(args, share) -> dict:
     setup_s = time.perf_counter() - t0
     data = markov_batches(vocab, args.batch, args.seq, args.steps)
 
-    def loss_fn(x):
+    def step(i: int) -> float:
+        x = data[i].to(dev, non_blocking=True)
         if cuda:
-            return ramstream.chunked_cross_entropy(model.hidden(x[:, :-1]), model.head.weight, x[:, 1:])
-        return model(x[:, :-1], x[:, 1:])
-
-    losses, times = [], []
-    for x in data:
-        t0 = time.perf_counter()
-        loss = loss_fn(x.to(dev, non_blocking=True))
+            loss = ramstream.chunked_cross_entropy(model.hidden(x[:, :-1]), model.head.weight, x[:, 1:])
+        else:
+            loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-    opt.synchronize()
+        return loss.item()
+
+    def disk_weights() -> dict:  # the weights' reads, from the disk weights' own report
+        return ramstream.memory_report(model)["params"].get("nvme_weights") or {}
+
+    def io() -> tuple[int, int]:
+        if args.what == "weights":
+            return disk_weights().get("bytes_read", 0), 0
+        st = opt.stats()
+        return st.get("nvme_bytes_read", 0), st.get("nvme_bytes_written", 0)
+
+    out = dict(share=share, setup_s=setup_s)
+    out.update(timed_steps(args, step, io, opt.synchronize))
     st = opt.stats()
-    steps = max(1, st["steps"])
-    if args.what == "weights":  # the weights' reads, from the disk weights' own report
-        w = ramstream.memory_report(model)["params"].get("nvme_weights") or {}
-        st = {**st, "nvme_bytes_read": w.get("bytes_read", 0), "nvme_bytes_written": 0,
-              "nvme_state_bytes": w.get("bytes_on_disk", 0)}  # fmt: skip
-    out = dict(
-        share=share,
-        losses=losses,
-        setup_s=setup_s,
-        step_s=statistics.median(times[args.skip :] or times),
-        host_update_s_per_step=st["host_update_s"] / steps,
-        disk_state_bytes=st.get("nvme_state_bytes", 0),
-        disk_read_per_step=st.get("nvme_bytes_read", 0) / steps,
-        disk_written_per_step=st.get("nvme_bytes_written", 0) / steps,
+    on_disk = (
+        disk_weights().get("bytes_on_disk", 0) if args.what == "weights" else st.get("nvme_state_bytes", 0)
+    )
+    out.update(
+        host_update_s_per_step=st["host_update_s"] / max(1, st["steps"]),
+        disk_state_bytes=on_disk,
         host_state_bytes=st.get("host_state_bytes"),
     )
     if cuda:
@@ -127,7 +155,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument("--steps", type=int, default=None, help="default 12 (--tiny: 6)")
-    ap.add_argument("--skip", type=int, default=4, help="steps left out of s/step (warm-up)")
+    ap.add_argument("--skip", type=int, default=4, help="steps left out of s/step and bytes/step (warm-up)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--dir", required=True, help="the folder the scratch file goes to (nvme_dir)")
     ap.add_argument("--share", type=float, default=1.0, help="nvme_offload's share on disk (0, 1]")
@@ -146,6 +174,8 @@ def main() -> int:
         args.steps = 6 if args.steps is None else args.steps
         args.skip = min(args.skip, args.steps // 3)
     args.steps = 12 if args.steps is None else args.steps
+    if args.steps < 1 or args.skip < 0:
+        ap.error(f"--steps {args.steps}, --skip {args.skip}: need >= 1, >= 0")
     if args.variant is not None:
         res = run_variant(args, 0 if args.variant == "ram" else args.share)
         with open(args.variant_out, "w") as f:

@@ -14,6 +14,7 @@ __all__ = [
     "check_int",
     "check_paths",
     "check_offload",
+    "check_params",
     "dice",
     "split_batch",
     "split_tensors",
@@ -223,3 +224,22 @@ def check_paths(**paths) -> None:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 raise FileNotFoundError(f"Pipeline: {name}: folder {folder} does not exist")
+
+
+def check_params(chunks) -> list:
+    """Every parameter of the chunks (Chunk objects), once each, in pipeline order; ValueError
+    when one is shared by two stages."""
+    owner: dict = {}
+    out, seen = [], set()
+    for ch in chunks:
+        for p in ch.module.parameters():
+            s = owner.setdefault(id(p), ch.stage)
+            if s != ch.stage:
+                raise ValueError(
+                    f"Pipeline: a parameter of shape {tuple(p.shape)} is shared by stages {s} and {ch.stage}; "
+                    "a parameter must belong to one stage (untie it, or keep its users in one stage)"
+                )
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .chunk_major import backward_parts, batches, forward_parts
 from .stage import Exchange, Stopped, device_context, receive, send
 
 __all__ = ["Chunk", "PipelineResult", "Run", "cat_outputs", "sum_loss"]
@@ -108,8 +109,9 @@ class Run:
     loss_fn, no autograd). run_stage(s) never raises: the first failure is in `exchange.error`."""
 
     def __init__(
-        self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None, fake=None
-    ) -> None:
+        self, chunks, ops, inputs, targets, *, loss_fn, grads, train, trace=False, pagers=None, fake=None,
+        grouped=frozenset(),
+    ) -> None:  # fmt: skip
         self.chunks, self.ops = chunks, ops
         self.fake = fake  # FakeCompute: (fwd, bwd) seconds per stage, split over its chunks; or None
         self.replace = fake is not None and fake.replace
@@ -127,6 +129,9 @@ class Run:
         self.spans: list | None = [] if trace else None
         self.pagers = pagers if train and pagers and not self.replace else None
         self.failed_at = None  # (stage, op) of the first op that raised (oom.py says where)
+        # chunks run chunk-major over runs of consecutive ops (chunk_major.py): streamed stages
+        self.grouped = frozenset() if self.pagers is not None or fake is not None else frozenset(grouped)
+        self.tapes: dict = {}  # (chunk, mb) -> a chunk-major forward's tape, until its backward
 
     # ---- the caller's side -----------------------------------------------------------------------
     def mark_start(self) -> None:
@@ -157,13 +162,14 @@ class Run:
         seen = set()
         try:
             with grad:
-                for s, op in order:
+                for run in batches(order, self._groupable, key=lambda it: it[1]):
+                    s, op = run[0]
                     ch = self.chunks[op.chunk]
                     with device_context(ch.device, ch.stream):
                         if s not in seen and ch.stream is not None and ch.device in self.start_events:
                             ch.stream.wait_event(self.start_events[ch.device])
                         seen.add(s)
-                        self.run_op(s, op)
+                        self.run_ops(s, [op for _, op in run])
         except Stopped:
             raise self.exchange.error from None
         finally:
@@ -184,9 +190,9 @@ class Run:
                         ch0.stream.wait_event(self.start_events[ch0.device])
                     grad = torch.enable_grad() if self.train else torch.no_grad()
                     with grad:
-                        for op in self.ops[s]:
+                        for run in batches(self.ops[s], self._groupable):
                             self.exchange.check()
-                            self.run_op(s, op)
+                            self.run_ops(s, run)
                 finally:
                     if ch0.stream is not None:
                         ev = torch.cuda.Event()
@@ -201,11 +207,39 @@ class Run:
                 self.exchange.finished()
                 self.done.put(s)
 
+    def _groupable(self, op) -> bool:
+        return op.chunk in self.grouped
+
+    def run_ops(self, s: int, ops) -> None:
+        """A run of stage s's ops: one op, or consecutive ops of one grouped chunk and kind, run
+        chunk-major (a backward run whose forwards were not all chunk-major runs op by op)."""
+        if len(ops) == 1:
+            return self.run_op(s, ops[0])
+        c, ms = ops[0].chunk, [op.mb for op in ops]
+        if ops[0].kind == "B" and any((c, m) not in self.tapes for m in ms):
+            for op in ops:
+                self.run_op(s, op)
+            return None
+        t0 = time.perf_counter()
+        try:
+            (self.forward_group if ops[0].kind == "F" else self.backward_group)(s, c, ms)
+        except Stopped:
+            raise
+        except BaseException:
+            if self.failed_at is None:
+                self.failed_at = (s, ops[0])
+            raise
+        if self.spans is not None:
+            self.spans.append((s, f"{ops[0].kind} mb{ms[0]}-{ms[-1]} c{c}", t0, time.perf_counter()))
+        return None
+
     def run_op(self, s: int, op) -> None:
         t0 = time.perf_counter()
         try:
             if op.kind == "F":
                 self.forward(s, op.chunk, op.mb)
+            elif (op.chunk, op.mb) in self.tapes:
+                self.backward_group(s, op.chunk, [op.mb])
             else:
                 self.backward(s, op.chunk, op.mb)
         except Stopped:
@@ -224,12 +258,52 @@ class Run:
             v = len(self.chunks) // len(self.ops)
             time.sleep((self.fake.fwd if kind == "F" else self.fake.bwd)[s] / v)
 
-    def forward(self, s: int, c: int, m: int) -> None:
+    def _args(self, s: int, c: int, m: int) -> tuple:
         ch = self.chunks[c]
         if c == 0:
-            args = _move(self.inputs[m], ch.device)
-        else:
-            args = receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+            return _move(self.inputs[m], ch.device)
+        return receive(self.exchange.take(("F", c - 1, m), s), ch.device, ch.stream)
+
+    def forward_group(self, s: int, c: int, ms) -> None:
+        """The forwards of microbatches `ms` through chunk c, chunk-major (chunk_major.py)."""
+        ch = self.chunks[c]
+        args = [self._args(s, c, m) for m in ms]
+        try:
+            with ch.autocast():
+                outs, tapes = forward_parts(ch.module, args, self.train)
+        except RuntimeError as e:
+            hint = _in_place(e, c)
+            if hint is None:
+                raise
+            raise hint from e
+        for j, m in enumerate(ms):
+            if tapes is not None:
+                self.tapes[(c, m)] = tapes[j]
+            self._forwarded(s, c, m, args[j], outs[j])
+
+    def backward_group(self, s: int, c: int, ms) -> None:
+        """The backwards of microbatches `ms` through chunk c, whose forwards ran chunk-major."""
+        ch = self.chunks[c]
+        roots, held = [], []
+        for m in ms:
+            state = self.saved.pop((c, m))
+            held.append(state[0])
+            if c == self.last:
+                roots.append(self._last_pairs(m, ch, state[1], state[2]))
+            else:
+                gs = receive(self.exchange.take(("B", c, m), s), ch.device, ch.stream)
+                roots.append([(o, g) for o, g in zip(state[1], gs) if g is not None and _needs_grad(o)])
+        tapes = [self.tapes.pop((c, m)) for m in ms]
+        backward_parts(ch.module, tapes, roots, accumulate=len(ms) == self.n)
+        del tapes, roots
+        for m, args in zip(ms, held):
+            if c > 0:
+                back = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
+                self.exchange.put(("B", c - 1, m), send(back, ch.stream, grads=True))
+
+    def forward(self, s: int, c: int, m: int) -> None:
+        ch = self.chunks[c]
+        args = self._args(s, c, m)
         self._fake_time(s, "F")
         pager = self.pagers[s] if self.pagers is not None else None
         saving = pager.saving((c, m), [ch.module], args) if pager is not None else contextlib.nullcontext()
@@ -237,13 +311,17 @@ class Run:
             with saving, ch.autocast():
                 out = self.fake.output(c, ch.module, args, ch.device) if self.replace else ch.module(*args)
         except RuntimeError as e:
-            if c > 0 and "leaf Variable that requires grad" in str(e):
-                raise RuntimeError(
-                    f"Pipeline: chunk {c} modifies its input in place (such as nn.ReLU(inplace=True) "
-                    "first); a stage's input is a leaf tensor that carries its gradient back: start the "
-                    "stage with an out-of-place op"
-                ) from e
-            raise
+            hint = _in_place(e, c)
+            if hint is None:
+                raise
+            raise hint from e
+        self._forwarded(s, c, m, args, out)
+
+    def _forwarded(self, s: int, c: int, m: int, args, out) -> None:
+        """After chunk c's forward of microbatch m: the output handed on, or (last chunk) kept
+        with its loss; what the backward needs saved."""
+        ch = self.chunks[c]
+        pager = self.pagers[s] if self.pagers is not None else None
         outs = out if isinstance(out, tuple) else (out,)
         if c < self.last:
             if self.train:
@@ -365,6 +443,17 @@ class Run:
         with open(tmp, "w") as f:
             json.dump({"traceEvents": ev, "displayTimeUnit": "ms"}, f)
         os.replace(tmp, path)
+
+
+def _in_place(e: RuntimeError, c: int) -> RuntimeError:
+    """A stage that modified its input leaf in place: the error that says so (else None)."""
+    if c > 0 and "leaf Variable that requires grad" in str(e):
+        return RuntimeError(
+            f"Pipeline: chunk {c} modifies its input in place (such as nn.ReLU(inplace=True) "
+            "first); a stage's input is a leaf tensor that carries its gradient back: start the "
+            "stage with an out-of-place op"
+        )
+    return None
 
 
 def _needs_grad(o) -> bool:

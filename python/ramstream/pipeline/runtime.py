@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from . import schedule as schedules
-from .checks import check_autocast, check_devices, check_offload, check_paths, dice
+from .checks import check_autocast, check_devices, check_offload, check_params, check_paths, dice
 from .fake import check_fake_compute, refuse_replace
 from .microbatch import cut_inputs
 from .oom import explain as out_of_memory
@@ -73,6 +73,11 @@ class Pipeline:
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
             backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
             back at their backward (paging.py; bit-identical; activation_stats() counts it).
+        offload_chunk_major: True (default): when a stage's schedule runs several forwards (or
+            backwards) of a streamed stage in a row, each chunk runs over all of them while loaded
+            (chunk_major.py): GPipe loads each chunk twice per step instead of twice per
+            microbatch; bit-identical. Not with chunks_per_stage > 1, offload_activations or
+            fake_compute. False: microbatch by microbatch (RamTorch's order).
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -102,6 +107,7 @@ class Pipeline:
         offload_acc_slots=None,
         offload_activations: bool = False,
         offload_act_slots: int = 2,
+        offload_chunk_major: bool = True,
         device_memory=None,
         fake_compute=None,
     ) -> None:
@@ -109,8 +115,9 @@ class Pipeline:
         self._closed = False
         if not isinstance(overlap, bool):
             raise TypeError(f"Pipeline: overlap must be a bool, got {type(overlap).__name__}")
-        if not isinstance(offload, bool):
-            raise TypeError(f"Pipeline: offload must be a bool, got {type(offload).__name__}")
+        for name, flag in (("offload", offload), ("offload_chunk_major", offload_chunk_major)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Pipeline: {name} must be a bool, got {type(flag).__name__}")
         check_offload(
             offload_window,
             offload_pin,
@@ -167,8 +174,12 @@ class Pipeline:
                 mod.to(devs[s])
             self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
         self._streamed = [ch.module for ch in self._chunks if isinstance(ch.module, StreamedStage)]
+        self._grouped = frozenset(  # chunk_major.py: not interleaved (a run could wait on itself)
+            c for c, ch in enumerate(self._chunks)
+            if offload_chunk_major and v == 1 and isinstance(ch.module, StreamedStage)
+        )  # fmt: skip
         self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
-        self._params = self._check_params()
+        self._params = check_params(self._chunks)
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
         self._lock = threading.Lock()
         self._stream: InferStream | None = None
@@ -176,22 +187,6 @@ class Pipeline:
         if overlap:
             self._threads = [StageThread(s) for s in range(n)]
         self._finalizer = weakref.finalize(self, stop_all, list(self._threads), list(self._streamed))
-
-    def _check_params(self) -> list:
-        owner: dict = {}
-        out, seen = [], set()
-        for ch in self._chunks:
-            for p in ch.module.parameters():
-                s = owner.setdefault(id(p), ch.stage)
-                if s != ch.stage:
-                    raise ValueError(
-                        f"Pipeline: a parameter of shape {tuple(p.shape)} is shared by stages {s} and {ch.stage}; "
-                        "a parameter must belong to one stage (untie it, or keep its users in one stage)"
-                    )
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
 
     # ---- what users read ---------------------------------------------------------------------------
     @property
@@ -338,6 +333,7 @@ class Pipeline:
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
             train=True, trace=trace_path is not None, pagers=self._pagers, fake=self._fake,
+            grouped=self._grouped,
         )  # fmt: skip
         replace = self._fake is not None and self._fake.replace  # .grad and every weight untouched
         stash = [(p, p.grad) for p in self._params if p.requires_grad and not replace]
@@ -377,7 +373,7 @@ class Pipeline:
         ops = schedules.forwards(self.num_stages, len(self._chunks), n)
         run = Run(
             self._chunks, ops, inputs, [None] * n, loss_fn=None, grads=None, train=False,
-            trace=trace_path is not None, fake=self._fake,
+            trace=trace_path is not None, fake=self._fake, grouped=self._grouped,
         )  # fmt: skip
         try:
             self._profiled(run, ops, trace_path, profile_path)

@@ -56,7 +56,7 @@ def stream_choices(pieces, n: int, offload: bool, device_memory, window, pin) ->
 
 def _land(ref, p) -> None:
     stage = ref()
-    if stage is not None and stage.in_step:
+    if stage is not None and stage.in_step and not stage.holding:
         g = p.grad
         p.grad = None
         stage.grads.land(p, g)
@@ -82,6 +82,7 @@ class StreamedStage(nn.Module):
         self.copier = make_copier(device)
         self.grads = GradWriteback(device)
         self.in_step = False
+        self.holding = False  # chunk_major.backward_parts sums the gradients on the device first
         blocks = []
         with torch.no_grad():
             for i, c in enumerate(chunks):
@@ -98,6 +99,7 @@ class StreamedStage(nn.Module):
                     blocks.append(Block(i, c, frozen_slabs(c, set(), self.copier), []))
         self.pinned = sorted(pinned)
         self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=window - 1)
+        self.block_of = {b.index: k for k, b in enumerate(blocks)}  # chunk -> streamer block
         self.recompute = Recompute(list(chunks), list(range(n))) if keep_activations is not True else None
         self._handles = self._hook_grads(blocks)
 
@@ -111,6 +113,27 @@ class StreamedStage(nn.Module):
         for m in self.parts:
             x = m(*x) if isinstance(x, tuple) else m(x)
         return x
+
+    def _streamed_params(self, chunks=None):
+        blocks = self.streamer.blocks
+        for b in (
+            blocks if chunks is None else [blocks[self.block_of[i]] for i in chunks if i in self.block_of]
+        ):
+            for s in b.slabs:
+                yield from (p for p in s.params if p.requires_grad)
+
+    def land_part(self, i: int) -> None:
+        """Chunk i's streamed gradients, summed on the device over a run of microbatches, go home."""
+        for p in self._streamed_params([i]):
+            g = p.grad
+            if g is not None:
+                p.grad = None
+                self.grads.land(p, g)
+
+    def drop_device_grads(self) -> None:
+        """A failed chunk-major backward: gradients not yet sent home are dropped."""
+        for p in self._streamed_params():
+            p.grad = None
 
     def begin(self) -> None:
         """A pipeline step starts: streamed gradients go home through the write-back."""
@@ -175,6 +198,7 @@ class StreamedStage(nn.Module):
         blocks = [old.get(i) or fresh[i] for i in range(len(self.parts)) if i not in want]
         self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=self.streamer.ahead)
         self.streamer.stats = stats  # its counters go on
+        self.block_of = {b.index: k for k, b in enumerate(blocks)}
         self._handles = self._hook_grads(blocks)
         self.pinned = sorted(want)
         return to_pin, to_unpin, moved

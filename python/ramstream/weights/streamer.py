@@ -14,6 +14,9 @@ block's weights are slabs (slab.py) at home in pinned host memory. The streamer:
             evicts whatever is still loaded.
   recompute a forward that runs inside backward (activation checkpointing) neither prefetches
             forward nor evicts: the backward hooks own the window then.
+  driven    while `driven` is set, the hooks do nothing: a caller that runs one block over several
+            inputs in a row (a pipeline stage, chunk-major: pipeline/chunk_major.py) moves the
+            window itself with window() and use(), and evicts at the end.
 
 At most `ahead` + 1 streamed blocks are loaded at once (the one running and those ahead of it).
 `ahead` = 0 is fully serial: each block loads on demand at its hook, after the compute queued
@@ -89,6 +92,7 @@ class WeightStreamer:
             "peak_loaded_bytes": 0,
         }
         self._task = None  # the backward pass whose end callback is queued
+        self.driven = False  # the caller moves the window (window(), use()); the hooks stand aside
         self.disk = None  # DiskWeights of its disk slabs when the streamer owns them (wrap's nvme_weights)
         self._handles: list = []
         for k, blk in enumerate(blocks):
@@ -176,7 +180,25 @@ class WeightStreamer:
                 j -= 1
         return keep
 
+    # ---- driven by the caller (driven=True) ---------------------------------------------------------
+    def window(self, keep) -> None:
+        """Exactly the blocks `keep` (indices into `blocks`, the one needed first first) are
+        loaded: the others are evicted, then the missing ones queued for loading in that order."""
+        keep = list(keep)
+        for j in range(len(self.blocks)):
+            if j not in keep:
+                self._evict(j)
+        for j in keep:
+            self._load(j)
+
+    def use(self, k: int) -> None:
+        """Block k is about to run: loaded, and the current stream waits for its copies."""
+        self._use(k)
+
+    # ---- hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, k: int, args) -> None:
+        if self.driven:
+            return
         self._use(k)
         if self._in_backward():
             return  # a recompute inside backward
@@ -191,7 +213,7 @@ class WeightStreamer:
             x.register_hook(lambda g, k=k: self._input_grad(k))
 
     def _post_forward(self, k: int, out) -> None:
-        if self._in_backward():
+        if self.driven or self._in_backward():
             return
         if torch.is_autocast_enabled(self.copier.device.type):
             # autocast caches the low-precision cast of every weight that requires grad until its
@@ -206,6 +228,8 @@ class WeightStreamer:
         self._evict(k)
 
     def _output_grad(self, k: int) -> None:
+        if self.driven:
+            return
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self._task = task
@@ -218,7 +242,8 @@ class WeightStreamer:
             self._load(j)
 
     def _input_grad(self, k: int) -> None:
-        self._evict(k)
+        if not self.driven:
+            self._evict(k)
 
     def _end_backward(self) -> None:
         self._task = None

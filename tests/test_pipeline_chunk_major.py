@@ -1,0 +1,214 @@
+"""Chunk-major streamed stages (Pipeline(offload_chunk_major=True), pipeline/chunk_major.py) on CPU
+stages: each streamed chunk is loaded once per run of ops (GPipe: twice per step) instead of once
+per microbatch, with outputs, losses, .grad and the weights after AdamW bit-identical to the unsplit
+model and to microbatch-major execution; failures inside a chunk-major run change nothing and never
+hang; an in-place first op is refused with a clear error; the trace shows the runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ramstream import Pipeline
+
+from _pipeline_helpers import (
+    Boom,
+    Head,
+    Tail,
+    Whole,
+    assert_same,
+    batch,
+    blocks,
+    next_step_is_exact,
+    reference_grads,
+    run_with_timeout,
+    tuple_loss,
+)
+
+
+def loads(pipe) -> list[int]:
+    return [m.streamer.stats["loads"] for m in pipe.modules if hasattr(m, "streamer")]
+
+
+def cuts(kids, stages):
+    per = len(kids) // stages
+    return [kids[i * per : (i + 1) * per] for i in range(stages)]
+
+
+CASES = [
+    (1, "gpipe", True),
+    (2, "gpipe", True),
+    (2, "1f1b", "checkpoint"),
+    (4, "gpipe", "checkpoint"),
+    (4, "1f1b", True),
+]
+
+
+@pytest.mark.parametrize("stages,schedule,keep", CASES, ids=[f"{s}st-{c}-keep={k}" for s, c, k in CASES])
+def test_chunk_major_equals_the_unsplit_model_and_microbatch_major(stages, schedule, keep):
+    ref = blocks(8)
+    ref[2].requires_grad_(False)  # a frozen chunk streams too
+    mine, other = copy.deepcopy(ref), copy.deepcopy(ref)
+    kw = dict(devices=["cpu"] * stages, offload_window=1, offload_pin=0, offload_keep_activations=keep)
+    pipe = Pipeline(stage_modules=cuts(list(mine), stages), **kw)
+    slow = Pipeline(stage_modules=cuts(list(other), stages), offload_chunk_major=False, **kw)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, mine, other)]
+    for it in range(3):
+        x, y = batch(seed=it)
+        losses = reference_grads(ref, x, y, 4)
+        r = pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule=schedule)
+        s = slow.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule=schedule)
+        assert all(torch.equal(a, b) for a, b in zip(r.losses, losses))
+        assert all(torch.equal(a, b) for a, b in zip(s.losses, losses))
+        assert torch.equal(r.output, s.output)
+        assert_same(mine, ref)
+        assert_same(other, ref)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same(mine, ref)
+    assert not any(b.loaded for st in pipe.modules for b in st.streamer.blocks)  # home between steps
+    pipe.close()
+    slow.close()
+
+
+def test_gpipe_loads_each_streamed_chunk_twice_per_step():
+    """2 streamed stages of 4 chunks, window 1, 4 microbatches: chunk-major, 2 loads per chunk per
+    step (forward, backward; the last chunk stays loaded from one into the other: 7), where
+    microbatch-major loads them for every microbatch; inference: once per chunk (4, not 16)."""
+    ref = blocks(8)
+    x, y = batch()
+    counts = {}
+    for major in (True, False):
+        pipe = Pipeline(
+            stage_modules=cuts(list(copy.deepcopy(ref)), 2), devices=["cpu", "cpu"], offload_window=1,
+            offload_pin=0, offload_chunk_major=major,
+        )  # fmt: skip
+        before = loads(pipe)
+        pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+        after = loads(pipe)
+        pipe.infer(x, n_microbatches=4)
+        counts[major] = ([a - b for a, b in zip(after, before)], [c - a for a, c in zip(after, loads(pipe))])
+        pipe.close()
+    assert counts[True] == ([7, 7], [4, 4])
+    assert counts[False][1] == [16, 16] and min(counts[False][0]) >= 4 * 7
+
+
+def test_1f1b_runs_its_warm_up_forwards_chunk_major():
+    """4 stages of 2 chunks, 1F1B, 6 microbatches: stage s's 3-s warm-up forwards are one run (its
+    chunks load once for them), every later op microbatch by microbatch: fewer loads on stages
+    0-2 than microbatch-major, the same on stage 3 (no warm-up)."""
+    x, y = batch(rows=12)
+    got = {}
+    for major in (True, False):
+        pipe = Pipeline(
+            stage_modules=cuts(list(blocks(8)), 4), devices=["cpu"] * 4, offload_window=1, offload_pin=0,
+            offload_chunk_major=major,
+        )  # fmt: skip
+        pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=6)
+        got[major] = loads(pipe)
+        pipe.close()
+    assert all(a < b for a, b in zip(got[True][:3], got[False][:3])) and got[True][3] == got[False][3]
+
+
+def test_tuple_outputs_and_grad_outputs_chunk_major():
+    torch.manual_seed(3)
+    ref = Whole(Head(), Tail())
+    mine = copy.deepcopy(ref)
+    x, y = batch()
+    pipe = Pipeline(stage_modules=[[mine.head, mine.tail]], devices=["cpu"], offload_window=1, offload_pin=0)
+    reference_grads(ref, x, y, 2, loss_fn=tuple_loss)
+    pipe.step(x, targets=y, loss_fn=tuple_loss, n_microbatches=2, schedule="gpipe")
+    assert_same(mine, ref)
+    g = torch.randn(10, 12)
+    pipe.flush_grads()
+    ref.zero_grad()
+    out = ref(x)[0]
+    out.backward(g)
+    pipe.step(x, grad_outputs=(g, None), n_microbatches=2, schedule="gpipe")
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)  # microbatch sums vs one
+    pipe.close()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failure_inside_a_chunk_major_run_changes_nothing(where):
+    ref = blocks(6)
+    ref[4].append(Boom())  # inside the second stage's middle chunk
+    mine = copy.deepcopy(ref)
+    boom = mine[4][2]
+    pipe = Pipeline(
+        stage_modules=cuts(list(mine), 2), devices=["cpu", "cpu"], offload_window=1, offload_pin=0
+    )
+    x, y = batch()
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in mine.named_parameters()}
+    boom.calls = 0
+    boom.forward_at = 3 if where == "forward" else None  # the third microbatch of the run
+    boom.backward_armed = where == "backward"
+    with pytest.raises(RuntimeError, match=f"boom in {where}"):
+        run_with_timeout(
+            lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+        )
+    for n, p in mine.named_parameters():
+        assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    for st in pipe.modules:
+        assert not any(b.loaded for b in st.streamer.blocks) and not st.streamer.driven
+        assert all(p.grad is None or p.grad.data_ptr() != 0 for p in st.parameters())
+    boom.forward_at, boom.backward_armed = None, False
+    next_step_is_exact(pipe, mine, ref, x, y, schedule="gpipe")
+    pipe.close()
+
+
+class AddInPlace(nn.Module):
+    def forward(self, x):
+        return x.add_(1.0)
+
+
+def test_an_in_place_first_op_in_a_later_chunk_is_refused_with_a_hint():
+    kids = list(blocks(4))
+    kids[1] = nn.Linear(12, 12)  # its output is not saved for its backward: adding to it is allowed
+    kids[2] = nn.Sequential(AddInPlace(), kids[2])
+    pipe = Pipeline(stage_modules=[kids], devices=["cpu"], offload_window=1, offload_pin=0)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="chunk 2 of a streamed stage modifies its input in place"):
+        pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2, schedule="gpipe")
+    pipe.close()
+    with Pipeline(stage_modules=[kids], devices=["cpu"], offload_chunk_major=False) as slow:
+        slow.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2, schedule="gpipe")  # RamTorch's order
+    with pytest.raises(TypeError, match="offload_chunk_major must be a bool"):
+        Pipeline(stage_modules=[kids], devices=["cpu"], offload_chunk_major="yes")
+
+
+def test_the_trace_shows_a_run_as_one_span(tmp_path):
+    pipe = Pipeline(stage_modules=cuts(list(blocks(4)), 2), devices=["cpu", "cpu"], offload_window=1)
+    x, y = batch()
+    path = tmp_path / "trace.json"
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe", trace_path=path)
+    names = sorted({e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"})
+    assert names == ["B mb0-3 c0", "B mb0-3 c1", "F mb0-3 c0", "F mb0-3 c1"]
+    pipe.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("keep", [True, "checkpoint"])
+def test_chunk_major_on_the_gpu_equals_the_unsplit_model(keep):
+    """Two streamed stages on cuda:0 (the P2 shape), GPipe: bit-identical to the unsplit model,
+    2 loads per chunk per step less one, gradients home once per parameter."""
+    ref = blocks(8).cuda()
+    mine = copy.deepcopy(ref)
+    x, y = (t.cuda() for t in batch())
+    reference_grads(ref, x, y, 4)
+    kw = dict(offload_window=2, offload_pin=0, offload_keep_activations=keep)
+    with Pipeline(stage_modules=cuts(list(mine), 2), devices=["cuda:0", "cuda:0"], **kw) as pipe:
+        pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            assert p.device.type == "cpu" and p.grad.device.type == "cpu"
+            assert torch.equal(p.detach(), q.detach().cpu()) and torch.equal(p.grad, q.grad.cpu())
+        assert loads(pipe) == [7, 7]
+        assert [m.grads.stats["landed"] for m in pipe.modules] == [8, 8]  # 4 chunks x (weight, bias)

@@ -54,9 +54,13 @@ def test_tiny_cpu_runs_every_row(tmp_path):
     assert _ok(s) and _ok(o) and s["devices"] == "cpu,cpu" and o["devices"] == "cpu"
     assert p2["vs_offload"] == s["step_s"] / o["step_s"]
     assert max(abs(a - b) for a, b in zip(s["losses"], o["losses"])) < 1e-3  # the same model and data
+    assert s["schedule"] == "gpipe" and p2["ramstream_1f1b"]["schedule"] == "1f1b"
+    assert _ok(p2["ramstream_1f1b"]) and p2["ramstream_1f1b"]["losses"] == s["losses"]  # chunk-major: exact
     _ramtorch(p2["ramtorch"], s)
-    if "error" not in p2["ramtorch"]:
-        assert p2["speedup_vs_ramtorch"] == p2["ramtorch"]["step_s"] / s["step_s"]
+    _ramtorch(p2["ramtorch_gpipe"], s)
+    rt = [m["step_s"] for m in (p2["ramtorch"], p2["ramtorch_gpipe"]) if "error" not in m]
+    if rt:
+        assert p2["speedup_vs_ramtorch"] == min(rt) / s["step_s"]
     else:
         assert p2["speedup_vs_ramtorch"] is None
     for r in rows[1:4]:

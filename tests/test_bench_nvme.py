@@ -1,7 +1,8 @@
-"""bench/train/bench_nvme.py's CPU smoke (--device cpu --tiny): the run with the optimizer state on
-disk trains to the same losses as the one in RAM (the disk tier is bit-exact), moves the state's
-bytes through the disk once each way per timed step (the state's first write at wrap() not
-counted), and the summary's arithmetic follows from them."""
+"""bench/train/bench_nvme.py's CPU smoke (--device cpu --tiny): the run with the optimizer state
+or a frozen base's streamed weights on disk trains to the same losses as the one in RAM (the disk
+tier is bit-exact, and so is the RAM run's control on the CPU), the bytes per step count the
+timed steps only (not the state's first write at wrap()), and the summary's arithmetic follows
+from them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import runpy
 import sys
 
 import pytest
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "train", "bench_nvme.py")
 
@@ -42,6 +44,8 @@ def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
     r, scratch = _run(tmp_path, monkeypatch)
     ram, disk, s = r["ram"], r["disk"], r["summary"]
     assert s["losses_equal"] and len(disk["losses"]) == 4
+    assert r["ram_control"]["losses"] == ram["losses"] and s["ram_vs_ram_max_dloss"] == 0
+    assert s["disk_vs_ram_max_dloss"] == 0 and s["verdict"] == "losses bit-equal (disk vs RAM)"
     assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0
     state = disk["disk_state_bytes"]
     assert state > 0 and disk["timed_steps"] == 4 - r["config"]["skip"]
@@ -61,12 +65,30 @@ def test_bench_nvme_cpu_smoke(tmp_path, monkeypatch):
 def test_bench_nvme_weights_cpu_smoke(tmp_path, monkeypatch):
     """--what weights: a frozen base's streamed weights on disk (nvme_weights) train to the same
     losses as in RAM, nothing is written per step, and each step reads every disk block once or
-    twice (forward, and backward unless it stayed loaded)."""
-    r, scratch = _run(tmp_path, monkeypatch, "--what", "weights")
+    twice (forward, and backward unless it stayed loaded). --no-control: one RAM run, no spread;
+    --deterministic is recorded in every variant and torch's setting restored after (the CPU runs
+    share this process)."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored after the test
+    r, scratch = _run(tmp_path, monkeypatch, "--what", "weights", "--no-control", "--deterministic")
     ram, disk, s = r["ram"], r["disk"], r["summary"]
     assert s["losses_equal"] and len(disk["losses"]) == 4
+    assert "ram_control" not in r and s["ram_vs_ram_max_dloss"] is None
     assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0
     on_disk = disk["disk_state_bytes"]
     assert on_disk > 0 and disk["disk_written_per_step"] == 0
     assert on_disk <= disk["disk_read_per_step"] <= 2 * on_disk
+    assert r["deterministic"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert ram["deterministic_algorithms"] and disk["deterministic_algorithms"]
+    assert not torch.are_deterministic_algorithms_enabled()
     assert os.listdir(scratch) == []
+
+
+def test_bench_nvme_verdict():
+    """The verdict line: bit-equal, within the RAM run's run-to-run spread, or beyond it."""
+    ns = runpy.run_path(SCRIPT)
+    verdict, max_dloss = ns["verdict"], ns["max_dloss"]
+    assert max_dloss([1.0, 2.0], [1.0, 2.5]) == 0.5 and max_dloss([1.0], [float("nan")]) == float("inf")
+    assert verdict(0.0, None) == "losses bit-equal (disk vs RAM)"
+    assert "within the run-to-run spread 2e-05" in verdict(1e-5, 2e-5)
+    assert "beyond the run-to-run spread 1e-05" in verdict(2e-5, 1e-5)
+    assert "beyond" in verdict(1e-7, 0.0) and "not measured" in verdict(1e-5, None)

@@ -1,6 +1,5 @@
-"""The optimizer state on disk (wrap(nvme_dir=..., nvme_offload=...), issue 29 part 1): the same run
-with the host optimizer state in RAM and with a share of it on disk, each variant in its own
-process on a GPU (the VRAM cap is per process), the disk's own rates measured first in the same run.
+"""The disk tier of issue 29, with its data in RAM and on disk, each variant in its own process
+on a GPU (the VRAM cap is per process), the disk's own rates measured first in the same run.
 
     python bench/train/bench_nvme.py --model 6.85b --dtype bf16 --batch 8 --seq 512 --cap-gib 24 \
         --dir /nvme/scratch --out nvme.json                            # the GPU run
@@ -8,28 +7,41 @@ process on a GPU (the VRAM cap is per process), the disk's own rates measured fi
     python bench/train/bench_nvme.py --what weights --model 6.85b --cap-gib 24 --dir /nvme/scratch \
         --out nvme_w.json     # wrap(nvme_weights=True): a frozen base's streamed weights on disk
 
---what weights trains a frozen-base model (every Linear weight frozen, the norms and biases trained:
-the LoRA shape of a host state, with no adapter library) with param_offload=True, once with the
-streamed blocks' frozen weights in pinned RAM and once on disk (nvme_weights=True).
+--what state (default): the host optimizer state, in RAM and with --share of it on disk
+(wrap(nvme_dir=..., nvme_offload=...)). --what weights: a frozen-base model (every Linear weight
+frozen, the norms and biases trained: the LoRA shape of a host state, with no adapter library)
+with param_offload=True, the streamed blocks' frozen weights in pinned RAM and on disk
+(nvme_weights=True).
 
 Reports per variant: s/step (median after --skip), the disk bytes read and written per step over
 the timed steps only (the counters' difference from before the first timed step to the end: the
-write of the state at wrap() and the warm-up are not counted), the losses (equal in both: the
-disk tier is bit-exact); and for the disk variant the disk GB/s achieved (bytes per step / s per
-step) against the measured rate, and the bound the issue names, max(the RAM run's step, disk
-bytes / measured rates), with the ratio s/step / bound.
+write of the state at wrap() and the warm-up are not counted), the losses; for the disk variant
+the disk GB/s achieved (bytes per step / s per step) against the measured rates, and the bound
+the issue names, max(the RAM run's step, disk bytes / measured rates), with the ratio s/step /
+bound.
+
+The losses of the disk variant should equal the RAM run's bit for bit (the disk tier is
+bit-exact on CPU and GPU: tests/test_nvme_state.py). A GPU run is not deterministic from run to
+run (the embedding's backward adds with atomics), so the RAM variant runs twice (--no-control:
+once) and the verdict compares the disk run's max |dloss| against the two RAM runs' spread.
+--deterministic runs every variant with torch.use_deterministic_algorithms(True, warn_only=True)
+and CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before torch starts CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CUBLAS_DETERMINISTIC = ":4096:8"
+LABELS = {"ram": "ram", "disk": "disk", "ram_control": "control"}
 
 
 def timed_steps(args, step, io, sync=lambda: None) -> dict:
@@ -59,8 +71,40 @@ def timed_steps(args, step, io, sync=lambda: None) -> dict:
     )
 
 
+@contextlib.contextmanager
+def determinism(on: bool):
+    """--deterministic for the run: torch.use_deterministic_algorithms(True, warn_only=True), the
+    setting before restored after (the CPU runs share one process)."""
+    import torch
+
+    if not on:
+        yield
+        return
+    before, warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn)
+
+
 def run_variant(args, share) -> dict:
-    """One training run in this process; share: 0 (state in RAM) or the share on disk."""
+    """One training run in this process; share: 0 (in RAM) or the share on disk."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    with determinism(args.deterministic):
+        out = run_wrapped(args, share)
+        out["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
+    out["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    return out
+
+
+def run_wrapped(args, share) -> dict:
+    """--what state / weights: the GPT through ramstream.wrap() with the disk tier at `share`."""
     import torch
 
     import ramstream
@@ -127,21 +171,65 @@ def run_variant(args, share) -> dict:
     return out
 
 
+def max_dloss(a: list, b: list) -> float:
+    """max |a[i] - b[i]| over the steps (inf where one is NaN and the other is not)."""
+    out = 0.0
+    for x, y in zip(a, b):
+        if x != y:
+            d = abs(x - y)
+            out = max(out, math.inf if math.isnan(d) else d)
+    return out
+
+
+def verdict(dloss: float, spread: float | None) -> str:
+    """The disk run's losses against the RAM run's, given the RAM run's own run-to-run spread."""
+    if dloss == 0:
+        return "losses bit-equal (disk vs RAM)"
+    if spread is None:
+        return f"losses differ by {dloss:.3g}; run-to-run spread not measured (--no-control)"
+    if dloss <= spread:
+        return f"losses differ by {dloss:.3g}, within the run-to-run spread {spread:.3g} of the RAM run"
+    return (
+        f"losses differ by {dloss:.3g}, beyond the run-to-run spread {spread:.3g} of the RAM run: "
+        "a real finding (the disk tier is meant to be bit-exact)"
+    )
+
+
 def summarize(results: dict, disk: dict) -> dict:
-    """The disk variant against the RAM one and the measured disk rates."""
-    ram, dsk = results["ram"], results["disk"]
+    """The disk variant against the RAM one, the measured disk rates and the control."""
+    ram, dsk, ctl = results["ram"], results["disk"], results.get("ram_control")
     read_s = dsk["disk_read_per_step"] / (disk["read_gbps"] * 1e9)
     write_s = dsk["disk_written_per_step"] / (disk["write_gbps"] * 1e9)
     bound = max(ram["step_s"], read_s + write_s)
     moved = dsk["disk_read_per_step"] + dsk["disk_written_per_step"]
-    return dict(
+    spread = max_dloss(ram["losses"], ctl["losses"]) if ctl and "error" not in ctl else None
+    dloss = max_dloss(ram["losses"], dsk["losses"])
+    out = dict(
         ratio_step_s=dsk["step_s"] / ram["step_s"],
         bound_s=bound,
         ratio_to_bound=dsk["step_s"] / bound,
         disk_gbps_achieved=moved / dsk["step_s"] / 1e9,
         disk_time_at_measured_rates_s=read_s + write_s,
         losses_equal=ram["losses"] == dsk["losses"],
+        ram_vs_ram_max_dloss=spread,
+        disk_vs_ram_max_dloss=dloss,
+        verdict=verdict(dloss, spread),
     )
+    return out
+
+
+def report(results: dict) -> None:
+    s = results["summary"]
+    print(
+        f"disk/ram s/step {s['ratio_step_s']:.3f}; s/step / bound {s['ratio_to_bound']:.3f} (bound "
+        f"{s['bound_s']:.3f} s); disk {s['disk_gbps_achieved']:.3g} GB/s achieved"
+    )
+    spread = s["ram_vs_ram_max_dloss"]
+    print(
+        f"max |dloss|: ram vs ram {'-' if spread is None else f'{spread:.3g}'}, "
+        f"disk vs ram {s['disk_vs_ram_max_dloss']:.3g}"
+    )
+    print(f"verdict: {s['verdict']}")
 
 
 def main() -> int:
@@ -158,12 +246,23 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=4, help="steps left out of s/step and bytes/step (warm-up)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--dir", required=True, help="the folder the scratch file goes to (nvme_dir)")
-    ap.add_argument("--share", type=float, default=1.0, help="nvme_offload's share on disk (0, 1]")
+    ap.add_argument(
+        "--share", type=float, default=1.0, help="--what state: nvme_offload's share on disk (0, 1]"
+    )
     ap.add_argument(
         "--what",
         default="state",
         choices=["state", "weights"],
-        help="state: the optimizer state on disk (nvme_offload); weights: a frozen base's streamed weights (nvme_weights)",
+        help="state: the optimizer state on disk (nvme_offload); weights: a frozen base's streamed "
+        "weights (nvme_weights)",
+    )
+    ap.add_argument(
+        "--no-control", action="store_true", help="run the RAM variant once (no run-to-run spread)"
+    )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG=:4096:8",
     )
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -176,8 +275,10 @@ def main() -> int:
     args.steps = 12 if args.steps is None else args.steps
     if args.steps < 1 or args.skip < 0:
         ap.error(f"--steps {args.steps}, --skip {args.skip}: need >= 1, >= 0")
+    if args.deterministic:  # before torch starts CUDA here and in the children (they inherit it)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
     if args.variant is not None:
-        res = run_variant(args, 0 if args.variant == "ram" else args.share)
+        res = run_variant(args, args.share if args.variant == "disk" else 0)
         with open(args.variant_out, "w") as f:
             json.dump(res, f)
         return 0
@@ -189,26 +290,28 @@ def main() -> int:
     disk = measure_disk(args.dir, size=(64 << 20) if args.tiny else (1 << 30))
     print(f"disk {args.dir}: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s")
     results = {"disk_measured": disk}
-    for name in ("ram", "disk"):
+    names = ("ram", "disk") + (() if args.no_control else ("ram_control",))
+    for name in names:
         if args.device == "cpu":
-            results[name] = run_variant(args, 0 if name == "ram" else args.share)
+            results[name] = run_variant(args, args.share if name == "disk" else 0)
         else:
             results[name] = _child(args, name, __file__)
         r = results[name]
         if "error" not in r:
             print(
-                f"{name:5s} s/step {r['step_s']:.4f}  disk read/written per step "
+                f"{LABELS[name]:7s} s/step {r['step_s']:.4f}  disk read/written per step "
                 f"{r['disk_read_per_step'] / 1e9:.3f}/{r['disk_written_per_step'] / 1e9:.3f} GB  "
                 f"last loss {r['losses'][-1]:.4f}"
             )
-    ok = all("error" not in results[k] for k in ("ram", "disk"))
-    if ok:
-        results["summary"] = s = summarize(results, disk)
-        print(
-            f"disk/ram s/step {s['ratio_step_s']:.3f}; s/step / bound {s['ratio_to_bound']:.3f} (bound "
-            f"{s['bound_s']:.3f} s); disk {s['disk_gbps_achieved']:.2f} GB/s achieved; losses equal: "
-            f"{s['losses_equal']}"
-        )
+    ok = all("error" not in results[k] for k in names)
+    if all("error" not in results[k] for k in ("ram", "disk")):
+        results["summary"] = summarize(results, disk)
+        report(results)
+    results["deterministic"] = (
+        dict(use_deterministic_algorithms=True, warn_only=True, CUBLAS_WORKSPACE_CONFIG=CUBLAS_DETERMINISTIC)
+        if args.deterministic
+        else False
+    )
     results["config"] = {k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out")}
     if args.out:
         write_json(args.out, results)

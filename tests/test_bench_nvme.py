@@ -1,8 +1,8 @@
-"""bench/train/bench_nvme.py's CPU smoke (--device cpu --tiny): the run with the optimizer state
-or a frozen base's streamed weights on disk trains to the same losses as the one in RAM (the disk
-tier is bit-exact, and so is the RAM run's control on the CPU), the bytes per step count the
-timed steps only (not the state's first write at wrap()), and the summary's arithmetic follows
-from them."""
+"""bench/train/bench_nvme.py's CPU smoke (--device cpu --tiny): the run with the optimizer state,
+a frozen base's streamed weights or OffloadModel's chunks on disk trains to the same losses as the
+one in RAM (the disk tier is bit-exact, and so is the RAM run's control on the CPU), the bytes per
+step count the timed steps only (not the state's first write at wrap()), and the summary's
+arithmetic follows from them."""
 
 from __future__ import annotations
 
@@ -80,6 +80,25 @@ def test_bench_nvme_weights_cpu_smoke(tmp_path, monkeypatch):
     assert r["deterministic"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert ram["deterministic_algorithms"] and disk["deterministic_algorithms"]
     assert not torch.are_deterministic_algorithms_enabled()
+    assert os.listdir(scratch) == []
+
+
+def test_bench_nvme_offload_cpu_smoke(tmp_path, monkeypatch):
+    """--what offload: OffloadModel's frozen chunks all on disk train the embedding and head to the
+    same losses as with the chunks in RAM; each step reads every disk chunk once or twice, writes
+    nothing, and the read rate's ratio follows from the bytes."""
+    r, scratch = _run(tmp_path, monkeypatch, "--what", "offload")
+    ram, disk, s = r["ram"], r["disk"], r["summary"]
+    assert s["losses_equal"] and len(disk["losses"]) == 4 and s["verdict"].startswith("losses bit-equal")
+    assert r["ram_control"]["losses"] == ram["losses"]
+    assert ram["disk_state_bytes"] == 0 and ram["disk_read_per_step"] == 0 and ram["nvme_loads"] == 0
+    on_disk = disk["disk_state_bytes"]
+    assert on_disk > 0 and disk["chunks"] == disk["share"] == 2 and disk["disk_written_per_step"] == 0
+    assert on_disk <= disk["disk_read_per_step"] <= 2 * on_disk
+    gbps = disk["disk_read_per_step"] / disk["step_s"] / 1e9
+    assert s["read_rate_ratio"] == pytest.approx(gbps / r["disk_measured"]["read_gbps"])
+    assert s["read_rate_target_met"] == (s["read_rate_ratio"] >= 0.8)
+    assert r["deterministic"] is False and not disk["deterministic_algorithms"]
     assert os.listdir(scratch) == []
 
 

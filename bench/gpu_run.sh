@@ -132,16 +132,24 @@ for stage in $STAGES; do
         --cap-gib 24 --steps "${DELAYED_STEPS:-200}" --out "$OUT/delayed.json" ${DELAYED_ARGS:-} > "$OUT/delayed.log" 2>&1
       summary "delayed rc=$?"; tail -4 "$OUT/delayed.log" | tee -a "$OUT/summary.txt" ;;
     nvme)  # issue 29: the optimizer state on disk vs in RAM, GPT 6.85B bf16 8x512 chunked, 24 GiB;
-           # NVME_DIR: a folder on the fastest local disk (default /tmp); NVME_ARGS and NVME_WEIGHTS_ARGS
-           # (e.g. "--share 0.1 --steps 6 --skip 2", "--model 1.8b") fit the runs to a small or slow disk
+           # NVME_DIR: a folder on the fastest local disk (default /tmp); NVME_ARGS, NVME_WEIGHTS_ARGS and
+           # NVME_OFFLOAD_ARGS (e.g. "--share 0.1 --steps 6 --skip 2", "--model 1.8b", "--no-control",
+           # "--deterministic") fit the runs to a small or slow disk; each runs the RAM variant twice
+           # (the run-to-run spread of the losses) unless --no-control
       timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --model 6.85b --batch 8 --seq 512 \
         --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme.json" ${NVME_ARGS:-} > "$OUT/nvme.log" 2>&1
-      summary "nvme rc=$?"; tail -4 "$OUT/nvme.log" | tee -a "$OUT/summary.txt"
+      summary "nvme rc=$?"; tail -7 "$OUT/nvme.log" | tee -a "$OUT/summary.txt"
       # and a frozen base's streamed weights on disk (nvme_weights) vs in pinned RAM, same model
       timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --what weights --model 6.85b --batch 8 \
         --seq 512 --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme_weights.json" ${NVME_WEIGHTS_ARGS:-} \
         > "$OUT/nvme_weights.log" 2>&1
-      summary "nvme weights rc=$?"; tail -4 "$OUT/nvme_weights.log" | tee -a "$OUT/summary.txt" ;;
+      summary "nvme weights rc=$?"; tail -6 "$OUT/nvme_weights.log" | tee -a "$OUT/summary.txt"
+      # and OffloadModel's frozen chunks (the blocks) all on disk (nvme, nvme_path) vs in pinned RAM:
+      # s/step, disk read GB/s against the measured read rate (target >= 80 %)
+      timeout ${NVME_TIMEOUT:-400} python3 bench/train/bench_nvme.py --what offload --model 6.85b --batch 8 \
+        --seq 512 --cap-gib 24 --dir "${NVME_DIR:-/tmp}" --out "$OUT/nvme_offload.json" ${NVME_OFFLOAD_ARGS:-} \
+        > "$OUT/nvme_offload.log" 2>&1
+      summary "nvme offload rc=$?"; tail -7 "$OUT/nvme_offload.log" | tee -a "$OUT/summary.txt" ;;
     trainer)  # issue 12: Qwen2-1.5B shape, stock Trainer vs OffloadTrainer, uncapped and at 12 GiB
       timeout $(( ${TRAINER_DEADLINE:-300} + 30 )) python3 bench/train/bench_trainer.py \
         --deadline "${TRAINER_DEADLINE:-300}" --out "$OUT/trainer.json" ${TRAINER_ARGS:-} > "$OUT/trainer.log" 2>&1

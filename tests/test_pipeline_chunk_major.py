@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -212,3 +213,25 @@ def test_chunk_major_on_the_gpu_equals_the_unsplit_model(keep):
             assert torch.equal(p.detach(), q.detach().cpu()) and torch.equal(p.grad, q.grad.cpu())
         assert loads(pipe) == [7, 7]
         assert [m.grads.stats["landed"] for m in pipe.modules] == [8, 8]  # 4 chunks x (weight, bias)
+
+
+def test_1f1b_on_streamed_stages_sharing_a_device_advises_gpipe_once():
+    x, y = batch()
+    with Pipeline(stage_modules=cuts(list(blocks(4)), 2), devices=["cpu", "cpu"]) as pipe:
+        with pytest.warns(UserWarning, match="schedule='gpipe' runs them chunk-major") as seen:
+            pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4)
+        assert "about 2 x 4 times per step" in str(seen[0].message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4)  # once per Pipeline
+    for kw in ({"schedule": "gpipe"}, {"n_microbatches": 1}):
+        with Pipeline(stage_modules=cuts(list(blocks(4)), 2), devices=["cpu", "cpu"]) as pipe:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                pipe.step(x, targets=y, loss_fn=F.mse_loss, **({"n_microbatches": 4} | kw))
+    with Pipeline(
+        stage_modules=cuts(list(blocks(4)), 2), devices=["cpu", "cpu"], offload_chunk_major=False
+    ) as p:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            p.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4)

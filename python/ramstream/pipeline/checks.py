@@ -15,6 +15,7 @@ __all__ = [
     "check_paths",
     "check_offload",
     "check_params",
+    "schedule_hint",
     "dice",
     "split_batch",
     "split_tensors",
@@ -243,3 +244,18 @@ def check_params(chunks) -> list:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+def schedule_hint(schedule: str, devices, grouped, microbatches: int) -> str | None:
+    """The one-time advice for a 1F1B step whose streamed stages all share one device: there is no
+    cross-device overlap to win, and GPipe runs them chunk-major (chunk_major.py), loading each
+    chunk twice per step instead of twice per microbatch. None when it does not apply."""
+    if schedule != "1f1b" or not grouped or microbatches < 2 or len(set(devices)) != 1:
+        return None
+    return (
+        f"Pipeline.step: schedule '1f1b' with streamed stages that all run on {devices[0]} loads each "
+        f"streamed chunk about 2 x {microbatches} times per step; schedule='gpipe' runs them "
+        "chunk-major, loading each chunk twice per step (bit-identical results; it holds every "
+        "microbatch's activations, as OffloadModel on the whole batch): see the pipeline guide, "
+        '"Chunk-major runs". This advice is given once per Pipeline.'
+    )

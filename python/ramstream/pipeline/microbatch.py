@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_int, split_batch, split_tensors
+from .run import sum_loss
 
 __all__ = ["DEFAULT_MICROBATCHES", "cut_inputs", "is_presplit"]
 
@@ -117,3 +118,29 @@ def cut_inputs(where: str, data, n_microbatches):
     n = DEFAULT_MICROBATCHES if n_microbatches is None else n_microbatches
     inputs, rows = split_batch(data, n)
     return inputs, lambda name, x: split_tensors(name, x, n, rows), False
+
+
+def loss_or_grads(loss_fn, grad_outputs, targets, cut, presplit: bool, n: int):
+    """Pipeline.step's (loss_fn, grads per microbatch or None): grad_outputs cut like the data (a
+    callable repeated), else loss_fn, or without one output.sum() (run.sum_loss); TypeError and
+    ValueError for what does not go together."""
+    if grad_outputs is not None and loss_fn is not None:
+        raise ValueError("Pipeline.step: give loss_fn or grad_outputs, not both")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"Pipeline.step: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if grad_outputs is not None:
+        if callable(grad_outputs):
+            return None, [grad_outputs] * n
+        if torch.is_tensor(grad_outputs) or isinstance(grad_outputs, (tuple, list) if presplit else tuple):
+            return None, cut("grad_outputs", grad_outputs)
+        raise TypeError(
+            "Pipeline.step: grad_outputs must be a tensor, a tuple of tensors (None where an "
+            f"output gets no gradient) or a callable, got {type(grad_outputs).__name__}"
+        )
+    if loss_fn is None:
+        if targets is not None:
+            raise ValueError(
+                "Pipeline.step: targets given without loss_fn; pass loss_fn=(output, target) -> loss"
+            )
+        loss_fn = sum_loss
+    return loss_fn, None

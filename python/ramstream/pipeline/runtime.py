@@ -8,18 +8,27 @@ import functools
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import torch
 
 from . import schedule as schedules
-from .checks import check_autocast, check_devices, check_offload, check_params, check_paths, dice
+from .checks import (
+    check_autocast,
+    check_devices,
+    check_offload,
+    check_params,
+    check_paths,
+    dice,
+    schedule_hint,
+)
 from .fake import check_fake_compute, refuse_replace
-from .microbatch import cut_inputs
+from .microbatch import cut_inputs, loss_or_grads
 from .oom import explain as out_of_memory
 from .paging import StagePager
 from .pinning import set_offload_pinned
-from .run import Chunk, PipelineResult, Run, cat_outputs, commit_grads, sum_loss
+from .run import Chunk, PipelineResult, Run, cat_outputs, commit_grads
 from .split import Sequence, split_model
 from .stage import StageThread, stop_all
 from .streamed import StreamedStage, stream_choices
@@ -181,6 +190,7 @@ class Pipeline:
         self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
         self._params = check_params(self._chunks)
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
+        self._hinted = False  # checks.schedule_hint's advice given
         self._lock = threading.Lock()
         self._stream: InferStream | None = None
         self._session: TrainSession | None = None
@@ -305,31 +315,14 @@ class Pipeline:
             )
         inputs, cut, presplit = cut_inputs("Pipeline.step", data, n_microbatches)
         n = len(inputs)
-        if grad_outputs is not None and loss_fn is not None:
-            raise ValueError("Pipeline.step: give loss_fn or grad_outputs, not both")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"Pipeline.step: loss_fn must be callable, got {type(loss_fn).__name__}")
         ops = schedules.build(schedule, self.num_stages, n, self.chunks_per_stage)
+        if not self._hinted:
+            hint = schedule_hint(schedules.canonical(schedule), self.devices, self._grouped, n)
+            if hint is not None:
+                self._hinted = True
+                warnings.warn(hint, UserWarning, stacklevel=2)
         tg = cut("targets", targets) if targets is not None else [None] * n
-        grads = None
-        if grad_outputs is not None:
-            if callable(grad_outputs):
-                grads = [grad_outputs] * n
-            elif torch.is_tensor(grad_outputs) or isinstance(
-                grad_outputs, (tuple, list) if presplit else tuple
-            ):
-                grads = cut("grad_outputs", grad_outputs)
-            else:
-                raise TypeError(
-                    "Pipeline.step: grad_outputs must be a tensor, a tuple of tensors (None where an "
-                    f"output gets no gradient) or a callable, got {type(grad_outputs).__name__}"
-                )
-        elif loss_fn is None:
-            if targets is not None:
-                raise ValueError(
-                    "Pipeline.step: targets given without loss_fn; pass loss_fn=(output, target) -> loss"
-                )
-            loss_fn = sum_loss
+        loss_fn, grads = loss_or_grads(loss_fn, grad_outputs, targets, cut, presplit, n)
         run = Run(
             self._chunks, ops, inputs, tg, loss_fn=loss_fn if grads is None else None, grads=grads,
             train=True, trace=trace_path is not None, pagers=self._pagers, fake=self._fake,

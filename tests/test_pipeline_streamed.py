@@ -65,8 +65,9 @@ def test_streamed_stages_equal_the_unsplit_model(keep, window, pin, overlap):
     pipe.close()
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"], ids=["microbatch-major", "chunk-major"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_failing_streamed_step_changes_nothing(where):
+def test_a_failing_streamed_step_changes_nothing(where, schedule):
     ref = blocks(6)
     ref[1].append(Boom())  # inside the streamed stage's second chunk
     mine = copy.deepcopy(ref)
@@ -74,18 +75,21 @@ def test_a_failing_streamed_step_changes_nothing(where):
     kids = list(mine)
     pipe = Pipeline(stage_modules=[kids[:3], kids[3:]], devices=["cpu", "cpu"], offload_window=1)
     x, y = batch()
-    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4)
+    pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule=schedule)
     before = {n: (p.detach().clone(), p.grad.clone()) for n, p in mine.named_parameters()}
     boom.calls = 0
-    boom.forward_at = 3 if where == "forward" else None
+    boom.forward_at = 3 if where == "forward" else None  # gpipe: the third microbatch of a chunk-major run
     boom.backward_armed = where == "backward"
     with pytest.raises(RuntimeError, match=f"boom in {where}"):
-        run_with_timeout(lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4))
+        run_with_timeout(
+            lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule=schedule)
+        )
     for n, p in mine.named_parameters():
         assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
     assert not any(b.loaded for st in pipe.modules for b in st.streamer.blocks)
+    assert not any(st.streamer.driven or st.holding for st in pipe.modules)
     boom.forward_at, boom.backward_armed = None, False
-    next_step_is_exact(pipe, mine, ref, x, y)
+    next_step_is_exact(pipe, mine, ref, x, y, schedule=schedule)
     pipe.close()
 
 

@@ -150,8 +150,9 @@ def test_an_in_place_first_op_in_a_later_chunk_is_refused_with_a_hint():
     pipe.close()
     with Pipeline(stage_modules=[kids], devices=["cpu"], offload_chunk_major=False) as slow:
         slow.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=2, schedule="gpipe")  # RamTorch's order
-    with pytest.raises(TypeError, match="offload_chunk_major must be a bool"):
-        Pipeline(stage_modules=[kids], devices=["cpu"], offload_chunk_major="yes")
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="offload_chunk_major must be True, False or 'auto'"):
+            Pipeline(stage_modules=[kids], devices=["cpu"], offload_chunk_major=bad)
 
 
 def test_the_trace_shows_a_run_as_one_span(tmp_path):
@@ -203,3 +204,26 @@ def test_1f1b_on_streamed_stages_sharing_a_device_advises_gpipe_once():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             p.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=4)
+
+
+def test_auto_runs_chunk_major_only_the_stages_that_share_a_device():
+    from ramstream.pipeline.chunk_major import grouped_chunks
+    from ramstream.pipeline.run import Chunk
+
+    class Streamed:
+        pass
+
+    def chunks(devices, streamed=(True,) * 4):
+        return [
+            Chunk(Streamed() if st else object(), torch.device(d), s, None, None)
+            for s, (d, st) in enumerate(zip(devices, streamed))
+        ]
+
+    two_gpus = chunks(["cuda:0", "cuda:1"])
+    assert grouped_chunks("auto", two_gpus, 1, Streamed) == frozenset()
+    assert grouped_chunks(True, two_gpus, 1, Streamed) == {0, 1}
+    assert grouped_chunks("auto", chunks(["cuda:0", "cuda:0", "cuda:1"]), 1, Streamed) == {0, 1}
+    assert grouped_chunks("auto", chunks(["cuda:1"]), 1, Streamed) == {0}  # one stage
+    assert grouped_chunks("auto", chunks(["cpu", "cpu"], (True, False)), 1, Streamed) == {0}
+    assert grouped_chunks(True, two_gpus, 2, Streamed) == frozenset()  # interleaved: never
+    assert grouped_chunks(False, chunks(["cpu", "cpu"]), 1, Streamed) == frozenset()

@@ -24,7 +24,29 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["backward_parts", "batches", "forward_parts"]
+__all__ = ["backward_parts", "batches", "forward_parts", "grouped_chunks"]
+
+
+def grouped_chunks(option, chunks, chunks_per_stage: int, streamed_type) -> frozenset:
+    """The chunks (indices) that run chunk-major under Pipeline's offload_chunk_major `option`:
+    True: every streamed chunk (instances of `streamed_type`); "auto": those whose device runs
+    another stage too, or all of a one-stage pipeline (across devices a run delays the next
+    stage's start: simulate_pipeline(chunk_major=True) shows when that costs more than the loads
+    it saves); False: none. None with chunks_per_stage > 1. TypeError for another value."""
+    if option not in (True, False, "auto") or not isinstance(option, (bool, str)):
+        raise TypeError(f"Pipeline: offload_chunk_major must be True, False or 'auto', got {option!r}")
+    if option is False or chunks_per_stage != 1:
+        return frozenset()
+    stages: dict = {}
+    for ch in chunks:
+        stages.setdefault(ch.device, set()).add(ch.stage)
+    one_stage = len({ch.stage for ch in chunks}) == 1
+    return frozenset(
+        c
+        for c, ch in enumerate(chunks)
+        if isinstance(ch.module, streamed_type)
+        and (option is True or one_stage or len(stages[ch.device]) > 1)
+    )
 
 
 def batches(items, groupable, key=lambda x: x):

@@ -23,6 +23,7 @@ from .checks import (
     dice,
     schedule_hint,
 )
+from .chunk_major import grouped_chunks
 from .fake import check_fake_compute, refuse_replace
 from .microbatch import cut_inputs, loss_or_grads
 from .oom import explain as out_of_memory
@@ -82,11 +83,13 @@ class Pipeline:
         offload_activations, offload_act_slots: True pages what each stage's forwards save for
             backward to host memory (pinned on a GPU) beyond offload_act_slots forwards per stage,
             back at their backward (paging.py; bit-identical; activation_stats() counts it).
-        offload_chunk_major: True (default): when a stage's schedule runs several forwards (or
-            backwards) of a streamed stage in a row, each chunk runs over all of them while loaded
+        offload_chunk_major: True: when a stage's schedule runs several forwards (or backwards) of
+            a streamed stage in a row, each chunk runs over all of them while loaded
             (chunk_major.py): GPipe loads each chunk twice per step instead of twice per
-            microbatch; bit-identical. Not with chunks_per_stage > 1, offload_activations or
-            fake_compute. False: microbatch by microbatch (RamTorch's order).
+            microbatch; bit-identical. "auto" (default): True for the streamed stages whose device
+            runs another stage too (or a one-stage pipeline), where no overlap between devices is
+            lost. False: microbatch by microbatch (RamTorch's order). Not with chunks_per_stage
+            > 1, offload_activations or fake_compute.
 
     Threads and streams: the stage threads are daemons named ramstream-pipeline-<stage>; close()
     (or the pipeline's collection) stops them. On CUDA every stage has its own stream; stages
@@ -116,7 +119,7 @@ class Pipeline:
         offload_acc_slots=None,
         offload_activations: bool = False,
         offload_act_slots: int = 2,
-        offload_chunk_major: bool = True,
+        offload_chunk_major="auto",
         device_memory=None,
         fake_compute=None,
     ) -> None:
@@ -124,9 +127,8 @@ class Pipeline:
         self._closed = False
         if not isinstance(overlap, bool):
             raise TypeError(f"Pipeline: overlap must be a bool, got {type(overlap).__name__}")
-        for name, flag in (("offload", offload), ("offload_chunk_major", offload_chunk_major)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"Pipeline: {name} must be a bool, got {type(flag).__name__}")
+        if not isinstance(offload, bool):
+            raise TypeError(f"Pipeline: offload must be a bool, got {type(offload).__name__}")
         check_offload(
             offload_window,
             offload_pin,
@@ -183,10 +185,7 @@ class Pipeline:
                 mod.to(devs[s])
             self._chunks.append(Chunk(mod, devs[s], s, streams[s], self.autocast_dtype))
         self._streamed = [ch.module for ch in self._chunks if isinstance(ch.module, StreamedStage)]
-        self._grouped = frozenset(  # chunk_major.py: not interleaved (a run could wait on itself)
-            c for c, ch in enumerate(self._chunks)
-            if offload_chunk_major and v == 1 and isinstance(ch.module, StreamedStage)
-        )  # fmt: skip
+        self._grouped = grouped_chunks(offload_chunk_major, self._chunks, v, StreamedStage)
         self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
         self._params = check_params(self._chunks)
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum

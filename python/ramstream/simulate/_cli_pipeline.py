@@ -104,6 +104,12 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--pin", type=_int(0), default=0, help="evenly spaced pieces per stage kept resident (default 0)"
     )
+    p.add_argument(
+        "--chunk-major",
+        action="store_true",
+        help="a stage's consecutive forwards (backwards) walk each piece over all their microbatches, "
+        "as Pipeline(offload_chunk_major=True) runs streamed stages (one chunk per stage)",
+    )
     _common(p, tb=2.0, of=" of one piece")
 
 
@@ -177,6 +183,7 @@ def run_pipeline(args) -> int:
         th2d=args.th2d,
         td2h=args.td2h,
         pin=args.pin,
+        chunk_major=args.chunk_major,
     )
     try:
         if args.window is not None:
@@ -197,6 +204,7 @@ def run_pipeline(args) -> int:
         f"{base.schedule}: {args.stages} stages x {args.virtual} chunks x {args.layers} pieces, "
         f"{args.microbatches} microbatches, tf={args.tf:g} tb={args.tb:g} th2d={args.th2d:g} "
         f"td2h={args.td2h:g} comm={args.comm:g}, pin={args.pin}"
+        + (", chunk-major" if args.chunk_major else "")
     )
     if len(preds) == 1:
         print(LEGEND)

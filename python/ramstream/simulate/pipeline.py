@@ -16,12 +16,21 @@ memory is free then), evicting the loaded ones used farthest ahead; a unit's com
 its load. `pin` evenly spaced units per stage stay resident (offload.pinned_chunks) and, as in
 offload.py, load nothing at their hooks. After a
 backward through a streamed unit its gradients go home on the stage's D2H lane (td2h each).
+
+chunk_major=True (with streaming, one chunk per stage) models the runtime's chunk-major runs
+(Pipeline(offload_chunk_major=True), pipeline/chunk_major.py): consecutive forwards (or backwards)
+of a stage form one run (a backward run only when all its forwards ran in runs of two or more, as
+the runtime's tapes decide), which starts when all its inputs are there and walks each unit over
+all its microbatches while the unit is loaded; every op of a run ends with the run (the runtime
+hands the outputs on then); a backward run over every microbatch sends each unit's gradients home
+once, after its last microbatch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..pipeline.chunk_major import batches
 from ..pipeline.schedule import Op, build, canonical, check, dependencies, execution_order
 from .offload import pinned_chunks
 
@@ -124,7 +133,7 @@ def peak_in_flight(ops: list[Op]) -> int:
 class _Stage:
     """One stage's lanes: compute, and with streaming its H2D and D2H copy lanes."""
 
-    def __init__(self, s, ops, layers, tf, tb, stream=None):
+    def __init__(self, s, runs, layers, tf, tb, stream=None):
         self.s, self.layers, self.tf, self.tb = s, layers, tf, tb
         self.compute = self.copy = self.d2h = 0.0
         self.busy = self.h2d_busy = 0.0
@@ -135,10 +144,10 @@ class _Stage:
             # the walk: (unit, global layer index) in the order the stage computes them
             p = stream[4]
             self.walk = []
-            for op in ops:
-                j = op.chunk // p
-                order = range(layers) if op.kind == "F" else range(layers - 1, -1, -1)
-                self.walk += [(j * layers + u, op.chunk * layers + u) for u in order]
+            for run in runs:  # a run of several ops walks each unit over all of them in a row
+                j, c = run[0].chunk // p, run[0].chunk
+                order = range(layers) if run[0].kind == "F" else range(layers - 1, -1, -1)
+                self.walk += [(j * layers + u, c * layers + u) for u in order for _ in run]
             self.pos = 0
             self.loaded: dict[int, float] = {}  # unit -> load end
             # after[i]: the walk position where walk[i]'s unit is next used (len: never again)
@@ -152,23 +161,33 @@ class _Stage:
 
     def run(self, op: Op, ready: float) -> tuple[float, float]:
         """Runs `op` no earlier than `ready`; returns its (start, end)."""
-        cost = self.tf if op.kind == "F" else self.tb
-        start = ready
-        for u in range(self.layers):
-            t = cost[op.chunk * self.layers + u]
-            begin = max(self.compute, ready)
-            if self.stream is not None:
-                begin = max(begin, self._hook())
-            start = begin if u == 0 else start
-            self.compute = begin + t
-            self.busy += t
-            if self.layers > 1:
-                self.pieces.append(OpSpan(self.s, op.kind, op.mb, op.chunk, begin, self.compute))
-            if self.stream is not None:
-                self._write(op.kind)
-                self.next_use[self.walk[self.pos][0]] = self.after[self.pos]
-                self.pos += 1
-        return start, self.compute
+        return self.run_group([op], ready, once=False)[op]
+
+    def run_group(self, run: list, ready: float, *, once: bool) -> dict:
+        """Runs the ops of `run` (one chunk, one kind) unit by unit, each unit over all of them,
+        no earlier than `ready`; once: a unit's gradients go home after its last op only. Returns
+        {op: (start, end)}, every op ending with the run."""
+        kind, chunk = run[0].kind, run[0].chunk
+        cost = self.tf if kind == "F" else self.tb
+        order = range(self.layers) if kind == "F" else range(self.layers - 1, -1, -1)  # the walk's
+        starts: dict = {}
+        for u in order:
+            t = cost[chunk * self.layers + u]
+            for k, op in enumerate(run):
+                begin = max(self.compute, ready)
+                if self.stream is not None:
+                    begin = max(begin, self._hook())
+                starts.setdefault(op, begin)
+                self.compute = begin + t
+                self.busy += t
+                if self.layers > 1:
+                    self.pieces.append(OpSpan(self.s, op.kind, op.mb, op.chunk, begin, self.compute))
+                if self.stream is not None:
+                    if not once or k == len(run) - 1:
+                        self._write(kind)
+                    self.next_use[self.walk[self.pos][0]] = self.after[self.pos]
+                    self.pos += 1
+        return {op: (starts[op], self.compute) for op in run}
 
     def _hook(self) -> float:
         """Loads at the current unit's hook; returns when the unit's weights are on the device."""
@@ -220,6 +239,7 @@ def simulate_pipeline(
     th2d=0.0,
     td2h=0.0,
     pin: int = 0,
+    chunk_major: bool = False,
 ) -> PipelinePrediction:
     """Simulates one pipeline step.
 
@@ -234,6 +254,9 @@ def simulate_pipeline(
         window: streaming slots per stage, the running unit included (None: weights resident,
             no copies); th2d / td2h: a piece's load and gradient write-back time (a number or
             one per piece); pin: evenly spaced pieces per stage kept resident.
+        chunk_major: runs of a stage's consecutive forwards (backwards) walk each unit over all
+            their microbatches (the runtime's offload_chunk_major; needs window, one chunk per
+            stage): the module docstring has the rules.
     ValueError naming the argument for a bad value or schedule.
     """
     if isinstance(schedule, str):
@@ -266,15 +289,23 @@ def simulate_pipeline(
         stream = (window, pinned, _times("th2d", th2d, n, what), _times("td2h", td2h, n, what), stages)
     elif pin:
         raise ValueError("simulate_pipeline: pin needs window (streamed weights)")
-    lanes = [_Stage(s, ops[s], layers, tf, tb, stream) for s in range(stages)]
+    if not isinstance(chunk_major, bool):
+        raise ValueError(f"simulate_pipeline: chunk_major must be a bool, got {chunk_major!r}")
+    if chunk_major and (window is None or chunks_per_stage != 1):
+        raise ValueError(
+            "simulate_pipeline: chunk_major needs window (streamed weights) and chunks_per_stage=1, as the runtime"
+        )
+    runs = [_runs(row, microbatches) if chunk_major else [[op] for op in row] for row in ops]
+    lanes = [_Stage(s, runs[s], layers, tf, tb, stream) for s in range(stages)]
     end: dict[Op, float] = {}
     spans = []
-    for s, op in execution_order(ops, chunks):
+    for s, run in _run_order(ops, runs, chunks):
         ready = 0.0
-        for d in dependencies(op, chunks):
+        for d in (d for op in run for d in dependencies(op, chunks)):
             ready = max(ready, end[d] + (comm if d.chunk % stages != s else 0.0))
-        start, end[op] = lanes[s].run(op, ready)
-        spans.append(OpSpan(s, op.kind, op.mb, op.chunk, start, end[op]))
+        once = len(run) > 1 and run[0].kind == "B" and len(run) == microbatches
+        for op, (start, end[op]) in lanes[s].run_group(run, ready, once=once).items():
+            spans.append(OpSpan(s, op.kind, op.mb, op.chunk, start, end[op]))
     copies = [c for lane in lanes for c in lane.copies]
     makespan = max([sp.end for sp in spans] + [c.end for c in copies])
     busy = [lane.busy for lane in lanes]
@@ -297,6 +328,40 @@ def simulate_pipeline(
     )
 
 
+def _runs(row: list, microbatches: int) -> list[list]:
+    """A stage's op list cut into the runtime's chunk-major runs (pipeline/chunk_major.py): a
+    backward run stays one run only when every one of its forwards ran in a run of two or more
+    (the runtime's tapes); else its ops run one by one."""
+    runs = batches(row, lambda op: True)
+    taped = {(op.chunk, op.mb) for r in runs if r[0].kind == "F" and len(r) > 1 for op in r}
+    out = []
+    for r in runs:
+        if r[0].kind == "B" and len(r) > 1 and not all((op.chunk, op.mb) in taped for op in r):
+            out += [[op] for op in r]
+        else:
+            out.append(r)
+    return out
+
+
+def _run_order(ops, runs, chunks: int) -> list:
+    """(stage, run) pairs in an order that runs each run after every dependency of its ops: the
+    ops' execution_order when every run is one op, else run by run as their inputs are done."""
+    if all(len(r) == 1 for row in runs for r in row):
+        return [(s, [op]) for s, op in execution_order(ops, chunks)]
+    order, done, nxt = [], set(), [0] * len(runs)
+    while any(nxt[s] < len(runs[s]) for s in range(len(runs))):
+        moved = False
+        for s, row in enumerate(runs):
+            if nxt[s] < len(row) and all(d in done for op in row[nxt[s]] for d in dependencies(op, chunks)):
+                order.append((s, row[nxt[s]]))
+                done.update(row[nxt[s]])
+                nxt[s] += 1
+                moved = True
+        if not moved:  # cannot happen for one chunk per stage (pipeline/chunk_major.py)
+            raise ValueError("simulate_pipeline: the chunk-major runs deadlock")
+    return order
+
+
 def simulate_schedule(
     schedule, *, stages: int, microbatches: int, chunks_per_stage: int = 1, tf=1.0, tb=1.0, comm=0.0
 ) -> PipelinePrediction:
@@ -317,7 +382,7 @@ def window_table(schedule, *, windows=None, **kw) -> list[PipelinePrediction]:
     """simulate_pipeline with resident weights, then for every window in `windows` (default
     1 .. the streamed pieces per stage: a larger window changes nothing)."""
     units = kw.get("chunks_per_stage", 1) * kw.get("layers", 1)
-    base = {k: v for k, v in kw.items() if k not in ("th2d", "td2h", "pin")}
+    base = {k: v for k, v in kw.items() if k not in ("th2d", "td2h", "pin", "chunk_major")}
     rows = [simulate_pipeline(schedule, **base)]
     streamed = max(1, units - int(kw.get("pin", 0) or 0))
     return rows + [simulate_pipeline(schedule, window=w, **kw) for w in (windows or range(1, streamed + 1))]

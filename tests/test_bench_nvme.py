@@ -80,6 +80,7 @@ def test_bench_nvme_weights_cpu_smoke(tmp_path, monkeypatch):
     assert r["deterministic"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert ram["deterministic_algorithms"] and disk["deterministic_algorithms"]
     assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert os.listdir(scratch) == []
 
 

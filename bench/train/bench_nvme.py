@@ -78,22 +78,34 @@ def timed_steps(args, step, io, sync=lambda: None) -> dict:
 
 @contextlib.contextmanager
 def determinism(on: bool):
-    """--deterministic for the run: torch.use_deterministic_algorithms(True, warn_only=True), the
-    setting before restored after (the CPU runs share one process)."""
+    """--deterministic for the run: torch.use_deterministic_algorithms(True, warn_only=True) and
+    scaled_dot_product_attention on its math kernel (an H100 run showed cuDNN's attention backward
+    nondeterministic even so: "cuDNN Attention defaults to a non-deterministic algorithm"); the
+    settings before restored after (the CPU runs share one process)."""
     import torch
 
     if not on:
         yield
         return
-    before, warn = (
+    sdp = torch.backends.cuda
+    before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
+        sdp.cudnn_sdp_enabled(),
+        sdp.flash_sdp_enabled(),
+        sdp.mem_efficient_sdp_enabled(),
     )
     torch.use_deterministic_algorithms(True, warn_only=True)
+    for enable in (sdp.enable_cudnn_sdp, sdp.enable_flash_sdp, sdp.enable_mem_efficient_sdp):
+        enable(False)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        for enable, was in zip(
+            (sdp.enable_cudnn_sdp, sdp.enable_flash_sdp, sdp.enable_mem_efficient_sdp), before[2:]
+        ):
+            enable(was)
 
 
 def run_variant(args, share) -> dict:
@@ -296,7 +308,8 @@ def main() -> int:
     ap.add_argument(
         "--deterministic",
         action="store_true",
-        help="torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        help="torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+        "attention on its math kernel",
     )
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)

@@ -301,11 +301,24 @@ def test_cli_streams_stages_that_do_not_fit_and_shows_window_and_pin(capsys):
     for g, s in zip(got["stages"], split.stages):
         assert (g["streaming"]["window"], g["streaming"]["pin"]) == (s.streaming.window, s.streaming.pin)
         assert s.device_bytes <= s.budget
+    from ramstream.planner.cli_pipeline import piece_numbers
+
+    params = piece_numbers(ModelShape.gpt("125m", batch=1, seq=1024, dtype="bfloat16", loss="dense"), 1.0)[
+        "params"
+    ]
+    reads = got["streamed_reads_per_step"]
+    for r, s in zip(reads, split.stages):  # the unpinned pieces' bf16 weights, read 2 x 4 times or twice
+        mine = range(s.start, s.stop)
+        streamed = sum(params[i] for i in mine if i - s.start not in s.streaming.pinned) * 2
+        assert (r or {"chunk_major_gpipe": 0})["chunk_major_gpipe"] == 2 * streamed
+        assert r is None or r["microbatch_major"] == 2 * 4 * streamed
+    assert any(r is not None for r in reads)
     code, out, _ = _plan(capsys, *args)
     for s in split.stages:
         assert (
             f"streamed: window {s.streaming.window}, pin {s.streaming.pin} {list(s.streaming.pinned)}" in out
         )
+    assert "chunk-major under gpipe" in out
     code, out, err = _plan(capsys, *args, "--offload", "false")
     assert code == 2 and "(too big)" in err
 

@@ -119,13 +119,29 @@ def bubble(split: PipelineSplit, nums: dict, microbatches: int):
     )
 
 
+def streamed_reads(split: PipelineSplit, shape: ModelShape, nums: dict, microbatches: int) -> list:
+    """Per stage, the bytes of weights its streamed (unpinned) pieces read over PCIe per step:
+    (microbatch-major: a forward and a backward load per microbatch, chunk-major GPipe: one of
+    each per step, Pipeline(offload_chunk_major=...)); None for a stage that streams nothing."""
+    out = []
+    for s in split.stages:
+        st = s.streaming
+        streamed = 0 if st is None else sum(
+            nums["params"][s.start + i] for i in range(s.count) if i not in set(st.pinned)
+        )  # fmt: skip
+        b = streamed * shape.elem_bytes
+        out.append(None if b == 0 else {"microbatch_major": 2 * microbatches * b, "chunk_major_gpipe": 2 * b})
+    return out
+
+
 def _pieces(names, s) -> str:
     return names[s.start] if s.count == 1 else f"{names[s.start]} .. {names[s.stop - 1]} ({s.count})"
 
 
-def report(split: PipelineSplit, nums: dict, pred) -> dict:
+def report(split: PipelineSplit, nums: dict, pred, reads=None) -> dict:
     """The JSON object `--json` prints under "pipeline"."""
     d = split.to_dict()
+    d["streamed_reads_per_step"] = reads
     d["pieces"] = nums["names"]
     d["stage_pieces"] = [nums["names"][s.start : s.stop] for s in split.stages]
     d["bubble"] = {
@@ -138,7 +154,7 @@ def report(split: PipelineSplit, nums: dict, pred) -> dict:
     return d
 
 
-def text(shape: ModelShape, split: PipelineSplit, nums: dict, pred) -> str:
+def text(shape: ModelShape, split: PipelineSplit, nums: dict, pred, reads=()) -> str:
     shares = split.shares()
     out = [
         f"{shape.name} ({shape.batch} x {shape.seq} tokens, {shape.dtype}) over {len(split.stages)} stages, "
@@ -159,6 +175,13 @@ def text(shape: ModelShape, split: PipelineSplit, nums: dict, pred) -> str:
         f"  bubble of the default schedule ({pred.schedule}, {pred.microbatches} microbatches): "
         f"{pred.bubble:.1%} (step {pred.makespan * 1e3:.1f} ms predicted)"
     )
+    for s, r in zip(split.stages, reads):
+        if r is not None:
+            out.append(
+                f"  stage {s.index} reads about {r['microbatch_major'] / _GB:.2f} GiB of weights per step microbatch by "
+                f"microbatch, {r['chunk_major_gpipe'] / _GB:.2f} GiB chunk-major under gpipe (stages sharing a GPU "
+                "run chunk-major by default: Pipeline(offload_chunk_major='auto'))"
+            )
     out.append("why:")
     out.extend("  " + line for line in split.lines)
     return "\n".join(out)
@@ -190,8 +213,9 @@ def run(args, shape: ModelShape, profile_vram, err) -> int:
             print(json.dumps({"fits": False, "error": str(e)}, indent=2))
         return err(str(e))
     pred = bubble(split, nums, args.microbatches)
+    reads = streamed_reads(split, shape, nums, args.microbatches)
     if args.json:
-        print(json.dumps({"fits": True, "pipeline": report(split, nums, pred)}, indent=2))
+        print(json.dumps({"fits": True, "pipeline": report(split, nums, pred, reads)}, indent=2))
     else:
-        print(text(shape, split, nums, pred))
+        print(text(shape, split, nums, pred, reads))
     return 0

@@ -227,3 +227,28 @@ def test_auto_runs_chunk_major_only_the_stages_that_share_a_device():
     assert grouped_chunks("auto", chunks(["cpu", "cpu"], (True, False)), 1, Streamed) == {0}
     assert grouped_chunks(True, two_gpus, 2, Streamed) == frozenset()  # interleaved: never
     assert grouped_chunks(False, chunks(["cpu", "cpu"]), 1, Streamed) == frozenset()
+
+
+def test_batches_cut_runs_of_one_stage_chunk_and_kind():
+    from ramstream.pipeline.chunk_major import batches
+    from ramstream.pipeline.schedule import Op
+
+    f0, f1, f2 = (Op("F", m, 0) for m in range(3))
+    b0, b1 = Op("B", 0, 0), Op("B", 1, 0)
+    assert batches([f0, f1, b0, b1, f2], lambda op: True) == [[f0, f1], [b0, b1], [f2]]
+    assert batches([f0, f1, b0], lambda op: False) == [[f0], [f1], [b0]]
+    g0, g1 = Op("F", 0, 1), Op("F", 1, 1)
+    order = [(0, f0), (0, f1), (1, g0), (0, f2), (1, g1)]  # an execution order across stages
+    assert batches(order, lambda op: True, pairs=True) == [
+        [(0, f0), (0, f1)],
+        [(1, g0)],
+        [(0, f2)],
+        [(1, g1)],
+    ]
+    assert batches(order, lambda op: op.chunk == 1, pairs=True) == [
+        [(0, f0)],
+        [(0, f1)],
+        [(1, g0)],
+        [(0, f2)],
+        [(1, g1)],
+    ]

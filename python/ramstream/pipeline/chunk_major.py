@@ -49,16 +49,17 @@ def grouped_chunks(option, chunks, chunks_per_stage: int, streamed_type) -> froz
     )
 
 
-def batches(items, groupable, key=lambda x: x):
-    """`items` (ops, or (stage, op) pairs with key picking the op; `groupable(stage_or_none, op)`
-    says whether an op may join a run) cut into runs: consecutive ops of one chunk and kind (and
-    one stage) that may be grouped form one run; every other op is a run of its own."""
+def batches(items, groupable, pairs: bool = False):
+    """`items` (one stage's ops, or with `pairs` (stage, op) pairs of an execution order) cut into
+    runs: consecutive ops of one stage, chunk and kind for which `groupable(op)` holds form one
+    run; every other op is a run of its own."""
     out: list[list] = []
     for it in items:
-        op = key(it)
+        op = it[1] if pairs else it
         if out and groupable(op):
-            prev = key(out[-1][-1])
-            same_stage = not isinstance(it, tuple) or it[0] == out[-1][-1][0]
+            last = out[-1][-1]
+            prev = last[1] if pairs else last
+            same_stage = not pairs or it[0] == last[0]
             if same_stage and prev.kind == op.kind and prev.chunk == op.chunk and groupable(prev):
                 out[-1].append(it)
                 continue

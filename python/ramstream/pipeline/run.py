@@ -162,7 +162,7 @@ class Run:
         seen = set()
         try:
             with grad:
-                for run in batches(order, self._groupable, key=lambda it: it[1]):
+                for run in batches(order, self._groupable, pairs=True):
                     s, op = run[0]
                     ch = self.chunks[op.chunk]
                     with device_context(ch.device, ch.stream):

@@ -75,7 +75,7 @@ def _leaf(v):
     return v
 
 
-def _in_place_hint(e: RuntimeError, i: int) -> RuntimeError:
+def _in_place_hint(i: int) -> RuntimeError:
     return RuntimeError(
         f"Pipeline: chunk {i} of a streamed stage modifies its input in place (such as "
         "nn.ReLU(inplace=True) first); with offload_chunk_major=True (the default) each chunk's "
@@ -107,7 +107,7 @@ def forward_parts(stage, args_list, train: bool):
                     out = part(*x)
                 except RuntimeError as e:
                     if i > 0 and "leaf Variable that requires grad" in str(e):
-                        raise _in_place_hint(e, i) from e
+                        raise _in_place_hint(i) from e
                     raise
                 o = out if isinstance(out, tuple) else (out,)
                 if train:

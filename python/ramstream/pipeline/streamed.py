@@ -101,12 +101,14 @@ class StreamedStage(nn.Module):
         self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=window - 1)
         self.block_of = {b.index: k for k, b in enumerate(blocks)}  # chunk -> streamer block
         self.recompute = Recompute(list(chunks), list(range(n))) if keep_activations is not True else None
-        self._handles = self._hook_grads(blocks)
+        self._handles = self._hook_grads()
 
-    def _hook_grads(self, blocks) -> list:
+    def _hook_grads(self) -> list:
         ref = weakref.ref(self)
-        streamed = [p for b in blocks for s in b.slabs for p in s.params if p.requires_grad]
-        return [p.register_post_accumulate_grad_hook(lambda p, r=ref: _land(r, p)) for p in streamed]
+        return [
+            p.register_post_accumulate_grad_hook(lambda p, r=ref: _land(r, p))
+            for p in self._streamed_params()
+        ]
 
     def forward(self, *args):
         x = args
@@ -199,7 +201,7 @@ class StreamedStage(nn.Module):
         self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=self.streamer.ahead)
         self.streamer.stats = stats  # its counters go on
         self.block_of = {b.index: k for k, b in enumerate(blocks)}
-        self._handles = self._hook_grads(blocks)
+        self._handles = self._hook_grads()
         self.pinned = sorted(want)
         return to_pin, to_unpin, moved
 

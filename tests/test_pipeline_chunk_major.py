@@ -16,8 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ramstream import Pipeline
+from ramstream.pipeline import chunk_major
 
 from _pipeline_helpers import (
+    WIDTH,
     Head,
     Tail,
     Whole,
@@ -252,3 +254,79 @@ def test_batches_cut_runs_of_one_stage_chunk_and_kind():
         [(0, f2)],
         [(1, g1)],
     ]
+
+
+class _Twice(nn.Module):
+    """A chunk whose Linear runs twice: two uses of one cast weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(torch.tanh(self.lin(x))))
+
+
+def _autocast_pipes(device, n_models):
+    torch.manual_seed(0)
+    ref = nn.Sequential(*blocks(4), _Twice(), nn.LayerNorm(WIDTH)).to(device)
+    models = [copy.deepcopy(ref) for _ in range(n_models)]
+    kw = dict(devices=[device] * 2, offload_window=2, offload_pin=0, autocast=torch.bfloat16)
+    return ref, models, [Pipeline(stage_modules=cuts(list(m), 2), **kw) for m in models]
+
+
+def _unfused_step(pipe, monkeypatch, *a, **k):
+    """pipe.step with autograd's own conversion and accumulation (cast_grads off)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(chunk_major, "fuse_cast_grads", lambda *_: [])
+        return pipe.step(*a, **k)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_autocast_gradients_summed_through_the_cast_are_bit_identical(device, monkeypatch):
+    """Under autocast bf16 a chunk-major backward run adds each microbatch's bf16 gradient of a
+    cast weight straight into .grad (cast_grads.py): .grad and the weights after AdamW equal
+    autograd's own conversion and accumulation bit for bit over 3 steps, and the unsplit model's
+    within autocast's tolerance; a weight used twice in its chunk (_Twice) too; the LayerNorm's
+    fp32 parameters take autograd's path."""
+    ref, (mine, other), (pipe, plain) = _autocast_pipes(device, 2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, mine, other)]
+    for it in range(3):
+        x, y = (t.to(device) for t in batch(seed=it))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            reference_grads(ref, x, y, 4)
+        kw = dict(targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+        pipe.step(x, **kw)
+        _unfused_step(plain, monkeypatch, x, **kw)
+        assert_same(mine, other)
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad.cpu(), atol=2e-3, rtol=0.05)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same(mine, other)
+    # per step: stage 0 holds 3 Linear blocks (6 parameters); stage 1 one more and _Twice's two
+    # (its Linear's two uses share one cast, whose node sums them); none of the LayerNorm's (used
+    # in fp32, not cast)
+    assert [m.fused_casts for m in pipe.modules] == [3 * 6, 3 * 4]
+    assert [m.fused_casts for m in plain.modules] == [0, 0]
+    for p in (pipe, plain):
+        p.close()
+
+
+def test_a_hooked_parameter_keeps_autograd_s_path(monkeypatch):
+    """A tensor hook on a streamed parameter still sees every microbatch's gradient."""
+    _, (mine, other), (pipe, plain) = _autocast_pipes("cpu", 2)
+    seen = []
+    w = mine[0][0].weight
+    w.register_hook(lambda g: seen.append(g.dtype))
+    x, y = batch()
+    kw = dict(targets=y, loss_fn=F.mse_loss, n_microbatches=4, schedule="gpipe")
+    pipe.step(x, **kw)
+    _unfused_step(plain, monkeypatch, x, **kw)
+    assert seen == [torch.float32] * 4
+    assert_same(mine, other)
+    assert pipe.modules[0].fused_casts == 5  # the hooked weight's left out
+    for p in (pipe, plain):
+        p.close()

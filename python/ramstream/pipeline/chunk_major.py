@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .cast_grads import fuse_cast_grads
+
 __all__ = ["backward_parts", "batches", "forward_parts", "grouped_chunks"]
 
 
@@ -146,20 +148,17 @@ def backward_parts(stage, tapes, roots, *, accumulate: bool) -> None:
             if k is not None:
                 st.window(range(k, max(-1, k - 1 - st.ahead), -1))
                 st.use(k)
-            for m, tape in enumerate(tapes):
-                if i == last:
-                    pairs = roots[m]
-                else:
-                    nxt = tape[i + 1][0]
-                    pairs = [
-                        (o, a.grad)
-                        for o, a in zip(tape[i][1], nxt)
-                        if torch.is_tensor(a) and a.requires_grad and a.grad is not None and o.requires_grad
-                    ]
-                    tape[i + 1] = None  # its input's gradient is read: the chunk's tensors may go
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                del pairs
+            fused = (
+                fuse_cast_grads(list(stage._streamed_params([i])), tapes[0][i][1])
+                if accumulate and stage.recompute is None and k is not None and tapes
+                else []
+            )
+            stage.fused_casts += len(fused)
+            try:
+                _backward_chunk(i, last, tapes, roots)
+            finally:
+                for h in fused:
+                    h.remove()
             if accumulate:
                 stage.land_part(i)
         st.window(())
@@ -170,3 +169,21 @@ def backward_parts(stage, tapes, roots, *, accumulate: bool) -> None:
     finally:
         st.driven = False
         stage.holding = False
+
+
+def _backward_chunk(i: int, last: int, tapes, roots) -> None:
+    """Chunk i's backward for every microbatch of the run, in order."""
+    for m, tape in enumerate(tapes):
+        if i == last:
+            pairs = roots[m]
+        else:
+            nxt = tape[i + 1][0]
+            pairs = [
+                (o, a.grad)
+                for o, a in zip(tape[i][1], nxt)
+                if torch.is_tensor(a) and a.requires_grad and a.grad is not None and o.requires_grad
+            ]
+            tape[i + 1] = None  # its input's gradient is read: the chunk's tensors may go
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del pairs

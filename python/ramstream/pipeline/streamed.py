@@ -83,6 +83,7 @@ class StreamedStage(nn.Module):
         self.grads = GradWriteback(device)
         self.in_step = False
         self.holding = False  # chunk_major.backward_parts sums the gradients on the device first
+        self.fused_casts = 0  # parameters whose cast gradients cast_grads.py summed (a count)
         blocks = []
         with torch.no_grad():
             for i, c in enumerate(chunks):

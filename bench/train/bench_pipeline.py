@@ -17,7 +17,10 @@ Rows (--rows):
          within 15 %. The stages share one GPU here, which the simulator does not model (it
          gives each stage its own device): op times measured under that sharing carry it.
          Run microbatch by microbatch (offload_chunk_major=False): the schedule the simulator
-         models, op by op.
+         models, op by op. GPipe recomputes each chunk's forward in its backward
+         (offload_keep_activations="checkpoint"): holding every microbatch's activations of four
+         stages does not fit the 24 GiB cap (a PipelineOutOfMemoryError); the traced backward
+         times include the recompute.
   P2GPU  2 stages on cuda:0 and cuda:1 (skipped when torch.cuda.device_count() < 2) vs the
          1-GPU run of the same model (P2's ramstream row, or its own) and RamTorch on the same
          two GPUs. Targets: >= 1.8x throughput, >= RamTorch.
@@ -80,11 +83,17 @@ def child(args) -> dict:
 
     for d in cuda:
         cap_vram(d, args.cap_gib)
+    if args.unfused:
+        from ramstream.pipeline import chunk_major
+
+        chunk_major.fuse_cast_grads = lambda *_: []
     t0 = time.perf_counter()
     chunks, vocab = build_chunks(args.model, args.seq)
     params = [p for c in chunks for p in c.parameters()]
     v = 2 if args.schedule == "interleaved" else 1
     off = dict(offload=True, offload_window=args.window, offload_pin=args.pin)
+    if args.keep != "true":
+        off["offload_keep_activations"] = args.keep
     if args.impl == "offload":
         import ramstream as lib
 
@@ -163,9 +172,26 @@ def child(args) -> dict:
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
     if args.predict and args.impl == "ramstream":
         out.update(_predict(one, args, len(devs), v))
+    if args.profile:
+        out["profile"] = _profile(one, args.profile)
     if hasattr(model, "close"):
         model.close()
     return out
+
+
+def _profile(one, path: str) -> dict:
+    """One step under torch.profiler: the device's busy time (kernels, and copies apart) against
+    the step's wall time; the kernels by total device time written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = one()
+    ev = prof.key_averages()
+    kern = sum(e.self_device_time_total for e in ev if not e.key.startswith("Memcpy")) / 1e6
+    copies = sum(e.self_device_time_total for e in ev if e.key.startswith("Memcpy")) / 1e6
+    with open(path, "w") as f:
+        f.write(ev.table(sort_by="self_device_time_total", row_limit=30))
+    return {"wall_s": wall, "kernels_s": kern, "copies_s": copies}
 
 
 def _predict(one, args, stages: int, v: int) -> dict:
@@ -257,6 +283,11 @@ def _parser():
     ap.add_argument("--devices", help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     ap.add_argument("--predict", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--keep", default="true", choices=["true", "checkpoint"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--unfused", action="store_true", help="child: chunk-major without cast_grads.py (an A/B of it)"
+    )
+    ap.add_argument("--profile", help="child: torch.profiler over one more step, its table written here")
     return ap
 
 
@@ -272,7 +303,9 @@ class Runner:
         self.args, self.end = args, time.monotonic() + args.deadline
         self.ramtorch = None
 
-    def __call__(self, impl: str, devices: str, schedule: str = "1f1b", predict: bool = False) -> dict:
+    def __call__(
+        self, impl: str, devices: str, schedule: str = "1f1b", predict: bool = False, keep: str = "true"
+    ) -> dict:
         a = self.args
         tag = {"impl": impl, "devices": devices, "schedule": schedule}
         left = self.end - time.monotonic()
@@ -290,6 +323,7 @@ class Runner:
             "--microbatches", str(a.microbatches), "--cap-gib", str(a.cap_gib),
             "--window", str(a.window), "--pin", str(a.pin), "--steps", str(a.steps),
             "--warmup", str(a.warmup),
+            "--keep", keep,
         ] + (["--predict"] if predict else []) + ([] if a.trace_sync else ["--no-trace-sync"])  # fmt: skip
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=left)
@@ -333,8 +367,10 @@ def run(args) -> list[dict]:
     if "P4" in rows_wanted:
         d = _devices(args, args.p4_stages, 1)
         for s in SCHEDULES:
-            m = go("ramstream", d, s, predict=True)
-            r = {"row": "P4", "schedule": s, "ramstream": m}
+            # GPipe holds every microbatch's activations of every stage: recomputed to fit the cap
+            keep = "checkpoint" if s == "gpipe" else "true"
+            m = go("ramstream", d, s, predict=True, keep=keep)
+            r = {"row": "P4", "schedule": s, "keep_activations": keep, "ramstream": m}
             if "error" not in m:
                 r["predicted_s"] = m["predicted_s"]
                 r["prediction_error"] = m["predicted_s"] / m["step_s"] - 1  # target |.| <= 0.15

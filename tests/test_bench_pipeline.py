@@ -69,7 +69,9 @@ def test_tiny_cpu_runs_every_row(tmp_path):
         assert len(m["tf"]) == len(m["tb"]) == (4 if r["schedule"] == "interleaved" else 2)
         assert all(math.isfinite(t) and t > 0 for t in m["tf"] + m["tb"])
         assert math.isfinite(r["predicted_s"]) and r["predicted_s"] > 0
-        assert r["prediction_error"] == r["predicted_s"] / m["step_s"] - 1
+        assert r["prediction_error"] == r["predicted_s"] / m["pipeline_s"] - 1  # without the optimizer
+        assert 0 < m["pipeline_s"] < m["step_s"] and 0 < m["optimizer_s"] < m["step_s"]
+        assert r["keep_activations"] == ("checkpoint" if r["schedule"] == "gpipe" else "true")
         assert m["losses"] == s["losses"]  # every schedule: the same gradients, the same steps
     g = p2gpu["ramstream"]
     assert _ok(g) and p2gpu["one_gpu"] == s

@@ -17,7 +17,6 @@ its own and no post-accumulate hook but the stage's (which stands aside during s
 from __future__ import annotations
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["fuse_cast_grads"]
 
@@ -43,9 +42,11 @@ def _adder(p):
     return hook
 
 
-def _uses(outputs, accs: dict) -> dict:
-    """accs: AccumulateGrad node -> parameter; returns node -> the graph nodes feeding it (one
-    entry per edge), walked from `outputs`' grad_fns (a chunk's graph: its inputs are leaves)."""
+def _uses(outputs, params: dict) -> dict:
+    """params: id -> parameter; returns the AccumulateGrad nodes of those parameters met walking
+    back from `outputs`' grad_fns (a chunk's graph: its inputs are leaves), each with the graph
+    nodes feeding it (one entry per edge). The node is matched by its variable: a parameter's
+    current accumulator can be another one (moving .data to another device makes a new one)."""
     uses: dict = {}
     seen = set()
     stack = [o.grad_fn for o in outputs if torch.is_tensor(o) and o.grad_fn is not None]
@@ -57,8 +58,9 @@ def _uses(outputs, accs: dict) -> dict:
         for f, _ in n.next_functions:
             if f is None:
                 continue
-            if f in accs:
-                uses.setdefault(f, []).append(n)
+            if type(f).__name__ == "AccumulateGrad":
+                if id(f.variable) in params:
+                    uses.setdefault(f, []).append(n)
             elif f not in seen:
                 stack.append(f)
     return uses
@@ -68,12 +70,12 @@ def fuse_cast_grads(params, outputs) -> list:
     """Hooks the cast node of each of `params` (one chunk's streamed parameters) whose gradient
     reaches it only through an autocast cast in the graph of `outputs` (the chunk's outputs for
     one microbatch of the run); returns the hooks' handles (remove them when the run ends)."""
-    accs = {get_gradient_edge(p).node: p for p in params if p.requires_grad and _plain(p)}
-    if not accs:
+    mine = {id(p): p for p in params if p.requires_grad and _plain(p)}
+    if not mine:
         return []
     handles = []
-    for acc, nodes in _uses(outputs, accs).items():
+    for acc, nodes in _uses(outputs, mine).items():
         n = nodes[0]
         if len(nodes) == 1 and type(n).__name__ == _CAST and len(n.next_functions) == 1:
-            handles.append(n.register_prehook(_adder(accs[acc])))
+            handles.append(n.register_prehook(_adder(mine[id(acc.variable)])))
     return handles

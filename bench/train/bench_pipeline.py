@@ -178,12 +178,18 @@ def child(args) -> dict:
         "optimizer_s": _median([x[1] for x in split]),
         "losses": [r[1] for r in runs],
         "peak_vram_gib": {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in cuda} or None,
+        # the caching allocator at the cap: a retry frees the cache after synchronizing the device
+        "peak_reserved_gib": {str(d): torch.cuda.max_memory_reserved(d) / 2**30 for d in cuda} or None,
+        "alloc_retries": {str(d): torch.cuda.memory_stats(d).get("num_alloc_retries", 0) for d in cuda}
+        or None,
     }
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
     if args.predict and args.impl == "ramstream":
         out.update(_predict(one, args, len(devs), v))
     if args.profile:
         out["profile"] = _profile(one, args.profile)
+    if args.trace and args.impl == "ramstream":
+        out["traced_s"], _ = one(trace_path=args.trace)
     if hasattr(model, "close"):
         model.close()
     return out
@@ -298,6 +304,7 @@ def _parser():
         "--unfused", action="store_true", help="child: chunk-major without cast_grads.py (an A/B of it)"
     )
     ap.add_argument("--profile", help="child: torch.profiler over one more step, its table written here")
+    ap.add_argument("--trace", help="child (ramstream): one more step traced (Perfetto JSON) here")
     return ap
 
 

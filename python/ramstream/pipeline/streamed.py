@@ -80,7 +80,7 @@ class StreamedStage(nn.Module):
         pinned = spaced(min(pin, n), n) if pin else set()
         self.device = device
         self.copier = make_copier(device)
-        self.grads = GradWriteback(device)
+        self.grads = GradWriteback(device, sum_as_landed=True)  # a landing per microbatch
         self.in_step = False
         self.holding = False  # chunk_major.backward_parts sums the gradients on the device first
         self.fused_casts = 0  # parameters whose cast gradients cast_grads.py summed (a count)
@@ -216,6 +216,7 @@ class StreamedStage(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.grads.close()
         self.streamer.close()
         if self.recompute is not None:
             self.recompute.close()

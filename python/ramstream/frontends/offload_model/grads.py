@@ -6,11 +6,20 @@ a non-blocking copy into a pooled pinned buffer, ordered after the compute that 
 the gradient itself, already at home); commit() waits once for the D2H stream and makes every
 pending record the parameter's `.grad` (added into the previous `.grad` when there was one);
 discard() drops them (a failed step leaves `.grad` as it was before it).
+
+sum_as_landed (the pipeline's streamed stages, where a parameter lands once per microbatch): the
+first landing is the sum; each later one is copied into a pinned staging buffer and added into it
+on a host thread as soon as its copy is done, in landing order, so the adds overlap the rest of
+the step and host memory holds one gradient per parameter plus at most `max_staged` bytes in
+flight (instead of one per microbatch, summed after the last one). The same additions in the same
+order as commit() makes: bit-identical.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,9 +29,15 @@ from ...trace import current as _trace_current
 class GradWriteback:
     """Pending gradients of one step. Training thread only (autograd's hooks)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, *, sum_as_landed: bool = False, max_staged: int = 2 << 30
+    ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.sum_as_landed = sum_as_landed
+        self.max_staged = max_staged
+        self._adder = None  # one host thread (CUDA, sum_as_landed): the later landings' additions
+        self._jobs: deque = deque()  # (future, staged bytes), oldest first
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool: dict[int, torch.Tensor] = {}  # id(param) -> pinned buffer (CUDA)
         self._pending: dict[int, tuple] = {}  # id(param) -> (param, host gradient)
@@ -54,7 +69,10 @@ class GradWriteback:
         again = id(p) in self._pending  # a parameter used by two backward passes of one step
         if not self.cuda:
             t0 = tr.now() if tr is not None else None
-            self._pending.setdefault(id(p), (p, []))[1].append(g)
+            if again and self.sum_as_landed:
+                self._pending[id(p)][1][0].add_(g)
+            else:
+                self._pending.setdefault(id(p), (p, []))[1].append(g)
             if tr is not None:
                 tr.span("d2h", "grad", t0, tr.now(), chunk=self.chunk_of.get(id(p), -1))
             return
@@ -69,16 +87,45 @@ class GradWriteback:
         t0 = tr.now(self.stream) if tr is not None else None
         with torch.cuda.stream(self.stream):
             dst.copy_(g, non_blocking=True)
+            done = torch.cuda.Event() if again and self.sum_as_landed else None
+            if done is not None:
+                done.record(self.stream)
         g.record_stream(self.stream)  # its memory is reused only after the copy
         if tr is not None:
             tr.span("d2h", "grad", t0, tr.now(self.stream), chunk=self.chunk_of.get(id(p), -1))
-        self._pending.setdefault(id(p), (p, []))[1].append(dst)
+        if done is not None:
+            self._add_later(self._pending[id(p)][1][0], dst, done)
+        else:
+            self._pending.setdefault(id(p), (p, []))[1].append(dst)
         self.stats["bytes_d2h"] += g.nbytes
         self.stats["landed"] += 1
+
+    def _add_later(self, acc: torch.Tensor, staged: torch.Tensor, done) -> None:
+        """acc += staged on the host thread once `done` (staged's copy; acc's came before it on
+        the same stream) has completed; at most max_staged bytes wait (else the oldest first)."""
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="ramstream-grad-sum")
+        while self._jobs and sum(b for _, b in self._jobs) + staged.nbytes > self.max_staged:
+            self._jobs.popleft()[0].result()
+        self._jobs.append((self._adder.submit(_add_after, acc, staged, done), staged.nbytes))
+
+    def _drain(self, raising: bool = True) -> None:
+        """Waits for every queued addition; the first that failed raises (after all ended)."""
+        jobs, self._jobs = self._jobs, deque()
+        err = None
+        for fut, _ in jobs:
+            e = fut.exception()
+            err = err or e
+        if err is not None and raising:
+            raise err
 
     def commit(self, before: dict) -> None:
         """Every pending gradient into `.grad` (before: id(param) -> `.grad` at the step's start),
         added in the order autograd produced them, as torch accumulates."""
+        if self.sum_as_landed and before:
+            raise ValueError(
+                "GradWriteback(sum_as_landed=True).commit: before must be {} (sums start at the first landing)"
+            )
         self.wait()
         pending, self._pending = self._pending, {}
         for key, (p, gs) in pending.items():
@@ -90,9 +137,27 @@ class GradWriteback:
             p.grad = acc
 
     def discard(self) -> None:
-        self.wait()
-        self._pending = {}
+        """Drops the pending gradients (a failed step): waits for the copies and additions in
+        flight, whose own errors are dropped with them."""
+        try:
+            if self.stream is not None:
+                self.stream.synchronize()
+            self._drain(raising=False)
+        finally:
+            self._pending = {}
 
     def wait(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()  # once per step, not per copy
+        self._drain()
+
+    def close(self) -> None:
+        """Ends the host thread (after its queued additions)."""
+        if self._adder is not None:
+            self._adder.shutdown(wait=True)
+            self._adder = None
+
+
+def _add_after(acc: torch.Tensor, staged: torch.Tensor, done) -> None:
+    done.synchronize()
+    acc.add_(staged)

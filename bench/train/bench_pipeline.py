@@ -207,6 +207,7 @@ def _profile(one, path: str) -> dict:
     copies = sum(e.self_device_time_total for e in ev if e.key.startswith("Memcpy")) / 1e6
     with open(path, "w") as f:
         f.write(ev.table(sort_by="self_device_time_total", row_limit=30))
+    prof.export_chrome_trace(path + ".json")  # every thread and stream: profile_timeline.py
     return {"wall_s": wall, "kernels_s": kern, "copies_s": copies}
 
 

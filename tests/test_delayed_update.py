@@ -28,9 +28,14 @@ class DelayedReference:
     moments) are updated at every step; the first `warmup` steps copy them into the model at
     once, later steps leave them pending until the next step() installs them first."""
 
-    def __init__(self, model, warmup, *, max_grad_norm=None, bf16_offsets=None, groups=None, **hyper):
+    def __init__(
+        self, model, warmup, *, max_grad_norm=None, bf16_offsets=None, groups=None, engine=None, **hyper
+    ):
         self.model, self.warmup, self.max_grad_norm = model, warmup, max_grad_norm
         self.params = list(model.parameters())
+        # the engine's GPU-updated ("mapped") parameters are not delayed: index -> state offset
+        self.undelayed = {} if engine is None else _mapped_offsets(engine)
+        assert not (self.undelayed and (max_grad_norm or groups)), "not modelled here"
         self.masters = [p.detach().cpu().float().clone().requires_grad_(p.requires_grad) for p in self.params]
         hyper = hyper or dict(lr=LR, weight_decay=WD)
         self.opt = torch.optim.AdamW(groups(self.masters) if groups else self.masters, fused=True, **hyper)
@@ -42,15 +47,35 @@ class DelayedReference:
                 for m in self.masters
             ]
         self.taken, self.pending = 0, False
+        self.gpu_state = {}  # undelayed index -> (fp32 master or None, exp_avg, exp_avg_sq) on the device
+        for i in self.undelayed:
+            p, mdt = self.params[i], torch.bfloat16 if bf16_offsets is not None else torch.float32
+            master = None if p.dtype == torch.float32 else p.detach().float().clone()
+            self.gpu_state[i] = (master, torch.zeros_like(p, dtype=mdt), torch.zeros_like(p, dtype=mdt))
 
     def install(self):
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+            for i, (p, m) in enumerate(zip(self.params, self.masters)):
+                if i not in self.undelayed:
+                    p.copy_(m)
+
+    def _gpu_step(self, i, g):
+        """ramstream's CUDA AdamW (the mapped update's kernel) on parameter i, at once."""
+        p, (master, ea, eas) = self.params[i], self.gpu_state[i]
+        g = g.contiguous()
+        _raw.cuda_adamw_ptr(
+            param=(p if master is None else master).data_ptr(), grad=g.data_ptr(), grad_dtype=g.dtype,
+            exp_avg=ea.data_ptr(), exp_avg_sq=eas.data_ptr(), moment_dtype=ea.dtype,
+            out=0 if master is None else p.data_ptr(), out_dtype=p.dtype, n=p.numel(),
+            offset=self.undelayed[i], lr=self.hyper["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=self.hyper["weight_decay"], step=self.taken, grad_scale=1.0, seed=0,
+            stream=torch.cuda.current_stream(p.device).cuda_stream, device=p.device.index,
+        )  # fmt: skip
 
     def step(self):
         if self.pending:
             self.install()
+        dev_grads = {i: self.params[i].grad.detach().clone() for i in self.undelayed if self.params[i].grad is not None}
         grads = [None if p.grad is None else p.grad.detach().cpu().float().clone() for p in self.params]
         for p in self.params:
             p.grad = None
@@ -61,8 +86,10 @@ class DelayedReference:
             self.pending = False
             return False
         self.taken += 1
-        for m, g in zip(self.masters, grads):
-            m.grad = g
+        for i, g in dev_grads.items():
+            self._gpu_step(i, g)
+        for i, (m, g) in enumerate(zip(self.masters, grads)):
+            m.grad = None if i in self.undelayed else g
         if self.max_grad_norm is not None:  # torch's coefficient on the norm summed in double
             coef = torch.clamp(
                 torch.tensor(self.max_grad_norm, dtype=torch.float32) / (norm.float() + 1e-6), max=1.0
@@ -84,6 +111,8 @@ class DelayedReference:
         """The host kernel (ramstream's AdamW, fp32 masters, bf16 moments rounded stochastically
         keyed by (seed 0, step, element index in the whole state)), parameter by parameter."""
         for m, (ea, eas), off in zip(self.masters, self.moments, self.bf16_offsets):
+            if m.grad is None:  # no gradient, or updated on the GPU (_gpu_step)
+                continue
             g = m.grad.reshape(-1).contiguous()
             flat = m.data.reshape(-1)
             _raw.adamw_ptr(
@@ -102,6 +131,17 @@ class DelayedReference:
                 weight_decay=self.hyper["weight_decay"],
                 offset=off,
             )
+
+
+def _mapped_offsets(engine) -> dict:
+    """{parameter index (the optimizer's order): its element offset in the whole state} of the
+    engine's mapped slots."""
+    index = {id(p): i for i, p in enumerate(p for g in engine.param_groups for p in g["params"])}
+    return {
+        index[id(s.param)]: s.bucket.state_offset + s.offset
+        for s in engine.slots
+        if s.bucket.placement == "mapped"
+    }
 
 
 class Poison:
@@ -155,7 +195,7 @@ def _wrapped(device="cpu", warmup=2, **options):
 @pytest.mark.parametrize("device", DEVICES)
 def test_delayed_update_equals_its_plain_torch_reference(device):
     model, opt, ref_model = _wrapped(device)
-    ref = DelayedReference(ref_model, 2)
+    ref = DelayedReference(ref_model, 2, engine=opt._engine)  # a mapped share (GPU "auto") undelayed
     losses, ref_losses = _train(model, opt, ref, batches(10, device=device))
     st = opt.stats()
     assert st["steps"] == 10 and st["delayed_steps"] == 8 and st["eager_updates"] > 0  # warm-up: eager
@@ -217,7 +257,7 @@ def test_bf16_weights_bf16_moments_and_many_buckets(device):
     )
     assert len(opt._engine.buckets) > 4
     offsets = [p._ramstream_slot.bucket.state_offset + p._ramstream_slot.offset for p in model.parameters()]
-    ref = DelayedReference(ref_model, 2, bf16_offsets=offsets)
+    ref = DelayedReference(ref_model, 2, bf16_offsets=offsets, engine=opt._engine)
     _assert_equal(model, opt, ref, *_train(model, opt, ref, batches(12, device=device)))
     assert opt.stats()["delayed_steps"] == 10
 
@@ -392,10 +432,51 @@ def test_bad_values_and_unsupported_combinations():
         ramstream.OffloadAdamW(make_model(0).parameters(), mode="gpu", delayed_update=True)
     with pytest.raises(ValueError, match="delayed_update.*distributed=True"):
         _wrapped(distributed=True)
-    # "auto" keeps the state on the host with delayed_update (no mapped share, no resident switch)
+    # "auto" stays "auto" (a GPU's mapped share is not delayed) and the state stays offloaded (no
+    # resident switch, no VRAM share, no refiner); the CPU engine updates everything on the host
     _, opt, _ = _wrapped(optimizer_mode="auto", offload="auto")
-    assert opt.mode == "cpu" and opt.offload is True
+    assert opt.mode == "auto" and opt.offload is True and opt._refiner is None
     assert all(b.placement == "host" for b in opt._engine.buckets)
+    _, opt, _ = _wrapped(optimizer_mode="cpu")
+    assert opt.mode == "cpu" and opt.offload is True
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, moments", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")])
+def test_a_mapped_share_is_updated_at_once_and_the_host_share_delayed(monkeypatch, dtype, moments):
+    """optimizer_mode="auto" on a GPU: the buckets the GPU updates over PCIe ("mapped": half of the
+    parameters here) are not delayed, the host-updated rest is. Bit for bit against the rule in
+    plain torch with ramstream's CUDA kernel for the mapped half; and neither the all-delayed nor
+    the undelayed rule gives these numbers."""
+    from ramstream.runtime import optimizer_split
+
+    monkeypatch.setattr(optimizer_split, "choose_mapped_fraction", lambda **kw: (0.5, {"fraction": 0.5}))
+    ref_model = make_model(0, dtype=dtype, n_blocks=4).cuda()
+    model, start = clone(ref_model), clone(ref_model)
+    model, opt = ramstream.wrap(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        device="cuda",
+        delayed_update=2,
+        moment_dtype=moments,
+        bucket_bytes=1 << 14,
+    )
+    placements = [b.placement for b in opt._engine.buckets]
+    assert "mapped" in placements and "host" in placements, placements
+    offsets = [p._ramstream_slot.bucket.state_offset + p._ramstream_slot.offset for p in model.parameters()]
+    bf16 = offsets if moments == "bfloat16" else None
+    ref = DelayedReference(ref_model, 2, bf16_offsets=bf16, engine=opt._engine)
+    assert 0 < len(ref.undelayed) < len(ref.params)
+    data = batches(10, device="cuda")
+    _assert_equal(model, opt, ref, *_train(model, opt, ref, data))
+    assert opt.stats()["delayed_steps"] == 8 and opt.stats()["gpu_updates"] > 0
+    for other in (DelayedReference(clone(start), 2, bf16_offsets=bf16),  # every parameter delayed
+                  DelayedReference(clone(start), 10**9, bf16_offsets=bf16, engine=opt._engine)):  # fmt: skip
+        for x, y in data:
+            other.model(x, y).backward()
+            other.step()
+        other.install()
+        assert not all(torch.equal(a, b) for a, b in zip(other.params, ref.params))
 
 
 def test_lr_scheduler_read_when_the_update_is_queued():
@@ -446,3 +527,30 @@ def test_host_memory_check_counts_the_delayed_buffers():
     assert pick(True, extra=4 * n) == torch.float32
     assert pick(True, accumulate=True, extra=12 * n) == torch.float32
     assert pick(True, accumulate=True, extra=12 * n - 4096) == torch.bfloat16
+
+
+def test_wrap_hands_the_plans_mapped_share_to_the_optimizer_with_delay_only():
+    from types import SimpleNamespace as NS
+
+    from ramstream.wrap import _planned_mapped
+
+    plan = NS(mode="offload", optimizer={"split": {"device": 0.0, "mapped": 0.35, "host": 0.65}})
+    opts = NS(delayed_update=40, optimizer_mode="auto")
+    assert _planned_mapped(plan, opts) == 0.35
+    assert _planned_mapped(plan, NS(delayed_update=False, optimizer_mode="auto")) is None
+    assert _planned_mapped(plan, NS(delayed_update=40, optimizer_mode="cpu")) is None
+    assert _planned_mapped(None, opts) is None
+    assert _planned_mapped(NS(mode="resident", optimizer=plan.optimizer), opts) is None
+
+
+@pytest.mark.cuda
+def test_the_optimizer_takes_the_planned_mapped_share():
+    model = make_model(0, n_blocks=4).cuda()
+    opt = ramstream.OffloadAdamW(
+        model.parameters(), lr=LR, mode="auto", delayed_update=2, bucket_bytes=1 << 14, _planned_mapped=0.5
+    )
+    e = opt._engine
+    total = sum(b.numel for b in e.buckets)
+    assert opt.split_info["reason"] == "delayed_update: the plan's split"
+    assert abs(e.mapped_numel / total - 0.5) < 0.2 and opt._refiner is None
+    assert {b.placement for b in e.buckets} == {"mapped", "host"}

@@ -133,6 +133,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         _block_of=None,
         _nvme_share: float = 0.0,
         _device_state: bool = False,
+        _planned_mapped: float | None = None,
     ) -> None:
         _checks.check_hyper(lr, betas, eps, weight_decay)
         eager_updates, max_grad_norm = _ts_args.translate(
@@ -204,6 +205,7 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
         self._distributed = bool(distributed)
         self._log = _log or (lambda msg: None)
         self.split_info: dict = {}
+        self._planned_mapped = _planned_mapped  # wrap()'s plan's mapped share (delayed_update only)
         if max_inflight_bytes is None and device.type == "cuda" and torch.cuda.is_available():
             from .hardware import gpu_memory
             from .planner.wrap_rules import grad_inflight_bytes

@@ -136,8 +136,10 @@ def check_hyper(lr, betas, eps, weight_decay) -> None:
 
 def check_delayed(value, mode: str, offload, distributed) -> tuple:
     """OffloadAdamW's delayed_update: (warm-up steps or None, mode, offload). With it the state
-    stays on the host (mode "cpu", offload True: no mapped share, no resident switch); mode "gpu"
-    and distributed are refused (ValueError naming delayed_update)."""
+    stays offloaded (offload True: no resident switch, no VRAM share); mode "auto" keeps its mapped
+    share, which the GPU updates without delay (only host-updated parameters are delayed), "cpu"
+    delays every parameter; mode "gpu" (nothing left to delay) and distributed are refused
+    (ValueError naming delayed_update)."""
     from .options import parse_delayed_update
 
     warmup = parse_delayed_update(value, "OffloadAdamW:")
@@ -153,7 +155,7 @@ def check_delayed(value, mode: str, offload, distributed) -> tuple:
             "OffloadAdamW: delayed_update is not supported with distributed=True (the owners' "
             "broadcast of the new weights is not delayed)"
         )
-    return warmup, "cpu", True
+    return warmup, mode, True
 
 
 def check_nvme(

@@ -175,9 +175,10 @@ def _use_data_parallel(option) -> bool:
 
 def _make_optimizer(
     groups, g0, opts, moment_dtype, device, use_dp, model, log, streamed, block_of=None, nvme=(0.0, None),
-    on_device=False,
+    on_device=False, planned_mapped=None,
 ):  # fmt: skip
-    """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers)."""
+    """The OffloadAdamW wrap() trains with (its engine lays the weights out in flat device buffers).
+    planned_mapped: the plan's mapped share with delayed_update (None: the optimizer's own split)."""
     return OffloadAdamW(
         groups,
         lr=g0.get("lr", opts.lr),
@@ -206,7 +207,16 @@ def _make_optimizer(
         _streamed=streamed,
         _block_of=block_of,
         _device_state=on_device,
+        _planned_mapped=planned_mapped,
     )
+
+
+def _planned_mapped(plan, opts) -> float | None:
+    """With delayed_update and optimizer_mode="auto": the plan's mapped share (planner/plan.py
+    _delayed_split balances it for the delay); None otherwise (no plan, or a resident plan)."""
+    if opts.delayed_update is False or opts.optimizer_mode != "auto" or plan is None or plan.mode != "offload":
+        return None
+    return float((plan.optimizer.get("split") or {}).get("mapped", 0.0))
 
 
 def _resolve_nvme(opts, plan, use_dp: bool, log) -> tuple[float, str | None]:
@@ -421,6 +431,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                 block_of,
                 nvme,
                 on_device,
+                _planned_mapped(plan, opts),
             )
         )
     )

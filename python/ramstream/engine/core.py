@@ -61,8 +61,9 @@ class Engine:
         pinned host memory and visit the device only while their block runs (weights/).
         skip_nonfinite: a step whose global gradient norm is not finite is skipped with a
         warning (True) or raises NonFiniteGradientError (False); both apply no update.
-        delayed_update: None (off) or the number of undelayed warm-up steps (delayed.py); every
-        bucket is then updated on the host, and data parallel is refused.
+        delayed_update: None (off) or the number of undelayed warm-up steps (delayed.py): the
+        host-updated buckets' updates are delayed, mapped ones (mapped_fraction) are not; data
+        parallel is refused.
         block_of: {id(parameter): block index} of the blocks' own parameters: no bucket spans two
         blocks, so that a block can start streaming between steps (restream.py); None: buckets
         break only between streamed blocks and the rest.

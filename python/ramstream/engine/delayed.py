@@ -8,7 +8,12 @@ w[t+1] = AdamW(w[t], g(w[t-1])). synchronize() (state dicts, checkpoints, close,
 too. The gradient buffers are double-buffered (`b.dpu_landing`, `b.dpu_acc`): update t reads one
 pair while step t+1's gradients land in the other, so the backward never waits for the update.
 
-Host-updated buckets only (the "host" placement, streamed or not); Engine refuses the rest.
+Only host-updated buckets (the "host" placement, streamed or not) are delayed: their update is
+what takes the host's time. Buckets the GPU updates ("mapped": optimizer_mode="auto"'s share) are
+updated as without delay, during the backward or at step(), and the next forward reads their new
+weights: in one step some parameters are one update behind and the others are not. The GPU-updated
+placements are fixed while delayed (no relocation: the refiner, the resident switch and the VRAM
+share are off).
 Training thread, except `run_update`'s body (engine thread).
 """
 
@@ -30,11 +35,15 @@ class Delayed:
         self.pending: list = []  # buckets whose delayed update is queued, not installed
 
     def allocate(self, b) -> None:
-        """The side buffers of an owned host bucket (layout.py made its state already)."""
+        """The side buffers of an owned host bucket (layout.py made its state already); a bucket
+        the GPU updates ("mapped") is not delayed and gets none; "device" is refused (the VRAM
+        placements move buckets, which delayed buffers do not follow)."""
+        if b.placement == "mapped":
+            return
         if b.placement != "host":
             raise ValueError(
-                f"ramstream: delayed_update needs every bucket updated on the host; bucket {b.index} "
-                f"is {b.placement!r}"
+                f"ramstream: delayed_update needs each bucket updated on the host or mapped; bucket "
+                f"{b.index} is {b.placement!r}"
             )
         b.dpu_out = self.dev.host_buffer(b.numel, b.dtype)  # update t's weights until installed
         b.dpu_landing = self.dev.host_buffer(b.numel, b.dtype)

@@ -63,9 +63,14 @@ def moment_bytes(moment: str) -> int:
     return 2 if moment == "bfloat16" else 4
 
 
-def plan_step_buffers(ctx, numel: int) -> dict:
-    """step_buffers with the plan's component names (plan.py's ctx: wb, accumulate, delayed)."""
-    extra = step_buffers(numel, ctx.wb, ctx.accumulate, ctx.delayed)
+def plan_step_buffers(ctx, numel: int, delayed_numel: int | None = None) -> dict:
+    """step_buffers with the plan's component names (plan.py's ctx: wb, accumulate, delayed);
+    delayed_update's buffers for `delayed_numel` elements (None: `numel`): the host-updated ones
+    (a mapped share is not delayed: engine/delayed.py)."""
+    extra = step_buffers(numel, ctx.wb, ctx.accumulate, False)
+    if ctx.delayed:
+        d = numel if delayed_numel is None else delayed_numel
+        extra.update({k: v for k, v in step_buffers(d, ctx.wb, ctx.accumulate, True).items() if k != "accumulator"})
     return {k.replace(" ", "_"): v for k, v in extra.items()}
 
 
@@ -80,7 +85,7 @@ def offload_host_memory(ctx, split: dict, moment: str, ss: set, paged: int) -> t
     mapped_state = m * (master_bytes(wb) + 2 * mb)
     ram = {"optimizer_state": h * (4 + 2 * mb) - shared + mapped_state, "gradient_landing": h * wb,
            "streamed_weights": streamed_w, "paged_activations": paged}  # fmt: skip
-    ram.update(plan_step_buffers(ctx, h + m))
+    ram.update(plan_step_buffers(ctx, h + m, delayed_numel=h))
     pinned = {"gradient_landing": h * wb, "streamed_weights": streamed_w, "paged_activations": paged,
               "mapped_state": mapped_state}  # fmt: skip
     return ram, pinned

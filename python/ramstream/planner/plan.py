@@ -90,7 +90,7 @@ def _times(ctx: _Ctx, streamed, paged_bytes: int, modes, moment: str, split: dic
     wb, mb = ctx.wb, _mb(moment)
     return step_times(ctx.shape, ctx.prof, ctx.weight, streamed=streamed, modes=modes, paged_bytes=paged_bytes,
                       split=split, state_bytes=ADAMW_STATE_BYTES[moment],
-                      mapped_bytes_per_param=2 * mb + _master(wb))  # fmt: skip
+                      mapped_bytes_per_param=2 * mb + _master(wb), delayed=ctx.delayed)  # fmt: skip
 
 
 def _host_split(ctx: _Ctx) -> dict:
@@ -138,9 +138,11 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
     mb = _mb(moment)
     room = ctx.budget - peak - MARGIN_BYTES
     streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
-    split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=room, mode=ctx.opt_mode,
-                            wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
+    split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=0 if ctx.delayed else room,
+                            mode=ctx.opt_mode, wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
     split = cap_mapped_to_pin(ctx, split, moment, ss, paged)
+    if ctx.delayed and ctx.opt_mode == "auto" and split["mapped"] + split["host"] > streamed_tr:
+        split = _delayed_split(ctx, streamed, paged, modes, moment, split, streamed_tr)
     share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
     vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
     settled, bounds, rounds = _settle(ctx, streamed, paged, modes, moment, split, streamed_tr)
@@ -155,6 +157,27 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
                 room=room, initial_split=split, refinements=rounds)  # fmt: skip
 
 
+def _delayed_split(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int) -> dict:
+    """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) that
+    minimises the predicted step, on a grid of DELAYED_SPLIT_STEPS of the movable parameters. The
+    host share's update hides beside the next step's forward and backward (timing.py), so the
+    balance is the GPU lane (compute + the mapped update) against the host AdamW alone, not
+    choose_mapped_fraction's host against PCIe (wrap() passes the result to the optimizer: the
+    refiner, which would move buckets, is off with delayed_update)."""
+    from .rules import DELAYED_SPLIT_STEPS
+
+    movable = split["mapped"] + split["host"] - streamed_tr
+    best = None
+    for k in range(DELAYED_SPLIT_STEPS + 1):
+        m = movable * k // DELAYED_SPLIT_STEPS
+        trial = cap_mapped_to_pin(ctx, {**split, "mapped": m, "host": split["mapped"] + split["host"] - m},
+                                  moment, set(streamed), paged)  # fmt: skip
+        t = step_of(_times(ctx, streamed, paged, modes, moment, trial))[0]
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, trial)
+    return {**best[1], "mapped_fraction_of_rest": best[1]["mapped"] / max(1, movable), "delayed_split": True}
+
+
 def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int):
     """(the split the run trains at, its step bounds, the refinement rounds): optimizer_mode="auto"
     re-solves the host / mapped split after steps 4 and 6 (policy.refinement_rounds); runtime/refiner.py
@@ -164,7 +187,8 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
     from .rules import MAX_REFINEMENTS, MIN_GAIN
 
     bounds = _times(ctx, streamed, paged, modes, moment, split)
-    if not ctx.refine or ctx.opt_mode != "auto" or not (split["mapped"] or split["host"] > streamed_tr):
+    movable = split["mapped"] or split["host"] > streamed_tr
+    if not ctx.refine or ctx.opt_mode != "auto" or ctx.delayed or not movable:  # delayed: no refiner
         return split, bounds, []
     kw = dict(streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment), state_bytes=ADAMW_STATE_BYTES[moment],
               prof=ctx.prof)  # fmt: skip
@@ -334,7 +358,8 @@ def _plan_training(
     delayed = parse_delayed(delayed_update, where) is not None
     if delayed and mode == "gpu":
         raise ValueError(f"{where} delayed_update needs the host AdamW: optimizer_mode 'auto' or 'cpu'")
-    mode = "cpu" if delayed else mode  # as wrap()'s options (options.py): the state stays on the host
+    # with delayed_update the state stays offloaded (options.py): no resident plan, no VRAM share;
+    # "auto" keeps its mapped share, which is not delayed (engine/delayed.py)
     moment = parse_moment_dtype(moment_dtype, where=where)
     if quantize not in QUANT_BYTES:
         raise ValueError(f"{where} quantize={quantize!r} is not accepted; accepted: 'none', 'int8', 'nf4'")
@@ -406,7 +431,7 @@ def _plan_training(
             f"param_offload=auto: {k_auto} of {n} blocks streamed (resident weights <= {room / _GIB:.2f} GiB)"
         )
     # (a) resident: the offloaded run's peak predicts a resident one that fits
-    if mode == "auto" and forced in (None, []) and not k_auto and act in ("auto", False):
+    if mode == "auto" and not delayed and forced in (None, []) and not k_auto and act in ("auto", False):
         # the moment dtype is wrap()'s (planner/host_fit.py pick_moment_dtype: by host RAM), kept by the switch
         fit = [m for m in moments if shape.trained_numel * (4 + 2 * _mb(m) + ctx.wb) <= ctx.ram]
         for m in fit[:1]:

@@ -160,22 +160,26 @@ def host_trial(split: dict, *, streamed_trained: int, wb: int, mb: int, state_by
 
 
 def delayed_verdict(delayed, plain) -> str | None:
-    """wrap(delayed_update=...)'s check (runtime/apply.py): delayed_update keeps the whole optimizer
-    state on the host (runtime/optimizer_split.py), so where the plan without it updates a share on
-    the GPU its host AdamW has more to do. `delayed` and `plain`: the Plans with and without it.
-    Returns the warning's text when `plain` predicts a step more than rules.DELAYED_SLOWER shorter,
-    with both predictions and their bounds, else None."""
+    """wrap(delayed_update=...)'s check (runtime/apply.py): delayed_update keeps the optimizer state
+    offloaded (no resident switch, no VRAM share: engine/delayed.py), so where the plan without it
+    keeps a share of the state in VRAM (updated at device speed) the delayed run's host and PCIe
+    have more to do. `delayed` and `plain`: the Plans with and without it. Returns the warning's
+    text when `plain` predicts a step more than rules.DELAYED_SLOWER shorter, with both predictions,
+    their bounds and both splits, else None."""
     from .rules import DELAYED_SLOWER
 
     d, p = delayed.predicted["step_s"], plain.predicted["step_s"]
     if not (d and p) or d <= p * (1 + DELAYED_SLOWER):
         return None
-    split = plain.optimizer.get("split") or {}
-    gpu = split.get("device", 0.0) + split.get("mapped", 0.0)
+    ps = plain.optimizer.get("split") or {}
+    ds = delayed.optimizer.get("split") or {}
     return (
         f"delayed_update is predicted slower on this machine: {d:.3f} s/step with it (bound by "
-        f"{delayed.predicted['bound']}, host AdamW {delayed.bounds.get('host_adamw_s', 0.0):.3f} s) vs "
-        f"{p:.3f} s without it (bound by {plain.predicted['bound']}): it keeps the whole optimizer state "
-        f"on the host, where without it the plan updates {gpu:.0%} of it on the GPU; compare both "
-        "(docs/guide/delayed_update.md) or leave delayed_update=False"
+        f"{delayed.predicted['bound']}, host AdamW {delayed.bounds.get('host_adamw_s', 0.0):.3f} s; "
+        f"{ds.get('host', 0.0):.0%} of the parameters updated by the host, delayed, "
+        f"{ds.get('mapped', 0.0):.0%} by the GPU over PCIe) vs {p:.3f} s without it (bound by "
+        f"{plain.predicted['bound']}; the state of {ps.get('device', 0.0):.0%} in VRAM, "
+        f"{ps.get('mapped', 0.0):.0%} over PCIe, {ps.get('host', 0.0):.0%} on the host): delayed_update "
+        "keeps the state out of VRAM; compare both (docs/guide/delayed_update.md) or leave "
+        "delayed_update=False"
     )

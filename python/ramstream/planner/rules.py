@@ -110,6 +110,9 @@ PIPELINE_OPTIMIZER_BYTES = 8
 # once per step; the others twice).
 NVME_WEIGHTS_WINDOW = 3
 
+# delayed_update with optimizer_mode="auto": the plan tries this many + 1 mapped shares of the movable
+# parameters (0, 1/N, ..., 1) and keeps the one with the shortest predicted step (plan.py _delayed_split)
+DELAYED_SPLIT_STEPS = 20
 # wrap(delayed_update=...) warns when the plan without it predicts a step this much shorter
-# (delayed_update keeps the whole optimizer state on the host: policy.delayed_verdict)
+# (delayed_update keeps the optimizer state out of VRAM: policy.delayed_verdict)
 DELAYED_SLOWER = 0.05

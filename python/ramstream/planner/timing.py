@@ -48,7 +48,9 @@ the step is the longest of their lanes:
         (measured: the 6.85B bf16 with 6 front blocks streamed, 1.482 s/step, waited 0.301 s in
         the forward, the 1.21G params of those blocks at the run's 3.84 G params/s: 0.315 s);
         with every block streamed the host starts at the last block's landing and the forward
-        trails it (row F: 0.53-0.56 s/step, 0.43-0.44 s of host AdamW).
+        trails it (row F: 0.53-0.56 s/step, 0.43-0.44 s of host AdamW). With delayed_update
+        the host share's update of step t runs beside step t+1's forward and backward: the
+        lane is the host AdamW alone (the mapped share is not delayed: it stays in the gpu lane).
   h2d, d2h: the weight stream, the host share's gradients down and weights up, the mapped
         update's traffic and paged activations, each way at duplex_gbps while both run.
 The lanes overlap each other, so a step bound by the mapped update hides the host AdamW, and
@@ -176,12 +178,13 @@ def refiner_rates(prof, split: dict, *, wb: int, mb: int, state_bytes: int) -> t
 
 def step_times(
     shape, prof, weight_of, *, streamed, modes, paged_bytes: int, split: dict, state_bytes: int,
-    mapped_bytes_per_param: int,
+    mapped_bytes_per_param: int, delayed: bool = False,
 ) -> dict:  # fmt: skip
     """Seconds per resource (OVERLAPPED), per lane (gpu_lane_s, host_lane_s) and their parts,
     and exposed_s: what the step takes beyond its largest resource (module docstring). split:
     numel per placement {"device", "mapped", "host"}; state_bytes: AdamW state traffic per
-    parameter (28 / 20); mapped_bytes_per_param: what one mapped update moves each way."""
+    parameter (28 / 20); mapped_bytes_per_param: what one mapped update moves each way.
+    delayed: delayed_update, past its warm-up (the host lane is the host AdamW alone)."""
     sh, p = shape, prof
     T, n = sh.tokens, len(sh.blocks)
     rate = p.matmul_tflops * 1e12 * MATMUL_EFFICIENCY if p.matmul_tflops else None
@@ -243,6 +246,8 @@ def step_times(
     if host_front:  # streamed blocks' share: updated as their gradients land, the forward waits
         host_lane = _streamed_host_lane(sh, p, weight_of, ss, split, per_f, per_b, outside_s, per_param,
                                         mapped_bytes_per_param, stream_rate)  # fmt: skip
+    if host and delayed:  # the host share's update runs beside the next forward and backward
+        host_lane = host
     if host and not p.vram_total:  # the CPU engine: the same cores compute and update
         host_lane = gpu_lane + host
     step = max(gpu_lane, host_lane, h2d, d2h) + act_exposed

@@ -55,6 +55,16 @@ def mapped_fraction_for(opt, mode: str, device: torch.device) -> float:
         return 0.0
     if mode == "gpu":
         return 1.0
+    planned = getattr(opt, "_planned_mapped", None)
+    if planned is not None:  # delayed_update under wrap(): the plan's delay-aware split (plan.py)
+        f = min(1.0, max(0.0, float(planned)))
+        opt.split_info = {"fraction": f, "reason": "delayed_update: the plan's split"}
+        opt._log(
+            f"optimizer_mode=auto with delayed_update: {f:.0%} of the parameters updated by the GPU "
+            "over PCIe without delay, the rest by the host delayed (the plan's split: the GPU lane "
+            "against the host AdamW beside the next step)"
+        )
+        return f
 
     rates = measured_rates(device)
     f, info = choose_mapped_fraction(

@@ -75,7 +75,9 @@ class DelayedReference:
     def step(self):
         if self.pending:
             self.install()
-        dev_grads = {i: self.params[i].grad.detach().clone() for i in self.undelayed if self.params[i].grad is not None}
+        dev_grads = {
+            i: self.params[i].grad.detach().clone() for i in self.undelayed if self.params[i].grad is not None
+        }
         grads = [None if p.grad is None else p.grad.detach().cpu().float().clone() for p in self.params]
         for p in self.params:
             p.grad = None

@@ -131,7 +131,8 @@ def run_variant(args, delayed) -> dict:
     if engine is not None:  # the optimizer's placement: the mapped share is updated by the GPU, undelayed
         total = max(1, sum(b.numel for b in engine.buckets))
         out["placement"] = {
-            p: sum(b.numel for b in engine.buckets if b.placement == p) / total for p in ("device", "mapped", "host")
+            p: sum(b.numel for b in engine.buckets if b.placement == p) / total
+            for p in ("device", "mapped", "host")
         }
     return out
 

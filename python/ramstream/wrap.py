@@ -214,7 +214,12 @@ def _make_optimizer(
 def _planned_mapped(plan, opts) -> float | None:
     """With delayed_update and optimizer_mode="auto": the plan's mapped share (planner/plan.py
     _delayed_split balances it for the delay); None otherwise (no plan, or a resident plan)."""
-    if opts.delayed_update is False or opts.optimizer_mode != "auto" or plan is None or plan.mode != "offload":
+    if (
+        opts.delayed_update is False
+        or opts.optimizer_mode != "auto"
+        or plan is None
+        or plan.mode != "offload"
+    ):
         return None
     return float((plan.optimizer.get("split") or {}).get("mapped", 0.0))
 

@@ -70,7 +70,9 @@ def plan_step_buffers(ctx, numel: int, delayed_numel: int | None = None) -> dict
     extra = step_buffers(numel, ctx.wb, ctx.accumulate, False)
     if ctx.delayed:
         d = numel if delayed_numel is None else delayed_numel
-        extra.update({k: v for k, v in step_buffers(d, ctx.wb, ctx.accumulate, True).items() if k != "accumulator"})
+        extra.update(
+            {k: v for k, v in step_buffers(d, ctx.wb, ctx.accumulate, True).items() if k != "accumulator"}
+        )
     return {k.replace(" ", "_"): v for k, v in extra.items()}
 
 

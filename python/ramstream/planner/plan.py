@@ -157,7 +157,9 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
                 room=room, initial_split=split, refinements=rounds)  # fmt: skip
 
 
-def _delayed_split(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int) -> dict:
+def _delayed_split(
+    ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int
+) -> dict:
     """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) that
     minimises the predicted step, on a grid of DELAYED_SPLIT_STEPS of the movable parameters. The
     host share's update hides beside the next step's forward and backward (timing.py), so the

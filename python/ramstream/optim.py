@@ -83,10 +83,12 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             (the first 40 steps undelayed) or an integer >= 0 (that many undelayed warm-up steps).
             A delayed step() queues the host AdamW and returns; the next forward and backward run
             on the weights before it, and the next step() installs it first: w[t+1] =
-            AdamW(w[t], g(w[t-1])). It changes the numbers (docs/guide/delayed_update.md). Every
-            bucket is then updated on the host (mode "auto" acts as "cpu", offload "auto" as
-            True; mode "gpu" is a ValueError) and eager updates are off after the warm-up; not
-            with `distributed` (NotImplementedError).
+            AdamW(w[t], g(w[t-1])). It changes the numbers (docs/guide/delayed_update.md). Only
+            host-updated buckets are delayed: mode "auto" keeps its mapped share, which the GPU
+            updates without delay; "cpu" delays everything; "gpu" is a ValueError. offload
+            "auto" acts as True (no resident switch, no VRAM share) and the split is not
+            refined; the host's eager updates are off after the warm-up; not with `distributed`
+            (NotImplementedError).
         nvme_dir: the folder of the scratch file holding the optimizer state on disk (None: the
             RAMSTREAM_NVME_DIR variable). Missing, not a folder or not writable: OSError naming it.
         nvme_offload: "auto" (default: the plan's share when wrap() has a plan; none here), True

@@ -230,6 +230,7 @@ def main() -> int:
         print(
             f"{name:8s} (warm-up {_warmup_of(args, name)}) s/step {r['step_s']:.4f}  host AdamW/step {r['host_update_s_per_step']:.4f} s  "
             f"last loss {r['losses'][-1]:.4f}  delayed steps {r['delayed_steps']}"
+            + "".join(f"  {k} {v:.0%}" for k, v in r.get("placement", {}).items())
         )
     ok = all("error" not in r for r in results.values())
     if ok:

@@ -198,6 +198,19 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=45, help="steps left out of s/step (warm-up, plan)")
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="a PNG of both loss curves (matplotlib)")
+    ap.add_argument(
+        "--variants",
+        default="plain,delayed",
+        help="which runs, comma-separated (plain, delayed): one per device call when a call's time limit "
+        "cannot hold both; --combine joins their JSON files afterwards",
+    )
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="join the results of earlier runs (each with its own variants) into --out / --plot; runs nothing",
+    )
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child process's run
     ap.add_argument("--variant-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,8 +230,13 @@ def main() -> int:
         with open(args.variant_out, "w") as f:
             json.dump(res, f)
         return 0
+    if args.combine:
+        return _combine(args)
     results = {}
-    names = ("plain", "delayed") + (("delayed2",) if args.extra_warmup is not None else ())
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not wanted or any(v not in ("plain", "delayed") for v in wanted):
+        ap.error(f"--variants {args.variants!r}: accepted: plain, delayed, comma-separated")
+    names = tuple(wanted) + (("delayed2",) if args.extra_warmup is not None else ())
     for name in names:
         if args.device == "cpu":  # no per-process cap to keep apart: both runs in this process
             results[name] = run_variant(args, _warmup_of(args, name))
@@ -233,7 +251,33 @@ def main() -> int:
             + "".join(f"  {k} {v:.0%}" for k, v in r.get("placement", {}).items())
         )
     ok = all("error" not in r for r in results.values())
-    if ok:
+    results["config"] = {
+        k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out", "plot", "combine")
+    }
+    return _finish(args, results, ok)
+
+
+def _combine(args) -> int:
+    """--combine: the variants of several result files in one (the config of the first)."""
+    results: dict = {}
+    for path in args.combine:
+        with open(path) as f:
+            r = json.load(f)
+        for k in ("plain", "delayed", "delayed2"):
+            if k in r:
+                results[k] = r[k]
+        results.setdefault("config", r["config"])
+    if "plain" not in results or "delayed" not in results:
+        print("--combine: needs a plain and a delayed run among the files", file=sys.stderr)
+        return 2
+    ok = all("error" not in results[k] for k in ("plain", "delayed"))
+    return _finish(args, results, ok)
+
+
+def _finish(args, results: dict, ok: bool) -> int:
+    """The ratio and the tail losses when both runs are there; --out, --plot."""
+    names = [k for k in ("plain", "delayed", "delayed2") if k in results]
+    if ok and "plain" in results and "delayed" in results:
         p, d = results["plain"], results["delayed"]
         tail = min(20, len(p["losses"]))
         results["ratio_step_s"] = d["step_s"] / p["step_s"]
@@ -242,9 +286,6 @@ def main() -> int:
             f"delayed/plain s/step {results['ratio_step_s']:.3f}; mean loss of the last {tail} steps: "
             + ", ".join(f"{k} {v:.4f}" for k, v in results["tail_mean_loss"].items())
         )
-    results["config"] = {
-        k: v for k, v in vars(args).items() if k not in ("variant", "variant_out", "out", "plot")
-    }
     if args.out:
         write_json(args.out, results)
     if args.plot and ok:

@@ -41,3 +41,28 @@ def test_bench_delayed_cpu_smoke(tmp_path, monkeypatch):
     assert plain["losses"][3:] != delayed["losses"][3:]
     assert r["ratio_step_s"] > 0
     assert not plots or png.stat().st_size > 0
+
+
+def test_runs_in_separate_calls_combine_to_the_same_comparison(tmp_path, monkeypatch):
+    """--variants plain / --variants delayed (one device call each), then --combine: the same losses
+    as the run with both, and the ratio of the two runs' s/step."""
+    base = [SCRIPT, "--device", "cpu", "--tiny", "--steps", "6", "--warmup", "2"]
+    main = runpy.run_path(SCRIPT)["main"]
+    paths = {}
+    for name in ("plain", "delayed", "plain,delayed"):
+        paths[name] = tmp_path / f"{name}.json"
+        monkeypatch.setattr(sys, "argv", base + ["--variants", name, "--out", str(paths[name])])
+        assert main() == 0
+    one = json.loads(paths["plain"].read_text())
+    assert "delayed" not in one and "ratio_step_s" not in one
+    joined = tmp_path / "joined.json"
+    monkeypatch.setattr(
+        sys, "argv", [SCRIPT, "--combine", str(paths["plain"]), str(paths["delayed"]), "--out", str(joined)]
+    )
+    assert main() == 0
+    j, both = json.loads(joined.read_text()), json.loads(paths["plain,delayed"].read_text())
+    for k in ("plain", "delayed"):
+        assert j[k]["losses"] == both[k]["losses"]  # the CPU engine is deterministic
+    assert j["ratio_step_s"] == j["delayed"]["step_s"] / j["plain"]["step_s"]
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--combine", str(paths["plain"]), "--out", str(joined)])
+    assert main() == 2  # a plain run alone compares nothing

@@ -556,3 +556,43 @@ def test_the_optimizer_takes_the_planned_mapped_share():
     assert opt.split_info["reason"] == "delayed_update: the plan's split"
     assert abs(e.mapped_numel / total - 0.5) < 0.2 and opt._refiner is None
     assert {b.placement for b in e.buckets} == {"mapped", "host"}
+
+
+@pytest.mark.cuda
+def test_a_bucket_moved_between_host_and_gpu_gains_or_loses_its_delay(monkeypatch):
+    """The watchdog (or any relocate between steps) moves a host bucket to the GPU's mapped
+    placement mid-run: from then on it is updated at once, and its side buffers are released; the
+    reverse gives them back. Bit for bit against the reference whose parameters switch rule at the
+    same step, their AdamW state carried over."""
+    from ramstream.engine.layout import relocate
+    from ramstream.runtime import optimizer_split
+
+    monkeypatch.setattr(optimizer_split, "choose_mapped_fraction", lambda **kw: (0.5, {"fraction": 0.5}))
+    ref_model = make_model(0, n_blocks=4).cuda()
+    model = clone(ref_model)
+    model, opt = ramstream.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), device="cuda", delayed_update=1,
+        bucket_bytes=1 << 14,
+    )  # fmt: skip
+    e = opt._engine
+    ref = DelayedReference(ref_model, 1, engine=e)
+    data = batches(10, device="cuda")
+    losses, ref_losses = _train(model, opt, ref, data[:5])
+    opt.synchronize()
+    ref.install()
+    b = next(b for b in e.buckets if b.placement == "host")
+    assert b.dpu_out is not None
+    relocate(e, b, "mapped")
+    assert b.dpu_out is None and b.dpu_landing is None
+    index = {id(p): i for i, p in enumerate(p for g in e.param_groups for p in g["params"])}
+    for s in b.slots:  # the reference's parameters of b: the GPU kernel from now on, state carried
+        i = index[id(s.param)]
+        st = ref.opt.state[ref.masters[i]]
+        ref.undelayed[i] = s.bucket.state_offset + s.offset
+        ref.gpu_state[i] = (None, st["exp_avg"].cuda(), st["exp_avg_sq"].cuda())
+    more = _train(model, opt, ref, data[5:])
+    _assert_equal(model, opt, ref, losses + more[0], ref_losses + more[1])
+    m = next(b for b in e.buckets if b.placement == "mapped")
+    opt.synchronize()
+    relocate(e, m, "host")
+    assert m.dpu_out is not None and m.dpu_landing is not None

@@ -11,9 +11,8 @@ pair while step t+1's gradients land in the other, so the backward never waits f
 Only host-updated buckets (the "host" placement, streamed or not) are delayed: their update is
 what takes the host's time. Buckets the GPU updates ("mapped": optimizer_mode="auto"'s share) are
 updated as without delay, during the backward or at step(), and the next forward reads their new
-weights: in one step some parameters are one update behind and the others are not. The GPU-updated
-placements are fixed while delayed (no relocation: the refiner, the resident switch and the VRAM
-share are off).
+weights: in one step some parameters are one update behind and the others are not. A bucket that
+layout.relocate moves (the watchdog) gets its side buffers, or loses them, in `placed`.
 Training thread, except `run_update`'s body (engine thread).
 """
 
@@ -36,21 +35,29 @@ class Delayed:
 
     def allocate(self, b) -> None:
         """The side buffers of an owned host bucket (layout.py made its state already); a bucket
-        the GPU updates ("mapped") is not delayed and gets none; "device" is refused (the VRAM
-        placements move buckets, which delayed buffers do not follow)."""
-        if b.placement == "mapped":
-            return
+        the GPU updates ("mapped", "device") is not delayed and gets none."""
         if b.placement != "host":
-            raise ValueError(
-                f"ramstream: delayed_update needs each bucket updated on the host or mapped; bucket "
-                f"{b.index} is {b.placement!r}"
-            )
+            self.release(b)
+            return
         b.dpu_out = self.dev.host_buffer(b.numel, b.dtype)  # update t's weights until installed
         b.dpu_landing = self.dev.host_buffer(b.numel, b.dtype)
         b.dpu_acc = None if b.acc is None else torch.empty_like(b.acc)
         b.dpu_seq, b.dpu_ranges, b.dpu_event = 0, None, None
         if b.streamed and b.master is not None and b.master.data_ptr() == b.slab.home.data_ptr():
             b.master = b.slab.home.clone()  # an fp32 home is no longer its master: loads read home
+
+    def release(self, b) -> None:
+        """b has no side buffers (a GPU-updated bucket)."""
+        b.dpu_out = b.dpu_landing = b.dpu_acc = None
+        b.dpu_seq, b.dpu_ranges, b.dpu_event = 0, None, None
+
+    def placed(self, b) -> None:
+        """After layout.relocate moved quiescent bucket b (synchronize() installed what was
+        pending): side buffers when it became host-updated, none when the GPU updates it now."""
+        if b.placement == "host" and getattr(b, "dpu_out", None) is None:
+            self.allocate(b)
+        elif b.placement != "host":
+            self.release(b)
 
     def delays(self, step: int) -> bool:
         """Whether step number `step` (1-based, counting taken steps) is delayed."""

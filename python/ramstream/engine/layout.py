@@ -132,6 +132,8 @@ def relocate(engine, b: Bucket, placement: str) -> None:
     for k, t in new.items():
         setattr(b, k, t)
     b.placement = placement
+    if getattr(engine, "delayed", None) is not None:  # delayed_update's side buffers follow
+        engine.delayed.placed(b)
 
 
 def _host_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

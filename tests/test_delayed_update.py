@@ -33,9 +33,10 @@ class DelayedReference:
     ):
         self.model, self.warmup, self.max_grad_norm = model, warmup, max_grad_norm
         self.params = list(model.parameters())
-        # the engine's GPU-updated ("mapped") parameters are not delayed: index -> state offset
-        self.undelayed = {} if engine is None else _mapped_offsets(engine)
-        assert not (self.undelayed and (max_grad_norm or groups)), "not modelled here"
+        # the engine's GPU-updated ("mapped", "device") parameters are not delayed: index -> state
+        # offset, followed at every step (the VRAM share after step 2, a relocate between steps)
+        self.engine, self.undelayed = engine, {}
+        assert engine is None or not (max_grad_norm or groups), "not modelled here"
         self.masters = [p.detach().cpu().float().clone().requires_grad_(p.requires_grad) for p in self.params]
         hyper = hyper or dict(lr=LR, weight_decay=WD)
         self.opt = torch.optim.AdamW(groups(self.masters) if groups else self.masters, fused=True, **hyper)
@@ -48,10 +49,25 @@ class DelayedReference:
             ]
         self.taken, self.pending = 0, False
         self.gpu_state = {}  # undelayed index -> (fp32 master or None, exp_avg, exp_avg_sq) on the device
-        for i in self.undelayed:
-            p, mdt = self.params[i], torch.bfloat16 if bf16_offsets is not None else torch.float32
-            master = None if p.dtype == torch.float32 else p.detach().float().clone()
-            self.gpu_state[i] = (master, torch.zeros_like(p, dtype=mdt), torch.zeros_like(p, dtype=mdt))
+        self._follow_placements()
+
+    def _follow_placements(self):
+        """Parameters whose bucket the GPU updates now: from here on the CUDA kernel, at once, with
+        the AdamW state they have (the engine's relocate copies it; GPU -> host is not modelled)."""
+        if self.engine is None:
+            return
+        now = _gpu_offsets(self.engine)
+        assert set(self.undelayed) <= set(now), "a GPU -> host move is not modelled here"
+        for i in sorted(set(now) - set(self.undelayed)):
+            p, m = self.params[i], self.masters[i]
+            if self.bf16_offsets is not None:
+                ea, eas = self.moments[i]
+            else:
+                st = self.opt.state.get(m) or {}
+                ea, eas = st.get("exp_avg", torch.zeros_like(m)), st.get("exp_avg_sq", torch.zeros_like(m))
+            master = None if p.dtype == torch.float32 else m.detach().to(p.device).clone()
+            self.undelayed[i] = now[i]
+            self.gpu_state[i] = (master, ea.detach().to(p.device).clone(), eas.detach().to(p.device).clone())
 
     def install(self):
         with torch.no_grad():
@@ -73,6 +89,14 @@ class DelayedReference:
         )  # fmt: skip
 
     def step(self):
+        """One step; afterwards the placements the engine's step() left (the VRAM share moves
+        buckets at the end of step 2) rule the next one."""
+        try:
+            return self._step()
+        finally:
+            self._follow_placements()
+
+    def _step(self):
         if self.pending:
             self.install()
         dev_grads = {
@@ -135,14 +159,14 @@ class DelayedReference:
             )
 
 
-def _mapped_offsets(engine) -> dict:
+def _gpu_offsets(engine) -> dict:
     """{parameter index (the optimizer's order): its element offset in the whole state} of the
-    engine's mapped slots."""
+    engine's GPU-updated slots ("mapped", "device")."""
     index = {id(p): i for i, p in enumerate(p for g in engine.param_groups for p in g["params"])}
     return {
         index[id(s.param)]: s.bucket.state_offset + s.offset
         for s in engine.slots
-        if s.bucket.placement == "mapped"
+        if s.bucket.placement in ("mapped", "device")
     }
 
 
@@ -434,13 +458,13 @@ def test_bad_values_and_unsupported_combinations():
         ramstream.OffloadAdamW(make_model(0).parameters(), mode="gpu", delayed_update=True)
     with pytest.raises(ValueError, match="delayed_update.*distributed=True"):
         _wrapped(distributed=True)
-    # "auto" stays "auto" (a GPU's mapped share is not delayed) and the state stays offloaded (no
-    # resident switch, no VRAM share, no refiner); the CPU engine updates everything on the host
+    # "auto" stays "auto" (a GPU's mapped and VRAM shares are not delayed; no resident switch, no
+    # refiner); the CPU engine updates everything on the host
     _, opt, _ = _wrapped(optimizer_mode="auto", offload="auto")
-    assert opt.mode == "auto" and opt.offload is True and opt._refiner is None
+    assert opt.mode == "auto" and opt.offload == "auto" and opt._refiner is None
     assert all(b.placement == "host" for b in opt._engine.buckets)
     _, opt, _ = _wrapped(optimizer_mode="cpu")
-    assert opt.mode == "cpu" and opt.offload is True
+    assert opt.mode == "cpu"
 
 
 @pytest.mark.cuda
@@ -462,6 +486,7 @@ def test_a_mapped_share_is_updated_at_once_and_the_host_share_delayed(monkeypatc
         delayed_update=2,
         moment_dtype=moments,
         bucket_bytes=1 << 14,
+        offload=True,  # no VRAM share: the split stays half and half
     )
     placements = [b.placement for b in opt._engine.buckets]
     assert "mapped" in placements and "host" in placements, placements
@@ -536,9 +561,9 @@ def test_wrap_hands_the_plans_mapped_share_to_the_optimizer_with_delay_only():
 
     from ramstream.wrap import _planned_mapped
 
-    plan = NS(mode="offload", optimizer={"split": {"device": 0.0, "mapped": 0.35, "host": 0.65}})
+    plan = NS(mode="offload", optimizer={"split": {"device": 0.25, "mapped": 0.35, "host": 0.4}})
     opts = NS(delayed_update=40, optimizer_mode="auto")
-    assert _planned_mapped(plan, opts) == 0.35
+    assert _planned_mapped(plan, opts) == 0.6  # the VRAM share starts mapped (vram_share moves it)
     assert _planned_mapped(plan, NS(delayed_update=False, optimizer_mode="auto")) is None
     assert _planned_mapped(plan, NS(delayed_update=40, optimizer_mode="cpu")) is None
     assert _planned_mapped(None, opts) is None
@@ -573,6 +598,7 @@ def test_a_bucket_moved_between_host_and_gpu_gains_or_loses_its_delay(monkeypatc
     model, opt = ramstream.wrap(
         model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), device="cuda", delayed_update=1,
         bucket_bytes=1 << 14,
+        offload=True,
     )  # fmt: skip
     e = opt._engine
     ref = DelayedReference(ref_model, 1, engine=e)
@@ -584,12 +610,7 @@ def test_a_bucket_moved_between_host_and_gpu_gains_or_loses_its_delay(monkeypatc
     assert b.dpu_out is not None
     relocate(e, b, "mapped")
     assert b.dpu_out is None and b.dpu_landing is None
-    index = {id(p): i for i, p in enumerate(p for g in e.param_groups for p in g["params"])}
-    for s in b.slots:  # the reference's parameters of b: the GPU kernel from now on, state carried
-        i = index[id(s.param)]
-        st = ref.opt.state[ref.masters[i]]
-        ref.undelayed[i] = s.bucket.state_offset + s.offset
-        ref.gpu_state[i] = (None, st["exp_avg"].cuda(), st["exp_avg_sq"].cuda())
+    ref._follow_placements()  # b's parameters: the GPU kernel from now on, their state carried
     more = _train(model, opt, ref, data[5:])
     _assert_equal(model, opt, ref, losses + more[0], ref_losses + more[1])
     m = next(b for b in e.buckets if b.placement == "mapped")

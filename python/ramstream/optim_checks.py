@@ -135,11 +135,11 @@ def check_hyper(lr, betas, eps, weight_decay) -> None:
 
 
 def check_delayed(value, mode: str, offload, distributed) -> tuple:
-    """OffloadAdamW's delayed_update: (warm-up steps or None, mode, offload). With it the state
-    stays offloaded (offload True: no resident switch, no VRAM share); mode "auto" keeps its mapped
-    share, which the GPU updates without delay (only host-updated parameters are delayed), "cpu"
-    delays every parameter; mode "gpu" (nothing left to delay) and distributed are refused
-    (ValueError naming delayed_update)."""
+    """OffloadAdamW's delayed_update: (warm-up steps or None, mode, offload). Only host-updated
+    parameters are delayed: mode "auto" keeps its mapped share and offload "auto" its VRAM share
+    (no resident switch), both updated by the GPU without delay; "cpu" delays every parameter;
+    mode "gpu" (nothing left to delay) and distributed are refused (ValueError naming
+    delayed_update)."""
     from .options import parse_delayed_update
 
     warmup = parse_delayed_update(value, "OffloadAdamW:")
@@ -155,7 +155,7 @@ def check_delayed(value, mode: str, offload, distributed) -> tuple:
             "OffloadAdamW: delayed_update is not supported with distributed=True (the owners' "
             "broadcast of the new weights is not delayed)"
         )
-    return warmup, mode, True
+    return warmup, mode, offload
 
 
 def check_nvme(

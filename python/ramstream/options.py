@@ -247,8 +247,8 @@ class WrapOptions:
                 "wrap(): option delayed_update is not supported with distributed=True (the owners' "
                 "broadcast of the new weights is not delayed); pass delayed_update=False"
             )
-        if o.delayed_update is not False:  # the state stays offloaded (no resident switch, no VRAM
-            o.offload = True  # share); "auto" keeps its mapped share, updated by the GPU undelayed
+        # delayed_update: "auto" keeps its mapped share and its VRAM share (no resident switch:
+        # optim.py), both updated by the GPU without delay (engine/delayed.py)
         share = parse_nvme_offload(o.nvme_offload)  # kept as given: OffloadAdamW takes the same values
         o.nvme_dir = parse_nvme_dir(o.nvme_dir)
         if share != "auto" and share > 0:

@@ -212,8 +212,10 @@ def _make_optimizer(
 
 
 def _planned_mapped(plan, opts) -> float | None:
-    """With delayed_update and optimizer_mode="auto": the plan's mapped share (planner/plan.py
-    _delayed_split balances it for the delay); None otherwise (no plan, or a resident plan)."""
+    """With delayed_update and optimizer_mode="auto": the plan's VRAM and mapped shares, mapped at
+    first (planner/plan.py _delayed_split balances the mapped one for the delay; after step 2 the
+    VRAM share moves the front of it to the device: optimizer_split.maybe_share); None otherwise
+    (no plan, or a resident plan)."""
     if (
         opts.delayed_update is False
         or opts.optimizer_mode != "auto"
@@ -221,7 +223,8 @@ def _planned_mapped(plan, opts) -> float | None:
         or plan.mode != "offload"
     ):
         return None
-    return float((plan.optimizer.get("split") or {}).get("mapped", 0.0))
+    split = plan.optimizer.get("split") or {}
+    return float(split.get("mapped", 0.0) + split.get("device", 0.0))
 
 
 def _resolve_nvme(opts, plan, use_dp: bool, log) -> tuple[float, str | None]:

@@ -9,7 +9,8 @@ too. The gradient buffers are double-buffered (`b.dpu_landing`, `b.dpu_acc`): up
 pair while step t+1's gradients land in the other, so the backward never waits for the update.
 
 Only host-updated buckets (the "host" placement, streamed or not) are delayed: their update is
-what takes the host's time. Buckets the GPU updates ("mapped": optimizer_mode="auto"'s share) are
+what takes the host's time. Buckets the GPU updates ("mapped", "device": optimizer_mode="auto"'s
+shares) are
 updated as without delay, during the backward or at step(), and the next forward reads their new
 weights: in one step some parameters are one update behind and the others are not. A bucket that
 layout.relocate moves (the watchdog) gets its side buffers, or loses them, in `placed`.

@@ -93,8 +93,9 @@ def share_room(*, usable: int, peak: int, headroom: float) -> int:
 def choose_placements(buckets: list[BucketFacts], room: int, mapped_fraction_of) -> tuple[list[str], dict]:
     """Placements in bucket order: "device" for the first shareable buckets whose state fits in
     `room` bytes, then "mapped" for the first mapped_fraction_of(rest numel) of the remaining
-    numel, "host" for the others. Streamed buckets, those on disk and those without state keep
-    their placement. Returns (placements, numbers)."""
+    numel, "host" for the others (mapped_fraction_of None: the others keep their placement).
+    Streamed buckets, those on disk and those without state keep their placement. Returns
+    (placements, numbers)."""
     movable = [b for b in buckets if b.shareable]
     used, device_numel = 0, 0
     chosen: dict[int, str] = {}
@@ -107,9 +108,13 @@ def choose_placements(buckets: list[BucketFacts], room: int, mapped_fraction_of)
         chosen[b.index] = "device"
     rest = [b for b in movable if b.index not in chosen]
     rest_numel = sum(b.numel for b in rest)
-    f = mapped_fraction_of(rest_numel) if rest_numel else 0.0
-    mapped = 0
-    for b in rest:
+    if mapped_fraction_of is None:  # the rest as placed
+        mapped = sum(b.numel for b in rest if b.placement == "mapped")
+        f = mapped / rest_numel if rest_numel else 0.0
+    else:
+        f = mapped_fraction_of(rest_numel) if rest_numel else 0.0
+        mapped = 0
+    for b in rest if mapped_fraction_of is not None else ():
         use_gpu = f > 0 and mapped + b.numel / 2 <= f * rest_numel
         chosen[b.index] = "mapped" if use_gpu else "host"
         mapped += b.numel if use_gpu else 0
@@ -254,7 +259,7 @@ def decide_share(m) -> Decision:
     room = share_room(usable=m.usable, peak=m.peak, headroom=m.headroom)
     if room <= 0:
         return Decision(change="keep optimizer placement", numbers={"room_bytes": 0})
-    placements, info = choose_placements(list(m.buckets), room, mapped_fraction_of)
+    placements, info = choose_placements(list(m.buckets), room, None if m.keep_rest else mapped_fraction_of)
     return Decision(
         change="optimizer state share", act=True, numbers={"room_bytes": room, **info},
         placements=tuple(placements),

@@ -138,8 +138,8 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
     mb = _mb(moment)
     room = ctx.budget - peak - MARGIN_BYTES
     streamed_tr = sum(sh.blocks[i].trained_numel for i in ss)
-    split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=0 if ctx.delayed else room,
-                            mode=ctx.opt_mode, wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
+    split = optimizer_split(trained=sh.trained_numel, streamed_trained=streamed_tr, room=room, mode=ctx.opt_mode,
+                            wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
     split = cap_mapped_to_pin(ctx, split, moment, ss, paged)
     if ctx.delayed and ctx.opt_mode == "auto" and split["mapped"] + split["host"] > streamed_tr:
         split = _delayed_split(ctx, streamed, paged, modes, moment, split, streamed_tr)
@@ -150,6 +150,8 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
     # until vram_share moves it after step 2: wrap()'s host_fit check counts it), the step-2 split
     # and the settled one (a refinement moves state)
     first = {**split, "device": 0, "host": split["host"] + split["device"]}
+    if ctx.delayed:  # wrap() maps the device share until vram_share moves it (wrap.py _planned_mapped)
+        first = {**split, "device": 0, "mapped": split["mapped"] + split["device"]}
     ram, pinned = max((_host_memory(ctx, sp, moment, ss, paged) for sp in (first, split, settled)),
                       key=lambda rp: sum(rp[0].values()))  # fmt: skip
     return dict(select_s=step_of(bounds)[0], vram=vram, ram=ram, pinned=pinned, modes=modes, share=share,
@@ -160,8 +162,9 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
 def _delayed_split(
     ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int
 ) -> dict:
-    """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) that
-    minimises the predicted step, on a grid of DELAYED_SPLIT_STEPS of the movable parameters. The
+    """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) of the
+    parameters outside the VRAM share that minimises the predicted step, on a grid of
+    DELAYED_SPLIT_STEPS of them. The
     host share's update hides beside the next step's forward and backward (timing.py), so the
     balance is the GPU lane (compute + the mapped update) against the host AdamW alone, not
     choose_mapped_fraction's host against PCIe (wrap() passes the result to the optimizer: the
@@ -360,8 +363,8 @@ def _plan_training(
     delayed = parse_delayed(delayed_update, where) is not None
     if delayed and mode == "gpu":
         raise ValueError(f"{where} delayed_update needs the host AdamW: optimizer_mode 'auto' or 'cpu'")
-    # with delayed_update the state stays offloaded (options.py): no resident plan, no VRAM share;
-    # "auto" keeps its mapped share, which is not delayed (engine/delayed.py)
+    # with delayed_update no resident plan (optim.py: no switch); "auto" keeps its VRAM and mapped
+    # shares, which are not delayed (engine/delayed.py)
     moment = parse_moment_dtype(moment_dtype, where=where)
     if quantize not in QUANT_BYTES:
         raise ValueError(f"{where} quantize={quantize!r} is not accepted; accepted: 'none', 'int8', 'nf4'")

@@ -160,26 +160,30 @@ def host_trial(split: dict, *, streamed_trained: int, wb: int, mb: int, state_by
 
 
 def delayed_verdict(delayed, plain) -> str | None:
-    """wrap(delayed_update=...)'s check (runtime/apply.py): delayed_update keeps the optimizer state
-    offloaded (no resident switch, no VRAM share: engine/delayed.py), so where the plan without it
-    keeps a share of the state in VRAM (updated at device speed) the delayed run's host and PCIe
-    have more to do. `delayed` and `plain`: the Plans with and without it. Returns the warning's
-    text when `plain` predicts a step more than rules.DELAYED_SLOWER shorter, with both predictions,
-    their bounds and both splits, else None."""
+    """wrap(delayed_update=...)'s check (runtime/apply.py). Only host-updated parameters are
+    delayed (engine/delayed.py) and there is no resident switch with it. `delayed` and `plain`:
+    the Plans with and without it. Returns the warning's text when the delayed plan updates no
+    parameter on the host (nothing to delay: the numbers are those of the run without it), or when
+    `plain` predicts a step more than rules.DELAYED_SLOWER shorter (both predictions, their bounds
+    and splits); else None."""
     from .rules import DELAYED_SLOWER
 
+    ds = delayed.optimizer.get("split") or {}
+    if delayed.predicted.get("step_s") and ds and ds.get("host", 0.0) <= 0.0:
+        return (
+            "delayed_update has nothing to delay on this machine: the plan updates every parameter on "
+            f"the GPU ({ds.get('device', 0.0):.0%} of the state in VRAM, {ds.get('mapped', 0.0):.0%} "
+            "over PCIe), where nothing waits for the host; leave delayed_update=False"
+        )
     d, p = delayed.predicted["step_s"], plain.predicted["step_s"]
     if not (d and p) or d <= p * (1 + DELAYED_SLOWER):
         return None
     ps = plain.optimizer.get("split") or {}
-    ds = delayed.optimizer.get("split") or {}
     return (
         f"delayed_update is predicted slower on this machine: {d:.3f} s/step with it (bound by "
         f"{delayed.predicted['bound']}, host AdamW {delayed.bounds.get('host_adamw_s', 0.0):.3f} s; "
-        f"{ds.get('host', 0.0):.0%} of the parameters updated by the host, delayed, "
-        f"{ds.get('mapped', 0.0):.0%} by the GPU over PCIe) vs {p:.3f} s without it (bound by "
-        f"{plain.predicted['bound']}; the state of {ps.get('device', 0.0):.0%} in VRAM, "
-        f"{ps.get('mapped', 0.0):.0%} over PCIe, {ps.get('host', 0.0):.0%} on the host): delayed_update "
-        "keeps the state out of VRAM; compare both (docs/guide/delayed_update.md) or leave "
-        "delayed_update=False"
+        f"{ds.get('host', 0.0):.0%} of the parameters updated by the host, delayed) vs {p:.3f} s without "
+        f"it (bound by {plain.predicted['bound']}, plan {plain.mode}; the state of {ps.get('device', 0.0):.0%} "
+        f"in VRAM, {ps.get('mapped', 0.0):.0%} over PCIe, {ps.get('host', 0.0):.0%} on the host); compare "
+        "both (docs/guide/delayed_update.md) or leave delayed_update=False"
     )

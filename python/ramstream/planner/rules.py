@@ -114,5 +114,5 @@ NVME_WEIGHTS_WINDOW = 3
 # parameters (0, 1/N, ..., 1) and keeps the one with the shortest predicted step (plan.py _delayed_split)
 DELAYED_SPLIT_STEPS = 20
 # wrap(delayed_update=...) warns when the plan without it predicts a step this much shorter
-# (delayed_update keeps the optimizer state out of VRAM: policy.delayed_verdict)
+# (no resident switch with delayed_update, no refinement: policy.delayed_verdict)
 DELAYED_SLOWER = 0.05

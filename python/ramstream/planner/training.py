@@ -78,7 +78,8 @@ class ShareCheck:
     """buckets: the optimizer's buckets in order; moment_bytes: a moment's element size;
     gpu_only: optimizer_mode="gpu" (every bucket not in VRAM is updated over mapped memory);
     host_params_per_s, pcie_bytes_per_s: the isolated rates the mapped fraction is solved with
-    (unused with gpu_only)."""
+    (unused with gpu_only); keep_rest: the buckets that do not go to VRAM keep their placement
+    (delayed_update: its host / mapped split is the plan's, balanced for the delay)."""
 
     step: int
     usable: int
@@ -89,6 +90,7 @@ class ShareCheck:
     gpu_only: bool = False
     host_params_per_s: float = 0.0
     pcie_bytes_per_s: float = 0.0
+    keep_rest: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,8 @@ def make_plan(model, optimizer, opts: WrapOptions, device: torch.device, log):
 
 
 def _check_delayed(model, optimizer, blocks, prof, opts: WrapOptions, kw: dict, plan, log) -> None:
-    """delayed_update keeps the optimizer state out of VRAM (only its mapped share is updated by
-    the GPU): a UserWarning (and the log) when the plan without it predicts a shorter step
-    (planner/policy.py delayed_verdict)."""
+    """delayed_update: a UserWarning (and the log) when its plan has nothing to delay or the plan
+    without it predicts a shorter step (planner/policy.py delayed_verdict)."""
     import warnings
 
     from ..planner.policy import delayed_verdict

@@ -213,9 +213,10 @@ def maybe_switch(opt, after_steps: int):
 
 
 def maybe_share(opt, after_steps: int) -> dict | None:
-    """After a declined resident switch: moves the share of the state that fits in the VRAM left to
-    the device, as the planner decides (ShareCheck: planner/inflight.py decide_share); logs the
-    decision and returns its history entry. Does nothing (None) on the CPU, with data parallel, for
+    """After a declined resident switch (with delayed_update: none is tried): moves the share of
+    the state that fits in the VRAM left to the device, as the planner decides (ShareCheck:
+    planner/inflight.py decide_share; with delayed_update the other buckets keep their placement);
+    logs the decision and returns its history entry. Does nothing (None) on the CPU, with data parallel, for
     mode "cpu", without CUDA kernels, or for a low-precision model with gradient accumulation."""
     from .. import hardware
     from ..engine.layout import relocate
@@ -238,6 +239,7 @@ def maybe_share(opt, after_steps: int) -> dict | None:
             buckets=tuple(_measure.bucket_facts(engine.buckets)), moment_bytes=engine.moment_dtype.itemsize,
             gpu_only=opt.mode == "gpu", host_params_per_s=rates.get("host_params_per_s", 0.0),
             pcie_bytes_per_s=rates.get("pcie_bytes_per_s", 0.0),
+            keep_rest=getattr(opt, "_delayed_update", None) is not None,
         )
     )  # fmt: skip
     room = d.numbers["room_bytes"]

@@ -29,21 +29,35 @@ def _ram(plan) -> dict:
     return {k: v for k, v in plan.memory["ram"].items() if k not in ("total", "budget")}
 
 
-def test_delayed_update_buffers_make_the_plan_pick_bf16_moments_as_wrap_would():
+@pytest.mark.parametrize("mode", ["cpu", "auto"])
+def test_delayed_update_buffers_count_for_the_host_share_as_wraps_check_counts_them(mode):
+    """optimizer_mode="cpu": every parameter is delayed, the buffers count for all of them and the
+    fp32 moments no longer fit: bf16. "auto": only the host share is delayed (the GPU's VRAM and
+    mapped shares are not), the buffers count for it alone. Either way wrap()'s own check, given
+    the plan's host share (wrap.py _delayed_share), picks what the plan picked."""
+    from types import SimpleNamespace as NS
+
+    from ramstream.wrap import _delayed_share
+
     shape, prof = _gpt685(), _h200(24)
-    plain = plan_training(shape, prof)
-    delayed = plan_training(shape, prof, delayed_update=True)
-    assert plain.optimizer["moment_dtype"] == "float32"
+    plain = plan_training(shape, prof, optimizer_mode=mode)
+    delayed = plan_training(shape, prof, delayed_update=True, optimizer_mode=mode)
     assert "delayed_update_buffers" not in _ram(plain)
-    # with fp32 moments the delayed run's host state exceeds the RAM budget: bf16, counted
-    assert delayed.optimizer["moment_dtype"] == "bfloat16"
     n = shape.trained_numel
-    assert _ram(delayed)["delayed_update_buffers"] == n * 2 * shape.elem_bytes
-    # wrap()'s own check, on the same RAM budget (90 % of what is available), agrees
+    host = delayed.optimizer["split"]["host"]
+    assert (host == 1.0) == (mode == "cpu")
+    got_bytes = _ram(delayed)["delayed_update_buffers"]
+    assert abs(got_bytes - host * n * 2 * shape.elem_bytes) <= 2 * shape.elem_bytes * 2
+    if mode == "cpu":  # with fp32 moments the delayed run's host state exceeds the RAM budget
+        assert (
+            plain.optimizer["moment_dtype"] == "float32" and delayed.optimizer["moment_dtype"] == "bfloat16"
+        )
+    share = _delayed_share(delayed, NS(delayed_update=40, optimizer_mode=mode))
+    assert share is True if mode == "cpu" else share == host
     got = pick_moment_dtype("auto", numel=n, working_bytes=shape.elem_bytes, accumulate=False, streamed=0,
                             check=True, log=lambda s: None, ram={"available": prof.ram_available},
-                            delayed=True)  # fmt: skip
-    assert str(got) == "torch.bfloat16"
+                            delayed=share)  # fmt: skip
+    assert str(got) == "torch." + delayed.optimizer["moment_dtype"]
 
 
 @pytest.mark.parametrize("accum", [1, 4])
@@ -108,11 +122,21 @@ def test_plan_for_takes_the_options_and_counts_them():
     assert both.memory["ram"]["delayed_update_buffers"] == n * (2 * wb + 4)
 
 
-def test_delayed_update_plans_every_update_on_the_host_as_wrap_runs_it():
-    """wrap(delayed_update=...) makes optimizer_mode "cpu" (options.py): no mapped or device share;
-    the GPU optimizer cannot be delayed."""
-    plan = plan_training(_gpt685(), _h200(24), delayed_update=True)
-    assert plan.optimizer["split"]["mapped"] == plan.optimizer["split"]["device"] == 0
+def test_delayed_update_plans_as_wrap_runs_it():
+    """wrap(delayed_update=...): no resident switch, so never a resident plan; "cpu" updates every
+    parameter on the host; "auto" keeps the VRAM share of the plan without delay and a mapped
+    share (both not delayed); the GPU optimizer alone cannot be delayed."""
+    big = ModelShape.gpt("1.8b", batch=8, seq=512, dtype="bf16", loss="chunked")
+    assert plan_training(big, _h200(80)).mode == "resident"
+    assert plan_training(big, _h200(80), delayed_update=True).mode == "offload"
+    cpu = plan_training(_gpt685(), _h200(24), delayed_update=True, optimizer_mode="cpu")
+    assert cpu.optimizer["split"]["mapped"] == cpu.optimizer["split"]["device"] == 0
+    auto, plain = (
+        plan_training(_gpt685(), _h200(24), delayed_update=True),
+        plan_training(_gpt685(), _h200(24)),
+    )
+    assert auto.optimizer["split"]["device"] == plain.optimizer["split"]["device"]
+    assert auto.optimizer["split"]["mapped"] > 0 and auto.optimizer["split"]["host"] > 0
     with pytest.raises(ValueError, match="delayed_update needs the host AdamW"):
         plan_training(_gpt685(), _h200(24), delayed_update=True, optimizer_mode="gpu")
 

@@ -227,6 +227,16 @@ def _planned_mapped(plan, opts) -> float | None:
     return float(split.get("mapped", 0.0) + split.get("device", 0.0))
 
 
+def _delayed_share(plan, opts) -> bool | float:
+    """The share of the trained elements delayed_update keeps side buffers for (host_fit.py): the
+    plan's host share when the plan's split applies (_planned_mapped), all of them otherwise."""
+    if opts.delayed_update is False:
+        return False
+    if _planned_mapped(plan, opts) is None:
+        return True
+    return float((plan.optimizer.get("split") or {}).get("host", 1.0))
+
+
 def _resolve_nvme(opts, plan, use_dp: bool, log) -> tuple[float, str | None]:
     """(share of the host-updated state on disk, folder): nvme_offload="auto" takes the plan's
     share (plan.optimizer["nvme_share"]; none without a plan, a folder, or on the GPU optimizer);
@@ -383,7 +393,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             check=opts.check_memory,
             log=log,
             ram=_ram_with_model(model, device, streamed),
-            delayed=opts.delayed_update is not False,
+            delayed=_delayed_share(plan, opts),
             nvme_share=nvme[0],
             bucket_bytes=opts.bucket_bytes,
         )

@@ -17,14 +17,15 @@ def host_components(
     moment_bytes: int,
     accumulate: bool,
     streamed: int,
-    delayed: bool = False,
+    delayed: bool | float = False,
     nvme_share: float = 0.0,
     bucket_bytes: int = 32 << 20,
 ) -> dict:
     """Host bytes by component for `numel` trained elements: fp32 master, two moments, the
     pinned landing buffer (working dtype), the fp32 accumulator (accumulation_steps > 1) and the
-    streamed blocks' weights at home in pinned memory; with `delayed` (delayed_update) the
-    pending weights and a second landing buffer (working dtype) and a second accumulator; with
+    streamed blocks' weights at home in pinned memory; with `delayed` (delayed_update: True, or
+    the host-updated share of the elements, the only ones delayed) the pending weights and a
+    second landing buffer (working dtype) and a second accumulator; with
     `nvme_share` (nvme_offload) that share of the master and moments is on disk, and the staging
     buffers (3 buckets' state, disk_tier.py) count instead."""
     keep = 1.0 - nvme_share
@@ -41,16 +42,18 @@ def host_components(
     return out
 
 
-def step_buffers(numel: int, working_bytes: int, accumulate: bool, delayed: bool) -> dict:
+def step_buffers(numel: int, working_bytes: int, accumulate: bool, delayed: bool | float) -> dict:
     """Host bytes beside the optimizer state for `numel` host-updated elements: the fp32 gradient
     accumulator (accumulation_steps > 1) and delayed_update's pending weights, second landing
-    buffer (working dtype) and second accumulator. wrap()'s check (host_components) and the
-    planner's RAM line (offload_host_memory) both count these."""
+    buffer (working dtype) and second accumulator, for all of them (delayed True) or that share
+    (a float: the host-updated ones; GPU-updated buckets are not delayed). wrap()'s check
+    (host_components) and the planner's RAM line (offload_host_memory) both count these."""
     out = {}
     if accumulate:
         out["accumulator"] = numel * 4
-    if delayed:
-        out["delayed update buffers"] = numel * (2 * working_bytes + (4 if accumulate else 0))
+    share = 1.0 if delayed is True else float(delayed or 0.0)
+    if share > 0:
+        out["delayed update buffers"] = int(numel * share) * (2 * working_bytes + (4 if accumulate else 0))
     return out
 
 
@@ -132,7 +135,7 @@ def pick_moment_dtype(
     check: bool,
     log,
     ram: dict,
-    delayed: bool = False,
+    delayed: bool | float = False,
     nvme_share: float = 0.0,
     bucket_bytes: int = 32 << 20,
 ) -> torch.dtype:
@@ -141,7 +144,8 @@ def pick_moment_dtype(
     limit included), then bf16; MemoryError (when `check`) if the chosen dtype does not fit, with
     each component and what would fit. `ram`: profile.available_ram()'s dict ("available", and
     "cgroup_limit" or None), as wrap() counts it;
-    `delayed`: delayed_update's buffers count too; `nvme_share`: that share of the state is on disk."""
+    `delayed`: delayed_update's buffers count too (True: for every element; a float: for that
+    host-updated share); `nvme_share`: that share of the state is on disk."""
     avail = ram["available"]
     budget = SHARE * avail
     fp32 = host_components(numel, working_bytes, 4, accumulate, streamed, delayed, nvme_share, bucket_bytes)

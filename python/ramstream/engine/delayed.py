@@ -70,7 +70,9 @@ class Delayed:
         swaps b's gradient buffers so that the next step's gradients land beside it."""
         grad = b.acc if b.acc is not None else b.landing
         seq = self.worker.submit(job_of(grad), priority=b.index, deps=(b.last_seq,))
-        b.dpu_seq = b.update_seq = seq
+        # not b.update_seq: the weights the next forward reads are the installed ones (a wait for
+        # this job there would serialise the update with the step it is meant to overlap)
+        b.dpu_seq = seq
         b.landing, b.dpu_landing = b.dpu_landing, b.landing
         b.acc, b.dpu_acc = b.dpu_acc, b.acc
         # the buffers now in use were last read by update t-1, which install() waited for

@@ -101,7 +101,10 @@ def state_starts_on_device(
     if device.type != "cuda" or opts.offload != "auto" or opts.optimizer_mode != "auto":
         return False, "offload='auto' and optimizer_mode='auto' on a CUDA device are needed"
     if use_dp or opts.delayed_update is not False or plan.optimizer.get("nvme_share", 0.0) > 0:
-        return False, "data parallel, delayed_update and the disk tier keep the state on the host"
+        return (
+            False,
+            "data parallel, delayed_update (nothing to delay if resident) and the disk tier keep the state offloaded",
+        )
     if opts.accumulation_steps > 1 and low_precision:
         return False, "gradient accumulation of a low-precision model sums its gradients on the host"
     from .. import hardware

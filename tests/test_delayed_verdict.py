@@ -1,9 +1,9 @@
 """wrap(delayed_update=...)'s check (planner/policy.py delayed_verdict, runtime/apply.py
-_check_delayed) and the delayed plan's split (planner/plan.py _delayed_split): delayed_update keeps
-the optimizer state out of VRAM, so where the plan without it keeps a share of the state in VRAM it
-can be slower, and wrap() says so with both predictions; with optimizer_mode="auto" the GPU's
-mapped share (not delayed) is chosen for the delay. Checked against the plans' own predictions on
-injected profiles."""
+_check_delayed) and the delayed plan's split (planner/plan.py _delayed_split): only host-updated
+parameters are delayed and there is no resident plan with it, so where the GPU would update
+everything there is nothing to delay, and wrap() says so; with optimizer_mode="auto" the delayed
+plan keeps the VRAM share and chooses the GPU's mapped share (not delayed) for the delay. Checked
+against the plans' own predictions on injected profiles."""
 
 from __future__ import annotations
 

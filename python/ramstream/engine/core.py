@@ -62,8 +62,8 @@ class Engine:
         skip_nonfinite: a step whose global gradient norm is not finite is skipped with a
         warning (True) or raises NonFiniteGradientError (False); both apply no update.
         delayed_update: None (off) or the number of undelayed warm-up steps (delayed.py): the
-        host-updated buckets' updates are delayed, mapped ones (mapped_fraction) are not; data
-        parallel is refused.
+        host-updated buckets' updates are delayed, GPU-updated ones ("mapped": mapped_fraction;
+        "device" after a relocate) are not; data parallel is refused.
         block_of: {id(parameter): block index} of the blocks' own parameters: no bucket spans two
         blocks, so that a block can start streaming between steps (restream.py); None: buckets
         break only between streamed blocks and the rest.

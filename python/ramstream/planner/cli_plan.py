@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
                    help="wrap()'s accumulation_steps (N > 1: a 4-byte fp32 sum per trained parameter in RAM)")  # fmt: skip
     p.add_argument("--delayed-update", action="store_true",
-                   help="wrap(delayed_update=True): no VRAM share, the mapped share chosen for the delay, the host lane the update alone; its buffers count in RAM")  # fmt: skip
+                   help="wrap(delayed_update=True): no resident plan, the mapped share chosen for the delay, the host lane the update alone; its buffers count in RAM")  # fmt: skip
     p.add_argument(
         "--autocast",
         action="store_true",

@@ -164,11 +164,10 @@ def _delayed_split(
 ) -> dict:
     """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) of the
     parameters outside the VRAM share that minimises the predicted step, on a grid of
-    DELAYED_SPLIT_STEPS of them. The
-    host share's update hides beside the next step's forward and backward (timing.py), so the
-    balance is the GPU lane (compute + the mapped update) against the host AdamW alone, not
-    choose_mapped_fraction's host against PCIe (wrap() passes the result to the optimizer: the
-    refiner, which would move buckets, is off with delayed_update)."""
+    DELAYED_SPLIT_STEPS of them. The host share's update hides beside the next step's forward and
+    backward (timing.py), so the balance is the GPU lane (compute + the mapped update) against the
+    host AdamW alone, not choose_mapped_fraction's host against PCIe (wrap() passes the result to
+    the optimizer: the refiner, which would move buckets, is off with delayed_update)."""
     from .rules import DELAYED_SPLIT_STEPS
 
     movable = split["mapped"] + split["host"] - streamed_tr

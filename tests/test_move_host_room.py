@@ -43,6 +43,11 @@ def test_host_bytes_of_each_move_against_hand_arithmetic(accumulation):
     assert layout.relocation_host_bytes(e, _bucket(0, n, "mapped"), "host") == 2 * n + acc
     # to mapped from ordinary host memory: pinned master and moments (no landing)
     assert layout.relocation_host_bytes(e, _bucket(0, n, "host"), "mapped") == 12 * n
+    # with delayed_update a bucket that becomes host-updated also gets its side buffers: the
+    # pending weights and a second landing (working dtype), a second sum with accumulation
+    delayed = SimpleNamespace(**vars(e), delayed=object())
+    assert layout.relocation_host_bytes(delayed, _bucket(0, n, "mapped"), "host") == 6 * n + 2 * acc
+    assert layout.relocation_host_bytes(delayed, _bucket(0, n, "host"), "mapped") == 12 * n
     # to the device, or where it already is: nothing on the host
     assert layout.relocation_host_bytes(e, _bucket(0, n, "host"), "device") == 0
     assert layout.relocation_host_bytes(e, _bucket(0, n, "host"), "host") == 0

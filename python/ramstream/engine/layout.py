@@ -299,8 +299,9 @@ def _resync_bucket(engine, b: Bucket, loaded: dict) -> int:
 def relocation_host_bytes(engine, b: Bucket, placement: str) -> int:
     """Bytes of host memory (pinned or not) relocate(engine, b, placement) newly allocates: to the
     host, the landing (and the accumulation sum), plus the master and moments unless they already
-    lie in host memory (a mapped bucket's); to mapped, the pinned master and moments unless they
-    already lie in the pinned arena; to the device, none. What the move frees is not subtracted
+    lie in host memory (a mapped bucket's), and with delayed_update the side buffers; to mapped,
+    the pinned master and moments unless they already lie in the pinned arena; to the device,
+    none. What the move frees is not subtracted
     (the arena keeps freed pinned blocks resident)."""
     if b.streamed or b.exp_avg is None or placement == b.placement or placement == "device":
         return 0
@@ -317,6 +318,8 @@ def relocation_host_bytes(engine, b: Bucket, placement: str) -> int:
     if placement == "host":
         total += cost(master, torch.float32) + b.numel * b.dtype.itemsize
         total += b.numel * 4 if engine.accumulation_steps > 1 else 0
+        if getattr(engine, "delayed", None) is not None:  # its side buffers (Delayed.placed)
+            total += 2 * b.numel * b.dtype.itemsize + (b.numel * 4 if engine.accumulation_steps > 1 else 0)
     elif b.dtype != torch.float32:
         total += cost(master, torch.float32)
     return total

@@ -167,7 +167,7 @@ def _delayed_split(
     DELAYED_SPLIT_STEPS of them. The host share's update hides beside the next step's forward and
     backward (timing.py), so the balance is the GPU lane (compute + the mapped update) against the
     host AdamW alone, not choose_mapped_fraction's host against PCIe (wrap() passes the result to
-    the optimizer: the refiner, which would move buckets, is off with delayed_update)."""
+    the optimizer as its first split; the refiner then measures as without delay)."""
     from .rules import DELAYED_SPLIT_STEPS
 
     movable = split["mapped"] + split["host"] - streamed_tr
@@ -191,8 +191,7 @@ def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, st
     from .rules import MAX_REFINEMENTS, MIN_GAIN
 
     bounds = _times(ctx, streamed, paged, modes, moment, split)
-    movable = split["mapped"] or split["host"] > streamed_tr
-    if not ctx.refine or ctx.opt_mode != "auto" or ctx.delayed or not movable:  # delayed: no refiner
+    if not ctx.refine or ctx.opt_mode != "auto" or not (split["mapped"] or split["host"] > streamed_tr):
         return split, bounds, []
     kw = dict(streamed_trained=streamed_tr, wb=ctx.wb, mb=_mb(moment), state_bytes=ADAMW_STATE_BYTES[moment],
               prof=ctx.prof)  # fmt: skip

@@ -273,10 +273,9 @@ def split_report(opt) -> dict:
 def make_refiner(opt, start_after: int):
     """The refiner of an "auto" split measured with isolated rates (mapped_fraction_for),
     None otherwise: optimizer_mode "cpu"/"gpu", data parallel, a CPU device, no CUDA kernels, a
-    low-precision model with accumulation (host only) never refine; nor does delayed_update (its
-    host buckets' side buffers stay where they are: engine/delayed.py)."""
+    low-precision model with accumulation (host only) never refine. With delayed_update the
+    moves take their side buffers along (engine/delayed.py placed); a window's synchronize
+    installs a pending update early (that step is not delayed)."""
     if opt.mode != "auto" or opt._distributed or "host_params_per_s" not in opt.split_info:
-        return None
-    if getattr(opt, "_delayed_update", None) is not None:
         return None
     return SplitRefiner(opt, start_after=start_after)

@@ -86,9 +86,8 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             AdamW(w[t], g(w[t-1])). It changes the numbers (docs/guide/delayed_update.md). Only
             host-updated buckets are delayed: mode "auto" keeps its mapped share and offload
             "auto" its VRAM share (no resident switch), which the GPU updates without delay;
-            "cpu" delays everything; "gpu" is a ValueError. The split is not refined; the
-            host's eager updates are off after the warm-up; not with `distributed`
-            (NotImplementedError).
+            "cpu" delays everything; "gpu" is a ValueError. The host's eager updates are off
+            after the warm-up; not with `distributed` (NotImplementedError).
         nvme_dir: the folder of the scratch file holding the optimizer state on disk (None: the
             RAMSTREAM_NVME_DIR variable). Missing, not a folder or not writable: OSError naming it.
         nvme_offload: "auto" (default: the plan's share when wrap() has a plan; none here), True

@@ -12,8 +12,8 @@ Only host-updated buckets (the "host" placement, streamed or not) are delayed: t
 what takes the host's time. Buckets the GPU updates ("mapped", "device": optimizer_mode="auto"'s
 shares) are updated as without delay, during the backward or at step(), and the next forward
 reads their new weights: in one step some parameters are one update behind and the others are
-not. A bucket that layout.relocate moves (the VRAM share, the watchdog) gets its side buffers, or
-loses them, in `placed`.
+not. A bucket that layout.relocate moves (the VRAM share, the split refiner, the watchdog) gets its
+side buffers, or loses them, in `placed`.
 Training thread, except `run_update`'s body (engine thread).
 """
 

@@ -6,12 +6,12 @@ against the rule in plain torch with ramstream's CUDA kernel for the GPU-updated
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import ramstream
+from ramstream.runtime import delayed_split
+from ramstream.runtime.delayed_split import host_share, planned_mapped
 
 from _delayed_reference import LR, WD, DelayedReference, _assert_equal, _train
 from _models import batches, clone, make_model
@@ -30,7 +30,7 @@ def test_a_mapped_share_is_updated_at_once_and_the_host_share_delayed(monkeypatc
     monkeypatch.setattr(
         optimizer_split, "choose_mapped_fraction", lambda **kw: (0.5, {**real(**kw)[1], "fraction": 0.5})
     )
-    monkeypatch.setattr(importlib.import_module("ramstream.wrap"), "_planned_mapped", lambda plan, opts: None)
+    monkeypatch.setattr(delayed_split, "planned_mapped", lambda plan, opts: None)  # no plan's split
     ref_model = make_model(0, dtype=dtype, n_blocks=4).cuda()
     model, start = clone(ref_model), clone(ref_model)
     model, opt = ramstream.wrap(
@@ -64,15 +64,17 @@ def test_a_mapped_share_is_updated_at_once_and_the_host_share_delayed(monkeypatc
 def test_wrap_hands_the_plans_mapped_share_to_the_optimizer_with_delay_only():
     from types import SimpleNamespace as NS
 
-    from ramstream.wrap import _planned_mapped
-
     plan = NS(mode="offload", optimizer={"split": {"device": 0.25, "mapped": 0.35, "host": 0.4}})
     opts = NS(delayed_update=40, optimizer_mode="auto")
-    assert _planned_mapped(plan, opts) == 0.6  # the VRAM share starts mapped (vram_share moves it)
-    assert _planned_mapped(plan, NS(delayed_update=False, optimizer_mode="auto")) is None
-    assert _planned_mapped(plan, NS(delayed_update=40, optimizer_mode="cpu")) is None
-    assert _planned_mapped(None, opts) is None
-    assert _planned_mapped(NS(mode="resident", optimizer=plan.optimizer), opts) is None
+    assert planned_mapped(plan, opts) == 0.6  # the VRAM share starts mapped (vram_share moves it)
+    assert planned_mapped(plan, NS(delayed_update=False, optimizer_mode="auto")) is None
+    assert planned_mapped(plan, NS(delayed_update=40, optimizer_mode="cpu")) is None
+    assert planned_mapped(None, opts) is None
+    assert planned_mapped(NS(mode="resident", optimizer=plan.optimizer), opts) is None
+    # the side buffers wrap()'s host check counts: the plan's host share, else every element
+    assert host_share(plan, opts) == 0.4
+    assert host_share(plan, NS(delayed_update=40, optimizer_mode="cpu")) is True
+    assert host_share(plan, NS(delayed_update=False, optimizer_mode="auto")) is False
 
 
 @pytest.mark.cuda
@@ -102,7 +104,7 @@ def test_a_bucket_moved_between_host_and_gpu_gains_or_loses_its_delay(monkeypatc
     monkeypatch.setattr(
         optimizer_split, "choose_mapped_fraction", lambda **kw: (0.5, {**real(**kw)[1], "fraction": 0.5})
     )
-    monkeypatch.setattr(importlib.import_module("ramstream.wrap"), "_planned_mapped", lambda plan, opts: None)
+    monkeypatch.setattr(delayed_split, "planned_mapped", lambda plan, opts: None)  # no plan's split
     ref_model = make_model(0, n_blocks=4).cuda()
     model = clone(ref_model)
     model, opt = ramstream.wrap(

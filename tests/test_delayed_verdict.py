@@ -1,5 +1,5 @@
 """wrap(delayed_update=...)'s check (planner/policy.py delayed_verdict, runtime/apply.py
-_check_delayed) and the delayed plan's split (planner/plan.py _delayed_split): only host-updated
+_check_delayed) and the delayed plan's split (planner/delayed_split.py): only host-updated
 parameters are delayed and there is no resident plan with it, so where the GPU would update
 everything there is nothing to delay, and wrap() says so; with optimizer_mode="auto" the delayed
 plan keeps the VRAM share and chooses the GPU's mapped share (not delayed) for the delay. Checked
@@ -64,13 +64,12 @@ def test_a_plan_without_delay_predicted_faster_is_said_with_both_numbers():
     assert delayed_verdict(delayed, plain) is None
 
 
-def test_auto_keeps_an_undelayed_mapped_share_balanced_for_the_delay():
+def test_auto_keeps_an_undelayed_mapped_share_balanced_for_the_delay(monkeypatch):
     """6.85B and 1.82B at 24 GiB: with "auto" the delayed plan keeps the VRAM share of the plan
     without delay and a mapped share (both the GPU's, undelayed) sized so that the GPU lane and the
     host AdamW, which now runs beside the next step, balance: it beats every other share of the
     grid and the all-host (optimizer_mode="cpu") delayed plan, and is faster than the plan without
     delay."""
-    from ramstream.planner import plan as plan_mod
     from ramstream.planner.rules import DELAYED_SPLIT_STEPS
 
     for shape in (SHAPE, SMALL):
@@ -85,26 +84,24 @@ def test_auto_keeps_an_undelayed_mapped_share_balanced_for_the_delay():
         assert delayed.predicted["step_s"] < cpu.predicted["step_s"]
         assert delayed.predicted["step_s"] < plain.predicted["step_s"]
         assert delayed_verdict(delayed, plain) is None
-    # the grid's other shares predict no shorter step (the same planner with the share forced)
-    seen = []
-    real = plan_mod._delayed_split
+    # the grid's other shares predict no shorter step (the same planner, its own step function)
+    from ramstream.planner import delayed_split
 
-    def forced(ctx, streamed, paged, modes, moment, split, streamed_tr):
-        out = real(ctx, streamed, paged, modes, moment, split, streamed_tr)
-        seen.append(plan_mod.step_of(plan_mod._times(ctx, streamed, paged, modes, moment, out))[0])
+    seen = []
+    real = delayed_split.choose
+
+    def checked(split, streamed_trained, step_s, cap):
+        out = real(split, streamed_trained, step_s, cap)
+        seen.append(step_s(out))
+        rest = split["mapped"] + split["host"]
         for k in (0, DELAYED_SPLIT_STEPS // 4, DELAYED_SPLIT_STEPS // 2, DELAYED_SPLIT_STEPS):
-            movable = split["mapped"] + split["host"] - streamed_tr
-            m = movable * k // DELAYED_SPLIT_STEPS
-            other = {**split, "mapped": m, "host": split["mapped"] + split["host"] - m}
-            t = plan_mod.step_of(plan_mod._times(ctx, streamed, paged, modes, moment, other))[0]
+            m = (rest - streamed_trained) * k // DELAYED_SPLIT_STEPS
+            t = step_s(cap({**split, "mapped": m, "host": rest - m}))
             assert seen[-1] <= t * (1 + 1e-9), (k, seen[-1], t)
         return out
 
-    plan_mod._delayed_split = forced
-    try:
-        plan_training(SHAPE, prof(), delayed_update=True, moment_dtype="bfloat16")
-    finally:
-        plan_mod._delayed_split = real
+    monkeypatch.setattr(delayed_split, "choose", checked)
+    plan_training(SHAPE, prof(), delayed_update=True, moment_dtype="bfloat16")
     assert seen
 
 

@@ -37,7 +37,7 @@ def test_delayed_update_buffers_count_for_the_host_share_as_wraps_check_counts_t
     the plan's host share (wrap.py _delayed_share), picks what the plan picked."""
     from types import SimpleNamespace as NS
 
-    from ramstream.wrap import _delayed_share
+    from ramstream.runtime.delayed_split import host_share
 
     shape, prof = _gpt685(), _h200(24)
     plain = plan_training(shape, prof, optimizer_mode=mode)
@@ -52,7 +52,7 @@ def test_delayed_update_buffers_count_for_the_host_share_as_wraps_check_counts_t
         assert (
             plain.optimizer["moment_dtype"] == "float32" and delayed.optimizer["moment_dtype"] == "bfloat16"
         )
-    share = _delayed_share(delayed, NS(delayed_update=40, optimizer_mode=mode))
+    share = host_share(delayed, NS(delayed_update=40, optimizer_mode=mode))
     assert share is True if mode == "cpu" else share == host
     got = pick_moment_dtype("auto", numel=n, working_bytes=shape.elem_bytes, accumulate=False, streamed=0,
                             check=True, log=lambda s: None, ram={"available": prof.ram_available},

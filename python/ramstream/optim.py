@@ -84,10 +84,9 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
             A delayed step() queues the host AdamW and returns; the next forward and backward run
             on the weights before it, and the next step() installs it first: w[t+1] =
             AdamW(w[t], g(w[t-1])). It changes the numbers (docs/guide/delayed_update.md). Only
-            host-updated buckets are delayed: mode "auto" keeps its mapped share and offload
-            "auto" its VRAM share (no resident switch), which the GPU updates without delay;
-            "cpu" delays everything; "gpu" is a ValueError. The host's eager updates are off
-            after the warm-up; not with `distributed` (NotImplementedError).
+            host-updated buckets are delayed (mode "auto"'s mapped and VRAM shares are updated by
+            the GPU at once, no resident switch; "cpu" delays all; "gpu" is a ValueError); not
+            with `distributed` (NotImplementedError).
         nvme_dir: the folder of the scratch file holding the optimizer state on disk (None: the
             RAMSTREAM_NVME_DIR variable). Missing, not a folder or not writable: OSError naming it.
         nvme_offload: "auto" (default: the plan's share when wrap() has a plan; none here), True
@@ -460,9 +459,6 @@ class OffloadAdamW(_ts_args.TrainStreamMethods, torch.optim.Optimizer):
     def _maybe_go_resident(self) -> None:
         from .runtime.optimizer_split import maybe_share, maybe_switch
 
-        if self._delayed_update is not None:  # no resident switch: nothing would be left to delay
-            self._session.take(maybe_share(self, SWITCH_AFTER_STEPS))
-            return
         resident, entry = maybe_switch(self, SWITCH_AFTER_STEPS)
         self._session.take(entry)
         if resident is None:  # what VRAM is left holds a share of the state (optimizer_split.py)

@@ -11,6 +11,7 @@ from .optim import OffloadAdamW
 from .options import WrapOptions
 from .planner.host_fit import pick_moment_dtype
 from .report import EventLog, Laps, memory_report  # noqa: F401  (memory_report: ramstream.wrap's name too)
+from .runtime import delayed_split as _delayed
 from .runtime.allocator import use_expandable_segments
 from .runtime.apply import _ranges, check_steps, hf_checkpointing, make_plan, plan_record, restreamable
 from .runtime.attach import _Wrapped, attach_model, unwrap  # noqa: F401  (wrap's names too)
@@ -211,32 +212,6 @@ def _make_optimizer(
     )
 
 
-def _planned_mapped(plan, opts) -> float | None:
-    """With delayed_update and optimizer_mode="auto": the plan's VRAM and mapped shares, mapped at
-    first (planner/plan.py _delayed_split balances the mapped one for the delay; after step 2 the
-    VRAM share moves the front of it to the device: optimizer_split.maybe_share); None otherwise
-    (no plan, or a resident plan)."""
-    if (
-        opts.delayed_update is False
-        or opts.optimizer_mode != "auto"
-        or plan is None
-        or plan.mode != "offload"
-    ):
-        return None
-    split = plan.optimizer.get("split") or {}
-    return float(split.get("mapped", 0.0) + split.get("device", 0.0))
-
-
-def _delayed_share(plan, opts) -> bool | float:
-    """The share of the trained elements delayed_update keeps side buffers for (host_fit.py): the
-    plan's host share when the plan's split applies (_planned_mapped), all of them otherwise."""
-    if opts.delayed_update is False:
-        return False
-    if _planned_mapped(plan, opts) is None:
-        return True
-    return float((plan.optimizer.get("split") or {}).get("host", 1.0))
-
-
 def _resolve_nvme(opts, plan, use_dp: bool, log) -> tuple[float, str | None]:
     """(share of the host-updated state on disk, folder): nvme_offload="auto" takes the plan's
     share (plan.optimizer["nvme_share"]; none without a plan, a folder, or on the GPU optimizer);
@@ -393,7 +368,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             check=opts.check_memory,
             log=log,
             ram=_ram_with_model(model, device, streamed),
-            delayed=_delayed_share(plan, opts),
+            delayed=_delayed.host_share(plan, opts),
             nvme_share=nvme[0],
             bucket_bytes=opts.bucket_bytes,
         )
@@ -449,7 +424,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
                 block_of,
                 nvme,
                 on_device,
-                _planned_mapped(plan, opts),
+                _delayed.planned_mapped(plan, opts),
             )
         )
     )

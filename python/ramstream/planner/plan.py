@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import delayed_split, policy
 from . import disk as _disk
-from . import policy
 from .act_modes import choose_modes
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
@@ -142,44 +142,22 @@ def _offload(ctx: _Ctx, streamed: list[int], moment: str) -> dict:
                             wb=wb, mb=mb, prof=ctx.prof)  # fmt: skip
     split = cap_mapped_to_pin(ctx, split, moment, ss, paged)
     if ctx.delayed and ctx.opt_mode == "auto" and split["mapped"] + split["host"] > streamed_tr:
-        split = _delayed_split(ctx, streamed, paged, modes, moment, split, streamed_tr)
+        split = delayed_split.choose(split, streamed_tr,
+                                     lambda sp: step_of(_times(ctx, streamed, paged, modes, moment, sp))[0],
+                                     lambda sp: cap_mapped_to_pin(ctx, sp, moment, ss, paged))  # fmt: skip
     share = split["device"] / sh.trained_numel if sh.trained_numel else 0.0
     vram["optimizer_share"] = split["device"] * split["device_bytes_per_param"]
     settled, bounds, rounds = _settle(ctx, streamed, paged, modes, moment, split, streamed_tr)
     # host memory for the largest of the first steps' split (the device share still on the host
     # until vram_share moves it after step 2: wrap()'s host_fit check counts it), the step-2 split
     # and the settled one (a refinement moves state)
-    first = {**split, "device": 0, "host": split["host"] + split["device"]}
-    if ctx.delayed:  # wrap() maps the device share until vram_share moves it (wrap.py _planned_mapped)
-        first = {**split, "device": 0, "mapped": split["mapped"] + split["device"]}
+    waits = "mapped" if ctx.delayed else "host"  # delayed: wrap() maps it (runtime/delayed_split.py)
+    first = {**split, "device": 0, waits: split[waits] + split["device"]}
     ram, pinned = max((_host_memory(ctx, sp, moment, ss, paged) for sp in (first, split, settled)),
                       key=lambda rp: sum(rp[0].values()))  # fmt: skip
     return dict(select_s=step_of(bounds)[0], vram=vram, ram=ram, pinned=pinned, modes=modes, share=share,
                 bounds=bounds, act_why=act_why, streamed=sorted(ss), moment=moment, split=settled, peak=peak,
                 room=room, initial_split=split, refinements=rounds)  # fmt: skip
-
-
-def _delayed_split(
-    ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int
-) -> dict:
-    """delayed_update with optimizer_mode="auto": the mapped share (the GPU's, not delayed) of the
-    parameters outside the VRAM share that minimises the predicted step, on a grid of
-    DELAYED_SPLIT_STEPS of them. The host share's update hides beside the next step's forward and
-    backward (timing.py), so the balance is the GPU lane (compute + the mapped update) against the
-    host AdamW alone, not choose_mapped_fraction's host against PCIe (wrap() passes the result to
-    the optimizer as its first split; the refiner then measures as without delay)."""
-    from .rules import DELAYED_SPLIT_STEPS
-
-    movable = split["mapped"] + split["host"] - streamed_tr
-    best = None
-    for k in range(DELAYED_SPLIT_STEPS + 1):
-        m = movable * k // DELAYED_SPLIT_STEPS
-        trial = cap_mapped_to_pin(ctx, {**split, "mapped": m, "host": split["mapped"] + split["host"] - m},
-                                  moment, set(streamed), paged)  # fmt: skip
-        t = step_of(_times(ctx, streamed, paged, modes, moment, trial))[0]
-        if best is None or t < best[0] * (1 - 1e-9):
-            best = (t, trial)
-    return {**best[1], "mapped_fraction_of_rest": best[1]["mapped"] / max(1, movable), "delayed_split": True}
 
 
 def _settle(ctx: _Ctx, streamed, paged: int, modes, moment: str, split: dict, streamed_tr: int):
@@ -361,8 +339,7 @@ def _plan_training(
     delayed = parse_delayed(delayed_update, where) is not None
     if delayed and mode == "gpu":
         raise ValueError(f"{where} delayed_update needs the host AdamW: optimizer_mode 'auto' or 'cpu'")
-    # with delayed_update no resident plan (optim.py: no switch); "auto" keeps its VRAM and mapped
-    # shares, which are not delayed (engine/delayed.py)
+    # delayed_update: no resident plan (no switch); "auto" keeps its GPU shares, not delayed (engine/delayed.py)
     moment = parse_moment_dtype(moment_dtype, where=where)
     if quantize not in QUANT_BYTES:
         raise ValueError(f"{where} quantize={quantize!r} is not accepted; accepted: 'none', 'int8', 'nf4'")

@@ -111,7 +111,7 @@ PIPELINE_OPTIMIZER_BYTES = 8
 NVME_WEIGHTS_WINDOW = 3
 
 # delayed_update with optimizer_mode="auto": the plan tries this many + 1 mapped shares of the movable
-# parameters (0, 1/N, ..., 1) and keeps the one with the shortest predicted step (plan.py _delayed_split)
+# parameters (0, 1/N, ..., 1) and keeps the one with the shortest predicted step (delayed_split.py)
 DELAYED_SPLIT_STEPS = 20
 # wrap(delayed_update=...) warns when the plan without it predicts a step this much shorter
 # (no resident switch with delayed_update, no refinement: policy.delayed_verdict)

@@ -163,6 +163,9 @@ def maybe_switch(opt, after_steps: int):
     if engine.streamed:
         opt._log("offload=auto: streamed weights keep the optimizer offloaded (no resident switch)")
         return None, None
+    if getattr(opt, "_delayed_update", None) is not None:  # resident, nothing would be delayed
+        opt._log("offload=auto: delayed_update keeps the optimizer offloaded (no resident switch)")
+        return None, None
     if engine.disk is not None:  # OffloadAdamW sets offload=True with it: a second guard
         opt._log(
             "offload=auto: optimizer state on disk (nvme_offload) keeps it offloaded (no resident switch)"
@@ -216,7 +219,7 @@ def maybe_switch(opt, after_steps: int):
 
 
 def maybe_share(opt, after_steps: int) -> dict | None:
-    """After a declined resident switch (with delayed_update: none is tried): moves the share of
+    """After a declined resident switch (with delayed_update: never tried): moves the share of
     the state that fits in the VRAM left to the device, as the planner decides (ShareCheck:
     planner/inflight.py decide_share; with delayed_update the other buckets keep their placement);
     logs the decision and returns its history entry. Does nothing (None) on the CPU, with data parallel, for

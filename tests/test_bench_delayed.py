@@ -66,3 +66,7 @@ def test_runs_in_separate_calls_combine_to_the_same_comparison(tmp_path, monkeyp
     assert j["ratio_step_s"] == j["delayed"]["step_s"] / j["plain"]["step_s"]
     monkeypatch.setattr(sys, "argv", [SCRIPT, "--combine", str(paths["plain"]), "--out", str(joined)])
     assert main() == 2  # a plain run alone compares nothing
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    for bad in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        monkeypatch.setattr(sys, "argv", [SCRIPT, "--combine", str(paths["plain"]), str(bad)])
+        assert main() == 2

@@ -261,8 +261,15 @@ def _combine(args) -> int:
     """--combine: the variants of several result files in one (the config of the first)."""
     results: dict = {}
     for path in args.combine:
-        with open(path) as f:
-            r = json.load(f)
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"--combine: {path} is not a results file of this script ({exc})", file=sys.stderr)
+            return 2
+        if not isinstance(r, dict) or "config" not in r:
+            print(f"--combine: {path} is not a results file of this script (no config)", file=sys.stderr)
+            return 2
         for k in ("plain", "delayed", "delayed2"):
             if k in r:
                 results[k] = r[k]

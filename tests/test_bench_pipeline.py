@@ -35,7 +35,7 @@ def _ramtorch(m, ref) -> None:
 def test_tiny_cpu_runs_every_row(tmp_path):
     out = tmp_path / "pipe.json"
     p = subprocess.run(
-        [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--out", str(out)],
+        [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--eager", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -57,6 +57,12 @@ def test_tiny_cpu_runs_every_row(tmp_path):
     assert s["schedule"] == "gpipe" and p2["ramstream_1f1b"]["schedule"] == "1f1b"
     assert _ok(p2["ramstream_1f1b"]) and p2["ramstream_1f1b"]["losses"] == s["losses"]  # chunk-major: exact
     _ramtorch(p2["ramtorch"], s)
+    # the eager floors: the unsplit model over the same microbatches and over the whole batch (the
+    # same losses up to rounding: the mean of the microbatches' losses, the whole batch's)
+    em, ew = p2["eager_mb"], p2["eager_whole"]
+    assert _ok(em) and _ok(ew) and em["microbatches"] == 4 and ew["microbatches"] == 1
+    assert all(abs(a - b) < 1e-3 for a, b in zip(em["losses"], s["losses"]))
+    assert "forward+backward s: ramstream" in p.stdout
     _ramtorch(p2["ramtorch_gpipe"], s)
     rt = [m["step_s"] for m in (p2["ramtorch"], p2["ramtorch_gpipe"]) if "error" not in m]
     if rt:
@@ -70,6 +76,9 @@ def test_tiny_cpu_runs_every_row(tmp_path):
         assert all(math.isfinite(t) and t > 0 for t in m["tf"] + m["tb"])
         assert math.isfinite(r["predicted_s"]) and r["predicted_s"] > 0
         assert r["prediction_error"] == r["predicted_s"] / m["pipeline_s"] - 1  # without the optimizer
+        # both stages on the CPU: the shared-device model, fed each op's time alone (at most its span)
+        assert all(0 < a <= t for a, t in zip(m["tf_alone"] + m["tb_alone"], m["tf"] + m["tb"]))
+        assert r["own_devices_error"] == m["predicted_own_devices_s"] / m["pipeline_s"] - 1
         assert 0 < m["pipeline_s"] < m["step_s"] and 0 < m["optimizer_s"] < m["step_s"]
         assert r["keep_activations"] == ("checkpoint" if r["schedule"] == "gpipe" else "true")
         assert m["losses"] == s["losses"]  # every schedule: the same gradients, the same steps

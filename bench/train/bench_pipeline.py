@@ -14,8 +14,11 @@ Rows (--rows):
          times of a traced step in the same process (trace_path=; median F and B per chunk). A
          span leaves out the op's wait for its input (the simulator adds the dependencies) and,
          with --trace-sync (default), ends when the op's work on its stage's stream has. Target:
-         within 15 %. The stages share one GPU here, which the simulator does not model (it
-         gives each stage its own device): op times measured under that sharing carry it.
+         within 15 %. The stages share one GPU here: the simulator is told so (devices=, the
+         processor sharing of simulate/shared.py) and fed each op's time alone on the device,
+         its traced span less what the ops running beside it took (exclusive_times); the
+         prediction of the older model (a device per stage, fed the spans as they are) is
+         reported beside it (own_devices_error).
          Run microbatch by microbatch (offload_chunk_major=False): the schedule the simulator
          models, op by op. GPipe recomputes each chunk's forward in its backward
          (offload_keep_activations="checkpoint"): holding every microbatch's activations of four
@@ -53,7 +56,7 @@ sys.path.insert(0, HERE)
 from bench_offload_model import _loss, _rss_gib, build_chunks  # noqa: E402
 
 ROWS = ("P2", "P4", "P2GPU")
-IMPLS = ("ramstream", "offload", "ramtorch")
+IMPLS = ("ramstream", "offload", "ramtorch", "eager")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RAMTORCH_NAME = {"1f1b": "staggered_1b1f", "gpipe": "gpipe", "interleaved": "interleaved"}
 
@@ -82,7 +85,7 @@ def child(args) -> dict:
     cuda = [d for d in dict.fromkeys(devs) if d.type == "cuda"]
     from vram_cap import cap_vram
 
-    for d in cuda:
+    for d in cuda if args.impl != "eager" else ():
         cap_vram(d, args.cap_gib)
     if args.unfused:
         from ramstream.pipeline import chunk_major
@@ -95,7 +98,12 @@ def child(args) -> dict:
     off = dict(offload=True, offload_window=args.window, offload_pin=args.pin)
     if args.keep != "true":
         off["offload_keep_activations"] = args.keep
-    if args.impl == "offload":
+    if args.impl == "eager":  # stock PyTorch, the unsplit model resident (no cap): a floor
+        import torch as lib
+
+        model = torch.nn.Sequential(*chunks).to(devs[0])
+        params = list(model.parameters())
+    elif args.impl == "offload":
         import ramstream as lib
 
         model = lib.OffloadModel(chunks, device=str(devs[0]), window=args.window, pin=args.pin)
@@ -137,7 +145,15 @@ def child(args) -> dict:
     def one(trace_path=None) -> tuple[float, float]:
         sync()
         a = time.perf_counter()
-        if args.impl == "offload":
+        if args.impl == "eager":  # microbatch by microbatch, gradients accumulated, as the pipeline
+            n, total = args.microbatches, 0.0
+            for xm, ym in zip(idx.tensor_split(n), tgt.tensor_split(n)):
+                with torch.autocast(devs[0].type, dtype=torch.bfloat16):
+                    loss = _loss(model(xm), ym)
+                (loss / n).backward()
+                total += loss.detach() / n
+            res = type("R", (), {"loss": total})
+        elif args.impl == "offload":
             with torch.autocast(devs[0].type, dtype=torch.bfloat16):
                 res = model.step(idx, targets=tgt, loss_fn=_loss)
             model.flush_grads()
@@ -169,7 +185,8 @@ def child(args) -> dict:
         "impl": args.impl,
         "version": getattr(lib, "__version__", "?"),
         "devices": args.devices,
-        "schedule": None if args.impl == "offload" else args.schedule,
+        "schedule": None if args.impl in ("offload", "eager") else args.schedule,
+        "microbatches": args.microbatches,
         "build_s": round(build_s, 2),
         "step_s": step_s,
         "steps_s": [r[0] for r in runs],
@@ -214,6 +231,7 @@ def _profile(one, path: str) -> dict:
 def _predict(one, args, stages: int, v: int) -> dict:
     """simulate_schedule fed with the median F / B time per chunk of a traced step."""
     from ramstream.simulate import simulate_schedule
+    from ramstream.simulate.shared import exclusive_times
 
     fd, path = tempfile.mkstemp(suffix=".json", prefix="pipeline-step-")
     os.close(fd)
@@ -257,22 +275,34 @@ def _predict(one, args, stages: int, v: int) -> dict:
         run_mod.Run.run_op, stage_mod.Exchange.take = run_op, take
         os.unlink(path)
     n = stages * v
+    devices = args.devices.split(",")
+    # each op's time alone on its device: its span less the share of the device the stages running
+    # beside it took (simulate/shared.py's processor sharing, inverted; the span as is when the op
+    # ran alone or every stage has a device of its own)
+    alone = exclusive_times([(e["tid"] - 1, e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in ev], devices)
     per = {(k, c): [] for k in "FB" for c in range(n)}
-    for e in ev:  # name "F mb3 c1": kind, microbatch, chunk; dur in microseconds
+    per_alone = {key: [] for key in per}
+    for e, a in zip(ev, alone):  # name "F mb3 c1": kind, microbatch, chunk; dur in microseconds
         kind, _, c = e["name"].split()
         per[(kind, int(c[1:]))].append(e["dur"] / 1e6)
+        per_alone[(kind, int(c[1:]))].append(a)
+    sim = dict(stages=stages, microbatches=args.microbatches, chunks_per_stage=v)
     tf = [_median(per[("F", c)]) for c in range(n)]
     tb = [_median(per[("B", c)]) for c in range(n)]
-    pred = simulate_schedule(
-        args.schedule, stages=stages, microbatches=args.microbatches, chunks_per_stage=v, tf=tf, tb=tb
-    )
+    own = simulate_schedule(args.schedule, tf=tf, tb=tb, **sim)  # a device per stage, as before
+    tf_alone = [_median(per_alone[("F", c)]) for c in range(n)]
+    tb_alone = [_median(per_alone[("B", c)]) for c in range(n)]
+    pred = simulate_schedule(args.schedule, tf=tf_alone, tb=tb_alone, devices=devices, **sim)
     return {
         "traced_step_s": traced_s,
         "trace_sync": args.trace_sync,
         "tf": tf,
         "tb": tb,
+        "tf_alone": tf_alone,
+        "tb_alone": tb_alone,
         "predicted_s": pred.makespan,
         "predicted_bubble": pred.bubble,
+        "predicted_own_devices_s": own.makespan,
     }
 
 
@@ -296,6 +326,12 @@ def _parser():
     ap.add_argument("--deadline", type=float, default=1500.0, help="seconds for the whole run")
     ap.add_argument("--tiny", action="store_true", help="the tiny GPT on the CPU, 8x64, 2 steps")
     ap.add_argument("--out", help="write the JSON rows here")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="P2: also stock PyTorch with the model resident and no cap, over the same microbatches "
+        "and over the whole batch (floors: what microbatching costs eager PyTorch itself)",
+    )
     ap.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--devices", help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
@@ -322,7 +358,13 @@ class Runner:
         self.ramtorch = None
 
     def __call__(
-        self, impl: str, devices: str, schedule: str = "1f1b", predict: bool = False, keep: str = "true"
+        self,
+        impl: str,
+        devices: str,
+        schedule: str = "1f1b",
+        predict: bool = False,
+        keep: str = "true",
+        microbatches: int | None = None,
     ) -> dict:
         a = self.args
         tag = {"impl": impl, "devices": devices, "schedule": schedule}
@@ -338,7 +380,7 @@ class Runner:
         argv = [
             sys.executable, os.path.abspath(__file__), "--child", impl, "--devices", devices,
             "--schedule", schedule, "--model", a.model, "--batch", str(a.batch), "--seq", str(a.seq),
-            "--microbatches", str(a.microbatches), "--cap-gib", str(a.cap_gib),
+            "--microbatches", str(microbatches or a.microbatches), "--cap-gib", str(a.cap_gib),
             "--window", str(a.window), "--pin", str(a.pin), "--steps", str(a.steps),
             "--warmup", str(a.warmup),
             "--keep", keep,
@@ -376,6 +418,9 @@ def run(args) -> list[dict]:
         r = {"row": "P2", "ramstream": go("ramstream", d, "gpipe"), "ramstream_1f1b": go("ramstream", d)}
         r["offload"] = go("offload", d.split(",")[0])
         r["ramtorch"], r["ramtorch_gpipe"] = go("ramtorch", d), go("ramtorch", d, "gpipe")
+        if args.eager:  # floors: stock PyTorch, resident, the same microbatches / the whole batch
+            d0 = d.split(",")[0]
+            r["eager_mb"], r["eager_whole"] = go("eager", d0), go("eager", d0, microbatches=1)
         r["vs_offload"] = _ratio(r["ramstream"], r["offload"])  # target <= 1.1
         rt = [m for m in (r["ramtorch"], r["ramtorch_gpipe"]) if "error" not in m]
         best = min(rt, key=lambda m: m["step_s"]) if rt else r["ramtorch"]
@@ -393,6 +438,8 @@ def run(args) -> list[dict]:
                 r["predicted_s"] = m["predicted_s"]
                 # the simulator models the schedule: against the step without the optimizer's
                 r["prediction_error"] = m["predicted_s"] / m["pipeline_s"] - 1  # target |.| <= 0.15
+                # the model before the stages' sharing of one device was simulated (for comparison)
+                r["own_devices_error"] = m["predicted_own_devices_s"] / m["pipeline_s"] - 1
             rows.append(r)
     if "P2GPU" in rows_wanted:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -435,7 +482,16 @@ def report(rows, args) -> None:
             continue
         head = r["row"] + (f" {r['schedule']}" if "schedule" in r else "")
         print(f"{head}:")
-        for k in ("ramstream", "ramstream_1f1b", "offload", "one_gpu", "ramtorch", "ramtorch_gpipe"):
+        for k in (
+            "ramstream",
+            "ramstream_1f1b",
+            "offload",
+            "one_gpu",
+            "ramtorch",
+            "ramtorch_gpipe",
+            "eager_mb",
+            "eager_whole",
+        ):
             if k in r:
                 print(f"  {k:<9} " + _fmt(r[k]))
         line = x(r.get("vs_offload"), "step / OffloadModel's (<= 1.1)")
@@ -445,10 +501,18 @@ def report(rows, args) -> None:
             line += (
                 f"  pipeline {r['ramstream']['pipeline_s']:.3f} s + optimizer {r['ramstream']['optimizer_s']:.3f} s;"
                 f"  simulator {r['predicted_s']:.3f} s predicted ({r['prediction_error']:+.1%}; target within 15 %: "
-                f"{'met' if abs(r['prediction_error']) <= 0.15 else 'NOT met'})"
+                f"{'met' if abs(r['prediction_error']) <= 0.15 else 'NOT met'}; "
+                f"a device per stage: {r['own_devices_error']:+.1%})"
             )
         if line:
             print(" " + line)
+        parts = [
+            (k, r[k])
+            for k in ("ramstream", "offload", "eager_mb", "eager_whole")
+            if k in r and "error" not in r[k]
+        ]
+        if r["row"] == "P2" and len(parts) > 2:  # without the optimizers (the eager ones on the GPU)
+            print("   forward+backward s: " + ", ".join(f"{k} {m['pipeline_s']:.3f}" for k, m in parts))
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ import sys
 
 from .._paths import arg_type, check_writable
 from ..pipeline.schedule import NAMES, canonical
-from .pipeline import simulate_pipeline, window_table
+from .pipeline import simulate_pipeline, simulate_schedule, window_table
 from .pipeline_gantt import LEGEND, ascii_gantt, plot_pipeline
 
 
@@ -37,6 +37,13 @@ def _time(text: str) -> float:
     if not (v >= 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"must be a finite time >= 0, got {text!r}")
     return v
+
+
+def _labels(text: str) -> list[str]:
+    labels = [x.strip() for x in text.split(",")]
+    if not all(labels):
+        raise argparse.ArgumentTypeError(f"must be comma-separated labels, one per stage, got {text!r}")
+    return labels
 
 
 def _common(p: argparse.ArgumentParser, tb: float, of: str = "") -> None:
@@ -76,6 +83,12 @@ def add_parsers(sub) -> None:
         help="a schedule (repeat to compare; default: gpipe, 1f1b and, with --virtual > 1, interleaved)",
     )
     p.add_argument("--tf", type=_time, default=1.0, help="forward time (default 1)")
+    p.add_argument(
+        "--devices",
+        type=_labels,
+        help="a device label per stage, comma-separated (e.g. 0,0,1,1): stages with one label share "
+        "that device, ops running at once on it sharing its speed (default: a device per stage)",
+    )
     _common(p, tb=1.0)
     p = sub.add_parser(
         "pipeline",
@@ -136,7 +149,7 @@ def run_schedule(args) -> int:
         for name in names:
             v = args.virtual if name == "interleaved" else 1
             preds.append(
-                simulate_pipeline(
+                simulate_schedule(
                     name,
                     stages=p,
                     microbatches=m,
@@ -144,6 +157,7 @@ def run_schedule(args) -> int:
                     tf=args.tf / v,
                     tb=args.tb / v,
                     comm=args.comm,
+                    devices=args.devices,
                 )
             )
         if args.plot:
@@ -156,8 +170,9 @@ def run_schedule(args) -> int:
         return 0
     serial = m * p * (args.tf + args.tb)
     gpipe = next((pr.makespan for pr in preds if pr.schedule == "gpipe"), None)
+    shared = "" if args.devices is None else f", devices {','.join(args.devices)}"
     print(
-        f"{p} stages, {m} microbatches, tf={args.tf:g}, tb={args.tb:g}, comm={args.comm:g} (serial {serial:g})"
+        f"{p} stages, {m} microbatches, tf={args.tf:g}, tb={args.tb:g}, comm={args.comm:g}{shared} (serial {serial:g})"
     )
     print(LEGEND)
     for pr in preds:

@@ -363,10 +363,34 @@ def _run_order(ops, runs, chunks: int) -> list:
 
 
 def simulate_schedule(
-    schedule, *, stages: int, microbatches: int, chunks_per_stage: int = 1, tf=1.0, tb=1.0, comm=0.0
+    schedule,
+    *,
+    stages: int,
+    microbatches: int,
+    chunks_per_stage: int = 1,
+    tf=1.0,
+    tb=1.0,
+    comm=0.0,
+    devices=None,
 ) -> PipelinePrediction:
     """simulate_pipeline with resident weights: each op through chunk c costs tf[c] / tb[c] (a
-    number, or one per chunk)."""
+    number, or one per chunk). devices: None (each stage its own device), or a label per stage;
+    stages with one label share that device (simulate/shared.py: ops running at once on it
+    share its speed, tf / tb being an op's time alone on it)."""
+    from .shared import shared_devices, simulate_shared
+
+    labels = shared_devices(devices, stages)
+    if labels is not None:
+        return simulate_shared(
+            schedule,
+            stages=stages,
+            microbatches=microbatches,
+            chunks_per_stage=chunks_per_stage,
+            tf=tf,
+            tb=tb,
+            comm=comm,
+            devices=labels,
+        )
     return simulate_pipeline(
         schedule,
         stages=stages,

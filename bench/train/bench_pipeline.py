@@ -48,12 +48,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_offload_model import _loss, _rss_gib, build_chunks  # noqa: E402
+from pipeline_measure import _median, _predict, _profile  # noqa: E402
 
 ROWS = ("P2", "P4", "P2GPU")
 IMPLS = ("ramstream", "offload", "ramtorch", "eager")
@@ -70,11 +70,6 @@ def stage_lists(chunks, stages: int) -> list[list]:
         out.append(list(chunks[i : i + k]))
         i += k
     return out
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def child(args) -> dict:
@@ -210,100 +205,6 @@ def child(args) -> dict:
     if hasattr(model, "close"):
         model.close()
     return out
-
-
-def _profile(one, path: str) -> dict:
-    """One step under torch.profiler: the device's busy time (kernels, and copies apart) against
-    the step's wall time; the kernels by total device time written to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, _ = one()
-    ev = prof.key_averages()
-    kern = sum(e.self_device_time_total for e in ev if not e.key.startswith("Memcpy")) / 1e6
-    copies = sum(e.self_device_time_total for e in ev if e.key.startswith("Memcpy")) / 1e6
-    with open(path, "w") as f:
-        f.write(ev.table(sort_by="self_device_time_total", row_limit=30))
-    prof.export_chrome_trace(path + ".json")  # every thread and stream: profile_timeline.py
-    return {"wall_s": wall, "kernels_s": kern, "copies_s": copies}
-
-
-def _predict(one, args, stages: int, v: int) -> dict:
-    """simulate_schedule fed with the median F / B time per chunk of a traced step."""
-    from ramstream.simulate import simulate_schedule
-    from ramstream.simulate.shared import exclusive_times
-
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="pipeline-step-")
-    os.close(fd)
-    # each span without its wait for the previous stage's activation or gradient (Exchange.take:
-    # the simulator adds the dependencies itself) and, with --trace-sync on CUDA, ending when the
-    # op's work on its stage's stream has (a span is otherwise when the host queued it)
-    import threading
-
-    import torch
-
-    from ramstream.pipeline import run as run_mod
-    from ramstream.pipeline import stage as stage_mod
-
-    run_op, take, waits = run_mod.Run.run_op, stage_mod.Exchange.take, threading.local()
-
-    def timed_take(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return take(self, *a, **k)
-        finally:
-            waits.s = getattr(waits, "s", 0.0) + time.perf_counter() - t
-
-    def timed(self, s, op):
-        waits.s = 0.0
-        t0 = time.perf_counter()
-        if op.kind == "F":
-            self.forward(s, op.chunk, op.mb)
-        else:
-            self.backward(s, op.chunk, op.mb)
-        if args.trace_sync and torch.cuda.is_available() and self.chunks[op.chunk].device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the stage's stream (device_context)
-        if self.spans is not None:
-            self.spans.append((s, f"{op.kind} mb{op.mb} c{op.chunk}", t0 + waits.s, time.perf_counter()))
-
-    run_mod.Run.run_op, stage_mod.Exchange.take = timed, timed_take
-    try:
-        traced_s, _ = one(trace_path=path)
-        with open(path) as f:
-            ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    finally:
-        run_mod.Run.run_op, stage_mod.Exchange.take = run_op, take
-        os.unlink(path)
-    n = stages * v
-    devices = args.devices.split(",")
-    # each op's time alone on its device: its span less the share of the device the stages running
-    # beside it took (simulate/shared.py's processor sharing, inverted; the span as is when the op
-    # ran alone or every stage has a device of its own)
-    alone = exclusive_times([(e["tid"] - 1, e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in ev], devices)
-    per = {(k, c): [] for k in "FB" for c in range(n)}
-    per_alone = {key: [] for key in per}
-    for e, a in zip(ev, alone):  # name "F mb3 c1": kind, microbatch, chunk; dur in microseconds
-        kind, _, c = e["name"].split()
-        per[(kind, int(c[1:]))].append(e["dur"] / 1e6)
-        per_alone[(kind, int(c[1:]))].append(a)
-    sim = dict(stages=stages, microbatches=args.microbatches, chunks_per_stage=v)
-    tf = [_median(per[("F", c)]) for c in range(n)]
-    tb = [_median(per[("B", c)]) for c in range(n)]
-    own = simulate_schedule(args.schedule, tf=tf, tb=tb, **sim)  # a device per stage, as before
-    tf_alone = [_median(per_alone[("F", c)]) for c in range(n)]
-    tb_alone = [_median(per_alone[("B", c)]) for c in range(n)]
-    pred = simulate_schedule(args.schedule, tf=tf_alone, tb=tb_alone, devices=devices, **sim)
-    return {
-        "traced_step_s": traced_s,
-        "trace_sync": args.trace_sync,
-        "tf": tf,
-        "tb": tb,
-        "tf_alone": tf_alone,
-        "tb_alone": tb_alone,
-        "predicted_s": pred.makespan,
-        "predicted_bubble": pred.bubble,
-        "predicted_own_devices_s": own.makespan,
-    }
 
 
 def _parser():

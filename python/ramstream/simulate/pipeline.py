@@ -120,6 +120,21 @@ def _times(name: str, value, n: int, what: str) -> list[float]:
     return vals
 
 
+def schedule_ops(schedule, stages: int, microbatches: int, chunks_per_stage: int) -> tuple[str, list]:
+    """(name, per-stage op lists) of a schedule name (built) or of given op lists (checked: every
+    op once, on its stage, no deadlock; backwards in any order; "custom")."""
+    if isinstance(schedule, str):
+        return canonical(schedule), build(schedule, stages, microbatches, chunks_per_stage)
+    check(schedule, stages, microbatches, chunks_per_stage, ordered_backward=False)
+    return "custom", [[Op(*op) for op in row] for row in schedule]
+
+
+def check_comm(comm) -> None:
+    """ValueError naming comm unless it is a finite time >= 0."""
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0.0 <= comm < float("inf"):
+        raise ValueError(f"simulate_pipeline: comm must be a finite time >= 0, got {comm!r}")
+
+
 def peak_in_flight(ops: list[Op]) -> int:
     """The most forwards of a stage's op list whose backward has not run yet (a stage runs one op
     at a time, so this depends on the order only)."""
@@ -259,21 +274,14 @@ def simulate_pipeline(
             stage): the module docstring has the rules.
     ValueError naming the argument for a bad value or schedule.
     """
-    if isinstance(schedule, str):
-        name = canonical(schedule)
-        ops = build(schedule, stages, microbatches, chunks_per_stage)
-    else:
-        name = "custom"
-        check(schedule, stages, microbatches, chunks_per_stage, ordered_backward=False)
-        ops = [[Op(*op) for op in row] for row in schedule]
+    name, ops = schedule_ops(schedule, stages, microbatches, chunks_per_stage)
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(f"simulate_pipeline: layers must be an int >= 1, got {layers!r}")
     chunks = stages * chunks_per_stage
     n = chunks * layers
     what = "chunk" if layers == 1 else "layer piece"
     tf, tb = _times("tf", tf, n, what), _times("tb", tb, n, what)
-    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0.0 <= comm < float("inf"):
-        raise ValueError(f"simulate_pipeline: comm must be a finite time >= 0, got {comm!r}")
+    check_comm(comm)
     stream = None
     pinned: set[int] = set()
     if window is not None:

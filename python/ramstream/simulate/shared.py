@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..pipeline.schedule import Op, build, canonical, check, dependencies
-from .pipeline import OpSpan, PipelinePrediction, _times, peak_in_flight
+from ..pipeline.schedule import Op, dependencies
+from .pipeline import OpSpan, PipelinePrediction, _times, check_comm, peak_in_flight, schedule_ops
 
 __all__ = ["exclusive_times", "shared_devices", "simulate_shared"]
 
@@ -56,17 +56,10 @@ def simulate_shared(
     alone on its device (a number, or one per chunk). The prediction's busy[s] is the sum of stage
     s's op costs and its bubble the devices' idle share, 1 - sum(busy) / (devices * makespan).
     ValueError naming the argument for a bad value or schedule."""
-    if isinstance(schedule, str):
-        name = canonical(schedule)
-        ops = build(schedule, stages, microbatches, chunks_per_stage)
-    else:
-        name = "custom"
-        check(schedule, stages, microbatches, chunks_per_stage, ordered_backward=False)
-        ops = [[Op(*op) for op in row] for row in schedule]
+    name, ops = schedule_ops(schedule, stages, microbatches, chunks_per_stage)
     chunks = stages * chunks_per_stage
     tf, tb = _times("tf", tf, chunks, "chunk"), _times("tb", tb, chunks, "chunk")
-    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not 0.0 <= comm < float("inf"):
-        raise ValueError(f"simulate_schedule: comm must be a finite time >= 0, got {comm!r}")
+    check_comm(comm)
     dev = list(devices)
     if len(dev) != stages:
         raise ValueError(f"simulate_schedule: devices must be one label per stage ({stages}), got {len(dev)}")

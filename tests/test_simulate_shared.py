@@ -96,6 +96,8 @@ def test_exclusive_times_by_hand():
     assert a == pytest.approx([1 + 0.25 + 0.5 / 3, 0.25 + 0.5 / 3 + 0.25 + 0.5, 0.5 / 3 + 0.25])
     assert sum(a) == pytest.approx(3.0)  # the device was busy from 0 to 3
     assert exclusive_times(spans, ["g", "h", "h"]) == pytest.approx([2.0, 0.5 + 0.5 + 0.5, 0.5])
+    # an empty span costs nothing and shares nothing; back-to-back spans do not overlap
+    assert exclusive_times([(0, 0.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 2.0)], ["g", "g"]) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="ends"):
         exclusive_times([(0, 2.0, 1.0)], ["g"])
 
@@ -107,6 +109,13 @@ def test_exclusive_times_by_hand():
 def test_bad_devices_name_the_argument(devices, match):
     with pytest.raises(ValueError, match=match):
         simulate_schedule("gpipe", stages=2, microbatches=2, devices=devices)
+
+
+def test_simulate_shared_checks_its_devices():
+    with pytest.raises(ValueError, match="one label per stage"):
+        simulate_shared("gpipe", stages=2, microbatches=1, devices=None)
+    with pytest.raises(ValueError, match="hashable"):
+        simulate_shared("gpipe", stages=2, microbatches=1, devices=[[0], [1]])
 
 
 def test_the_cli_takes_devices(capsys):

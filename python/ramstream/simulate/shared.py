@@ -60,9 +60,9 @@ def simulate_shared(
     chunks = stages * chunks_per_stage
     tf, tb = _times("tf", tf, chunks, "chunk"), _times("tb", tb, chunks, "chunk")
     check_comm(comm)
-    dev = list(devices)
-    if len(dev) != stages:
-        raise ValueError(f"simulate_schedule: devices must be one label per stage ({stages}), got {len(dev)}")
+    if devices is None:
+        raise ValueError(f"simulate_shared: devices must be one label per stage ({stages}), got None")
+    dev = shared_devices(devices, stages) or list(devices)  # checked: length, hashable labels
     cost = {op: (tf if op.kind == "F" else tb)[op.chunk] for row in ops for op in row}
     tol = 1e-12 * max([1.0, *cost.values()])
     nxt = [0] * stages
@@ -129,10 +129,16 @@ def exclusive_times(spans, devices) -> list[float]:
             raise ValueError(f"exclusive_times: a span of stage {s} ends ({b}) before it starts ({a})")
     dev = [devices[s] for s, _, _ in spans]
     out = [0.0] * len(spans)
-    cuts = sorted({x for _, a, b in spans for x in (a, b)})
-    for lo, hi in zip(cuts, cuts[1:]):
-        on = [i for i, (_, a, b) in enumerate(spans) if a <= lo and hi <= b]
-        n = Counter(dev[i] for i in on)
-        for i in on:
-            out[i] += (hi - lo) / n[dev[i]]
+    # a sweep over the span edges (ends before starts at one instant; empty spans cost 0)
+    edges = sorted([(b, 0, i) for i, (_, a, b) in enumerate(spans) if b > a] +
+                   [(a, 1, i) for i, (_, a, b) in enumerate(spans) if b > a])  # fmt: skip
+    active: set[int] = set()
+    last = None
+    for t, starts, i in edges:
+        if active and t > last:
+            n = Counter(dev[j] for j in active)
+            for j in active:
+                out[j] += (t - last) / n[dev[j]]
+        last = t
+        (active.add if starts else active.discard)(i)
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..pipeline.schedule import Op, dependencies
-from .pipeline import OpSpan, PipelinePrediction, _times, check_comm, peak_in_flight, schedule_ops
+from ._base import OpSpan, PipelinePrediction, _times, check_comm, peak_in_flight, schedule_ops
 
 __all__ = ["exclusive_times", "shared_devices", "simulate_shared"]
 

@@ -100,6 +100,9 @@ def test_exclusive_times_by_hand():
     assert exclusive_times([(0, 0.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 2.0)], ["g", "g"]) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="ends"):
         exclusive_times([(0, 2.0, 1.0)], ["g"])
+    for stage in (1, -1):  # no label for it (a negative index must not wrap around)
+        with pytest.raises(ValueError, match="no entry in devices"):
+            exclusive_times([(stage, 0.0, 1.0)], ["g"])
 
 
 @pytest.mark.parametrize(

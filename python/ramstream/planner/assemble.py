@@ -26,6 +26,17 @@ def line(name: str, parts: dict, have: int, what: str) -> str:
     return f"{name}: needs {need / _GIB:.2f} GiB ({body or 'nothing'}) vs {have / _GIB:.2f} GiB {what}"
 
 
+def why_optimizer(c: dict, shape, m: str, moment: str) -> str:
+    """The plan's optimizer line: the split of the trained parameters and the VRAM room behind it."""
+    sp, n = c["split"], max(1, shape.trained_numel)
+    return (
+        f"optimizer: of {shape.trained_numel / 1e6:.1f}M trained params {sp['device'] / n:.0%} in VRAM (room "
+        f"{max(0, c['room']) / _GIB:.2f} GiB = usable - peak {c['peak'] / _GIB:.2f} - margin 0.50), "
+        f"{sp['mapped'] / n:.0%} updated by the GPU over PCIe, {sp['host'] / n:.0%} on the host; moments {m}"
+        + (" (fp32 state does not fit in RAM)" if m == "bfloat16" and moment == "auto" else "")
+    )
+
+
 def make_plan(ctx, c: dict, mode: str, reasons: list[str]) -> Plan:
     sh = ctx.shape
     n = len(sh.blocks)

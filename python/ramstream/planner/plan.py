@@ -30,6 +30,7 @@ from . import disk as _disk
 from .act_modes import choose_modes
 from .assemble import line as _line
 from .assemble import make_plan as _make_plan
+from .assemble import why_optimizer
 from .host_fit import cap_mapped_to_pin, plan_step_buffers
 from .host_fit import master_bytes as _master
 from .host_fit import moment_bytes as _mb
@@ -227,16 +228,6 @@ def _parse_param_offload(v, n: int) -> list[int] | None:
 
     choice = parse_block_choice("param_offload", v)
     return None if choice == "auto" else chosen_blocks("param_offload", choice, n)
-
-
-def _why_optimizer(c: dict, shape: ModelShape, m: str, moment: str) -> str:
-    sp, n = c["split"], max(1, shape.trained_numel)
-    return (
-        f"optimizer: of {shape.trained_numel / 1e6:.1f}M trained params {sp['device'] / n:.0%} in VRAM (room "
-        f"{max(0, c['room']) / _GIB:.2f} GiB = usable - peak {c['peak'] / _GIB:.2f} - margin 0.50), "
-        f"{sp['mapped'] / n:.0%} updated by the GPU over PCIe, {sp['host'] / n:.0%} on the host; moments {m}"
-        + (" (fp32 state does not fit in RAM)" if m == "bfloat16" and moment == "auto" else "")
-    )
 
 
 def plan_training(
@@ -449,7 +440,7 @@ def _plan_training(
                     + (f", param_offload={param_offload!r}" if forced is not None else "")
                     + note,
                     c["act_why"],
-                    _why_optimizer(c, shape, m, moment),
+                    why_optimizer(c, shape, m, moment),
                     *_disk.reasons(ctx, c),
                 ]
                 return _make_plan(ctx, c, "offload", reasons)

@@ -122,9 +122,14 @@ def simulate_shared(
 def exclusive_times(spans, devices) -> list[float]:
     """Each span's cost alone on its device under processor sharing: the integral over the span
     of 1 / (spans of its device covering that instant). spans: (stage, start, end) triples;
-    devices: a label per stage. ValueError for a span that ends before it starts."""
+    devices: a label per stage. ValueError for a span that ends before it starts or whose stage
+    has no label."""
     spans = [(int(s), float(a), float(b)) for s, a, b in spans]
     for s, a, b in spans:
+        if not 0 <= s < len(devices):
+            raise ValueError(
+                f"exclusive_times: a span's stage {s} has no entry in devices ({len(devices)} stages)"
+            )
         if not b >= a:
             raise ValueError(f"exclusive_times: a span of stage {s} ends ({b}) before it starts ({a})")
     dev = [devices[s] for s, _, _ in spans]

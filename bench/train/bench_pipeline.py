@@ -53,7 +53,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_offload_model import _loss, _rss_gib, build_chunks  # noqa: E402
-from pipeline_measure import _median, _predict, _profile  # noqa: E402
+from pipeline_measure import _median, _predict, _profile, host_timers  # noqa: E402
 
 ROWS = ("P2", "P4", "P2GPU")
 IMPLS = ("ramstream", "offload", "ramtorch", "eager")
@@ -173,7 +173,11 @@ def child(args) -> dict:
 
     for d in cuda:
         torch.cuda.reset_peak_memory_stats(d)
-    runs = [one() for _ in range(args.warmup + args.steps)][args.warmup :]
+    runs = [one() for _ in range(args.warmup)]
+    timers = host_timers() if args.host_timers and args.impl == "ramstream" else None
+    runs = [one() for _ in range(args.steps)]
+    if timers is not None:
+        timers[1]()
     step_s = _median([r[0] for r in runs])
     split = one.split[args.warmup :]
     out = {
@@ -195,6 +199,8 @@ def child(args) -> dict:
         "alloc_retries": {str(d): torch.cuda.memory_stats(d).get("num_alloc_retries", 0) for d in cuda}
         or None,
     }
+    if timers is not None:  # seconds and calls per step
+        out["host_timers"] = {k: [v[0] / args.steps, v[1] / args.steps] for k, v in timers[0].items()}
     out["rss_gib"], out["peak_rss_gib"] = _rss_gib()
     if args.predict and args.impl == "ramstream":
         out.update(_predict(one, args, len(devs), v))
@@ -240,6 +246,11 @@ def _parser():
     ap.add_argument("--keep", default="true", choices=["true", "checkpoint"], help=argparse.SUPPRESS)
     ap.add_argument(
         "--unfused", action="store_true", help="child: chunk-major without cast_grads.py (an A/B of it)"
+    )
+    ap.add_argument(
+        "--host-timers",
+        action="store_true",
+        help="child (ramstream): the host time of the pipeline's pieces per step (pipeline_measure.host_timers)",
     )
     ap.add_argument("--profile", help="child: torch.profiler over one more step, its table written here")
     ap.add_argument("--trace", help="child (ramstream): one more step traced (Perfetto JSON) here")

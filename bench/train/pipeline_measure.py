@@ -108,3 +108,52 @@ def _predict(one, args, stages: int, v: int) -> dict:
         "predicted_bubble": pred.bubble,
         "predicted_own_devices_s": own.makespan,
     }
+
+
+def host_timers() -> tuple[dict, callable]:
+    """Wall time of the pipeline's host-side pieces (patched in this process): the chunk-major
+    forward and backward runs, each chunk's backward over the microbatches (its autograd.backward
+    calls), the window / use calls of the weight streamers, the gradient landings, cast_grads'
+    graph walk, the waits for another stage's activation or gradient. Returns (totals: name ->
+    [seconds, calls], undo). Summed over every thread (the stage threads seldom overlap in P2's
+    GPipe, whose stages on one device run one after the other)."""
+    from ramstream.frontends.offload_model.grads import GradWriteback
+    from ramstream.pipeline import chunk_major, stage
+    from ramstream.pipeline import run as run_mod
+    from ramstream.pipeline.streamed import StreamedStage
+    from ramstream.weights.streamer import WeightStreamer
+
+    totals: dict = {}
+    undo = []
+
+    def wrap(owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                v = totals.setdefault(key, [0.0, 0])
+                v[0] += time.perf_counter() - t
+                v[1] += 1
+
+        setattr(owner, name, timed)
+        undo.append(lambda: setattr(owner, name, fn))
+
+    wrap(run_mod, "forward_parts", "forward run (all of it)")
+    wrap(run_mod, "backward_parts", "backward run (all of it)")
+    wrap(chunk_major, "_backward_chunk", "backward: autograd.backward calls")
+    wrap(chunk_major, "fuse_cast_grads", "backward: cast_grads graph walk")
+    wrap(WeightStreamer, "window", "streamer.window")
+    wrap(WeightStreamer, "use", "streamer.use")
+    wrap(StreamedStage, "land_part", "backward: land_part")
+    wrap(GradWriteback, "land", "GradWriteback.land")
+    wrap(StreamedStage, "end", "stage end (commit)")
+    wrap(stage.Exchange, "take", "Exchange.take (waits)")
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+
+    return totals, restore

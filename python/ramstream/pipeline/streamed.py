@@ -126,12 +126,15 @@ class StreamedStage(nn.Module):
                 yield from (p for p in s.params if p.requires_grad)
 
     def land_part(self, i: int) -> None:
-        """Chunk i's streamed gradients, summed on the device over a run of microbatches, go home."""
+        """Chunk i's streamed gradients, summed on the device over a run of microbatches, go home
+        (one batch of landings: GradWriteback.land_many)."""
+        pairs = []
         for p in self._streamed_params([i]):
             g = p.grad
             if g is not None:
                 p.grad = None
-                self.grads.land(p, g)
+                pairs.append((p, g))
+        self.grads.land_many(pairs)
 
     def drop_device_grads(self) -> None:
         """A failed chunk-major backward: gradients not yet sent home are dropped."""

@@ -68,19 +68,33 @@ class GradWriteback:
 
     def land(self, p, g: torch.Tensor) -> None:
         """p's gradient of this backward (a device tensor on CUDA; freed by the caller at once)."""
+        self.land_many([(p, g)])
+
+    def land_many(self, pairs) -> None:
+        """land() for each (parameter, gradient) of `pairs`, in order, with one wait of the D2H
+        stream for the compute stream (on CUDA): the landings of one chunk at once (a pipeline
+        stage's land_part), for a fraction of the host time of one call each."""
         tr = _trace_current()
-        again = id(p) in self._pending  # a parameter used by two backward passes of one step
         if not self.cuda:
-            t0 = tr.now() if tr is not None else None
-            if again and self.sum_as_landed:
-                self._pending[id(p)][1][0].add_(g)
-            else:
-                self._pending.setdefault(id(p), (p, []))[1].append(g)
-            if tr is not None:
-                tr.span("d2h", "grad", t0, tr.now(), chunk=self.chunk_of.get(id(p), -1))
+            for p, g in pairs:
+                t0 = tr.now() if tr is not None else None
+                if id(p) in self._pending and self.sum_as_landed:
+                    self._pending[id(p)][1][0].add_(g)
+                else:
+                    self._pending.setdefault(id(p), (p, []))[1].append(g)
+                if tr is not None:
+                    tr.span("d2h", "grad", t0, tr.now(), chunk=self.chunk_of.get(id(p), -1))
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
+        if not pairs:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for p, g in pairs:
+                self._copy_home(p, g, tr)
+
+    def _copy_home(self, p, g: torch.Tensor, tr) -> None:
+        """One landing on CUDA, on the D2H stream (current), after the compute that made g."""
+        again = id(p) in self._pending  # a parameter used by two backward passes of one step
         if again:
             from ...functional import pinned_empty
 
@@ -88,11 +102,11 @@ class GradWriteback:
         else:
             dst = self._buffer(p, g)
         t0 = tr.now(self.stream) if tr is not None else None
-        with torch.cuda.stream(self.stream):
-            dst.copy_(g, non_blocking=True)
-            done = torch.cuda.Event() if again and self.sum_as_landed else None
-            if done is not None:
-                done.record(self.stream)
+        dst.copy_(g, non_blocking=True)
+        done = None
+        if again and self.sum_as_landed:
+            done = torch.cuda.Event()
+            done.record(self.stream)
         g.record_stream(self.stream)  # its memory is reused only after the copy
         if tr is not None:
             tr.span("d2h", "grad", t0, tr.now(self.stream), chunk=self.chunk_of.get(id(p), -1))

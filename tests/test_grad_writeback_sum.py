@@ -45,6 +45,36 @@ def test_summed_as_landed_equals_the_sum_at_commit(device, max_staged):
     summed.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sum_as_landed", [False, True])
+def test_land_many_equals_one_landing_at_a_time(device, sum_as_landed):
+    """A chunk's landings in one batch (land_many, one wait of the copy stream) give the pending
+    gradients, the sums and the counters of landing them one by one, a parameter twice in a
+    batch included (the second landing of a step: its own buffer, added on the host)."""
+    torch.manual_seed(1)
+    ps = [torch.nn.Parameter(torch.zeros(65, 9)) for _ in range(3)]
+    qs = [torch.nn.Parameter(torch.zeros(65, 9)) for _ in range(3)]
+    order = [0, 1, 2, 0, 2, 0]
+    grads = [torch.randn(65, 9) * 10 ** (i % 3) for i in range(len(order))]
+    dev = torch.device(device)
+    batched = GradWriteback(dev, sum_as_landed=sum_as_landed)
+    single = GradWriteback(dev, sum_as_landed=sum_as_landed)
+    batched.land_many([(ps[i], g.to(dev, copy=True)) for i, g in zip(order, grads)])
+    for i, g in zip(order, grads):
+        single.land(qs[i], g.to(dev, copy=True))
+    assert batched.stats == single.stats
+    batched.commit({})
+    single.commit({})
+    for p, q in zip(ps, qs):
+        assert p.grad.device.type == "cpu" and torch.equal(p.grad, q.grad)
+    ref = grads[0].clone().add_(grads[3]).add_(grads[5])  # parameter 0: in landing order
+    assert torch.equal(ps[0].grad, ref)
+    batched.land_many([])  # nothing to land: nothing happens
+    assert not batched._pending
+    batched.close()
+    single.close()
+
+
 def test_a_previous_grad_is_refused_where_sums_start_at_the_first_landing():
     p = torch.nn.Parameter(torch.zeros(3))
     gw = GradWriteback(torch.device("cpu"), sum_as_landed=True)

@@ -18,12 +18,4 @@ for v in ${VARIANTS:-pipe pipe_unfused offload eager}; do
     eager) one eager eager --devices cuda:0 --microbatches 8 --pin 0 ;;
   esac
 done
-python3 - "$OUT/host.txt" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    tag, js = line.split(" RESULT ", 1); d = json.loads(js)
-    print(f"{tag:<14} step {d['step_s']:.3f} forward+backward {d['pipeline_s']:.3f} optimizer {d['optimizer_s']:.3f}",
-          "steps", [round(x, 3) for x in d["steps_s"]], "peak GiB", d["peak_vram_gib"])
-    for k, v in (d.get("host_timers") or {}).items():
-        print(f"    {k:<40} {v[0] * 1e3:8.1f} ms/step  {v[1]:6.0f} calls/step")
-PY
+python3 pipeline_measure.py "$OUT/host.txt"

@@ -10,10 +10,4 @@ for w in ${WINDOWS:-2 4 3}; do
   one "pipe w$w" ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --window "$w" $A
   one "off w$w" offload --devices cuda:0 --window "$w" $A
 done
-python3 - "$OUT/window.txt" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    tag, js = line.split(" RESULT ", 1); d = json.loads(js)
-    print(f"{tag:<10} step {d['step_s']:.3f} forward+backward {d['pipeline_s']:.3f} optimizer {d['optimizer_s']:.3f}",
-          "steps", [round(x, 3) for x in d["steps_s"]], "peak GiB", d["peak_vram_gib"])
-PY
+python3 pipeline_measure.py "$OUT/window.txt"

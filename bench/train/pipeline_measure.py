@@ -1,7 +1,10 @@
 """bench_pipeline.py's measurements inside a child process: one step under torch.profiler
-(_profile), and P4's prediction (_predict): simulate_schedule fed with the per-op times of a
-traced step, each op's time alone on its device (simulate/shared.py) and, for comparison, the
-spans as they are with a device per stage."""
+(_profile), P4's prediction (_predict): simulate_schedule fed with the per-op times of a traced
+step, each op's time alone on its device (simulate/shared.py) and, for comparison, the spans as
+they are with a device per stage, and the host time of the pipeline's pieces (host_timers).
+
+    python bench/train/pipeline_measure.py RESULTS.txt   # a table of tagged child RESULT lines
+"""
 
 from __future__ import annotations
 
@@ -157,3 +160,27 @@ def host_timers() -> tuple[dict, callable]:
             u()
 
     return totals, restore
+
+
+def print_children(path: str) -> None:
+    """Prints the "[tag] RESULT {json}" lines of child runs (bench/p2_window.sh, p2_host.sh): each
+    run's step, its forward + backward and optimizer parts, and its host timers when it has them."""
+    import sys
+
+    for line in open(path):
+        tag, js = line.split(" RESULT ", 1)
+        d = json.loads(js)
+        print(
+            f"{tag:<14} step {d['step_s']:.3f} forward+backward {d['pipeline_s']:.3f} "
+            f"optimizer {d['optimizer_s']:.3f} steps {[round(x, 3) for x in d['steps_s']]} "
+            f"peak GiB {d['peak_vram_gib']}"
+        )
+        for k, v in (d.get("host_timers") or {}).items():
+            print(f"    {k:<40} {v[0] * 1e3:8.1f} ms/step  {v[1]:6.0f} calls/step")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    print_children(sys.argv[1])

@@ -127,7 +127,10 @@ def child(args) -> dict:
             autocast=torch.bfloat16,
             **off,
         )
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # streamed stages: home copies on the host
+    if args.host_opt and args.impl in ("ramstream", "offload"):  # ramstream's host AdamW, in the backward
+        opt = model.optimizer(lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # streamed stages: home copies on the host
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(devs[0])
@@ -246,6 +249,12 @@ def _parser():
     ap.add_argument("--keep", default="true", choices=["true", "checkpoint"], help=argparse.SUPPRESS)
     ap.add_argument(
         "--unfused", action="store_true", help="child: chunk-major without cast_grads.py (an A/B of it)"
+    )
+    ap.add_argument(
+        "--host-opt",
+        action="store_true",
+        help="child (ramstream, offload): the model's host optimizer (.optimizer(): each chunk updated "
+        "during the backward) instead of torch's fused AdamW on the home copies",
     )
     ap.add_argument(
         "--host-timers",

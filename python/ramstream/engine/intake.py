@@ -1,6 +1,8 @@
 """Gradient intake: the gradient hooks, in-flight throttling, gathering and landing.
 
-Training thread only. Autograd's post-accumulate-grad hook of every parameter calls on_grad().
+Training thread only. Autograd's post-accumulate-grad hook of every parameter calls on_grad();
+a front end that runs its own backward calls (the pipeline) drives a pass instead: begin_driven(),
+take() per final gradient, end_driven() (its callers serialise them).
 A host bucket's gradient goes to the bucket's pinned landing buffer: on its own when the
 strategy says it may (large ones; every one on the CPU), otherwise gathered into a device
 staging buffer first (small ones on a GPU; every one under data parallel, which sums them
@@ -156,6 +158,7 @@ class GradientIntake:
         self.max_grad_norm = max_grad_norm
         self.device = device
         self.micro = 0  # backward passes finished since the last step
+        self.driven = False  # a front end hands the gradients over itself (take(); the pipeline)
         self.declared_steps: int | None = None  # accumulation_steps while an extra pass is summed
         self._in_backward = False
         self._task = -1
@@ -206,7 +209,8 @@ class GradientIntake:
         self.updater.begin_pass()
         self.parallel.begin_backward(self.buckets)
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not self.driven:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _can_sum_extra_pass(self) -> bool:
         """An undeclared backward pass can be summed when no update has run yet: with
@@ -249,7 +253,48 @@ class GradientIntake:
             self.accumulation_steps = self.updater.accumulation_steps = self.declared_steps
             self.declared_steps = None
 
+    # ---- driven: the front end runs its own backward calls and hands each gradient over --------
+    def begin_driven(self) -> None:
+        """A pass whose gradients the caller hands over (take()) and ends (end_driven()): the
+        pipeline's step, which makes many autograd.backward calls (a chunk and a microbatch each)
+        on several threads. The gradient hooks stand aside while driven."""
+        if self._in_backward:
+            self._abandon_backward()  # the last driven pass did not end (its step raised)
+        self.driven = True
+        try:
+            self._begin_backward()
+        except BaseException:
+            self.driven = False
+            raise
+        self._task = -2  # no graph task's id: a hook outside the pass cannot join it
+
+    def take(self, params) -> None:
+        """Each parameter's `.grad` is its final gradient of this pass (on the device, made on the
+        current stream): it goes to the landing buffer (and the update, eagerly, once its bucket
+        is complete); `.grad` becomes None."""
+        for p in params:
+            s: Slot = p._ramstream_slot
+            if p.grad is None:
+                continue
+            self.stats["grad_hook_calls"] += 1
+            s.micro_arrived = True  # (its block may be evicted already: the gradient is what counts)
+            self._on_grad_host(s, s.bucket, p)
+
+    def end_driven(self) -> None:
+        """The driven pass ended: what it gathered counts as one micro-batch."""
+        self._end_backward()
+        self.driven = False
+
+    def abandon_driven(self) -> None:
+        """The driven pass raised: what was gathered since the last step is dropped (updates that
+        already ran stay, with a RuntimeWarning saying how many, as for a failed backward)."""
+        if self._in_backward:
+            self._abandon_backward()
+        self.driven = False
+
     def on_grad(self, p: torch.nn.Parameter) -> None:
+        if self.driven:
+            return  # the front end hands the gradient over itself, once final (take())
         s: Slot = p._ramstream_slot
         self.stats["grad_hook_calls"] += 1
         check_param(p, self.device)
@@ -362,7 +407,7 @@ class GradientIntake:
 
     def recover_if_abandoned(self) -> None:
         """Outside a backward pass, a pass still marked as running raised before its end."""
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
+        if self._in_backward and not self.driven and torch._C._current_graph_task_id() == -1:
             self._abandon_backward()
 
     def _abandon_backward(self) -> None:

@@ -139,6 +139,10 @@ def set_offload_pinned(pipe, pinned, *, optimizers=(), force: bool = False) -> d
     pipe._check_open()
     if not isinstance(force, bool):
         raise TypeError(f"{WHERE}: force must be a bool, got {type(force).__name__}")
+    if pipe._host_opt is not None:
+        raise ValueError(
+            f"{WHERE}: not with the host optimizer attached (its buckets live where the chunks do); close it first"
+        )
     opts = _optimizers(optimizers)
     if not pipe._lock.acquire(blocking=False):
         raise RuntimeError(

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from . import host_optim
 from . import schedule as schedules
 from .checks import (
     check_autocast,
@@ -189,6 +190,7 @@ class Pipeline:
         self._pagers = [StagePager(d, offload_act_slots) for d in devs] if offload_activations else None
         self._params = check_params(self._chunks)
         self._flushed = False  # flush_grads() ran and no step since: the next step starts a new sum
+        self._host_opt = None  # optimizer(): the host optimizer while attached (host_optim.py)
         self._hinted = False  # checks.schedule_hint's advice given
         self._lock = threading.Lock()
         self._stream: InferStream | None = None
@@ -315,6 +317,7 @@ class Pipeline:
         inputs, cut, presplit = cut_inputs("Pipeline.step", data, n_microbatches)
         n = len(inputs)
         ops = schedules.build(schedule, self.num_stages, n, self.chunks_per_stage)
+        host_optim.check_step(self, schedule, n)
         if not self._hinted:
             hint = schedule_hint(schedules.canonical(schedule), self.devices, self._grouped, n)
             if hint is not None:
@@ -330,6 +333,7 @@ class Pipeline:
         replace = self._fake is not None and self._fake.replace  # .grad and every weight untouched
         stash = [(p, p.grad) for p in self._params if p.requires_grad and not replace]
         streamed = [] if replace else self._streamed
+        host_optim.begin_step(self, n)
         for p, _ in stash:
             p.grad = None  # this step's gradients accumulate apart: committed only if it all succeeds
         ok = False
@@ -339,6 +343,7 @@ class Pipeline:
             self._profiled(run, ops, trace_path, profile_path)
             ok = True
         finally:
+            host_optim.end_step(self, ok)
             try:
                 for pg in self._pagers or []:
                     pg.reset()  # a failed step's paged activations go back to the pool
@@ -437,6 +442,15 @@ class Pipeline:
             schedule=schedule, max_inflight=max_inflight, optimizer_device=optimizer_device,
         )  # fmt: skip
 
+    def optimizer(self, params=None, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, **options):
+        """ramstream's host AdamW over the streamed chunks, each updated during the backward once
+        its gradient of the step has landed (OffloadModel.optimizer()'s options and meaning;
+        host_optim.py has the scope, the pipeline guide the rest). Returns a PipelineAdamW."""
+        self._check_open()
+        return host_optim.build(
+            self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options
+        )
+
     # ---- gradients and lifetime --------------------------------------------------------------------
     def flush_grads(self, scale: float = 1.0) -> None:
         """RamTorch's "accumulators -> .grad", with one meaning (OffloadModel's): every step()
@@ -447,6 +461,10 @@ class Pipeline:
         with no step between changes nothing. PipelineResult.flush_grads() is this method."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"Pipeline.flush_grads: scale must be a real number, got {type(scale).__name__}")
+        if scale != 1 and self._host_opt is not None:
+            raise ValueError(
+                "Pipeline.flush_grads: the host optimizer takes the gradients (none reach .grad)"
+            )
         if scale != 1 and not self._flushed:
             with torch.no_grad():
                 for p in self._params:
@@ -463,6 +481,8 @@ class Pipeline:
             self._stream.close()
         if self._session is not None:
             self._session.close()
+        if self._host_opt is not None:
+            self._host_opt.close()  # its updates end; the stages get slabs of their own back
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:

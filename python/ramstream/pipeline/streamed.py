@@ -57,6 +57,14 @@ def stream_choices(pieces, n: int, offload: bool, device_memory, window, pin) ->
 def _land(ref, p) -> None:
     stage = ref()
     if stage is not None and stage.in_step and not stage.holding:
+        if id(p) in stage.taken:
+            if stage.one_microbatch:  # the gradient is the step's: the host optimizer takes it
+                stage.hand_over([p])
+                return
+            raise RuntimeError(  # (host_optim.begin_step refuses such a step before it runs)
+                "Pipeline: the host optimizer takes each streamed gradient once per step, summed "
+                "over every microbatch: a backward ran microbatch by microbatch"
+            )
         g = p.grad
         p.grad = None
         stage.grads.land(p, g)
@@ -84,7 +92,9 @@ class StreamedStage(nn.Module):
         self.in_step = False
         self.holding = False  # chunk_major.backward_parts sums the gradients on the device first
         self.fused_casts = 0  # parameters whose cast gradients cast_grads.py summed (a count)
-        blocks = []
+        self.taken: set = set()  # ids of the parameters whose gradients the host optimizer takes
+        self.hand_over = None  # host_optim.py: hands a chunk's final gradients to the engine
+        self.one_microbatch = False  # this step has one microbatch: every landing is final
         with torch.no_grad():
             for i, c in enumerate(chunks):
                 for m in c.modules():  # buffers always live on the device
@@ -96,13 +106,44 @@ class StreamedStage(nn.Module):
                         p.data = p.data.to(device)
                         if p.grad is not None:
                             p.grad = p.grad.to(device)
-                else:
-                    blocks.append(Block(i, c, frozen_slabs(c, set(), self.copier), []))
         self.pinned = sorted(pinned)
-        self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=window - 1)
-        self.block_of = {b.index: k for k, b in enumerate(blocks)}  # chunk -> streamer block
+        self.streamer = None
         self.recompute = Recompute(list(chunks), list(range(n))) if keep_activations is not True else None
+        self.build(window - 1)
+
+    def build(self, ahead: int, engine_buckets=None, wait=None) -> None:
+        """The streamer over the unpinned chunks, each chunk's parameters in slabs of its own, or
+        (engine_buckets: {chunk index: the host optimizer's buckets of it}) its trained ones in
+        the engine's slabs, whose loads wait (wait(bucket)) for their update, and their gradients
+        handed to the engine (hand_over) instead of the write-back."""
+        engine_buckets = engine_buckets or {}
+        blocks = []
+        for i, c in enumerate(self.parts):
+            if i in self.pinned:
+                continue
+            trained = engine_buckets.get(i, [])
+            skip = {id(sl.param) for b in trained for sl in b.slots}
+            slabs = [b.slab for b in trained] + frozen_slabs(c, skip, self.copier)
+            blocks.append(Block(i, c, slabs, [lambda b=b: wait(b) for b in trained]))
+        self.streamer = WeightStreamer(blocks, copier=self.copier, ahead=ahead)
+        self.block_of = {b.index: k for k, b in enumerate(blocks)}  # chunk -> streamer block
+        self.taken = {id(sl.param) for bs in engine_buckets.values() for b in bs for sl in b.slots}
+        self.grads.forget(self.taken)  # their pooled pinned buffers go back
         self._handles = self._hook_grads()
+
+    def unbuild(self) -> None:
+        """Before the streamer is built again: weights home, the hooks off, and every streamed
+        parameter off its slab (a copy of its current weights in ordinary host memory)."""
+        self.streamer.evict_all()
+        self.copier.synchronize()
+        params = list(self._streamed_params(trained_only=False))
+        self.streamer.close()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.clone()
 
     def _hook_grads(self) -> list:
         ref = weakref.ref(self)
@@ -117,24 +158,29 @@ class StreamedStage(nn.Module):
             x = m(*x) if isinstance(x, tuple) else m(x)
         return x
 
-    def _streamed_params(self, chunks=None):
+    def _streamed_params(self, chunks=None, trained_only: bool = True):
         blocks = self.streamer.blocks
         for b in (
             blocks if chunks is None else [blocks[self.block_of[i]] for i in chunks if i in self.block_of]
         ):
             for s in b.slabs:
-                yield from (p for p in s.params if p.requires_grad)
+                yield from (p for p in s.params if p.requires_grad or not trained_only)
 
     def land_part(self, i: int) -> None:
         """Chunk i's streamed gradients, summed on the device over a run of microbatches, go home
-        (one batch of landings: GradWriteback.land_many)."""
-        pairs = []
+        (one batch of landings: GradWriteback.land_many), or to the host optimizer's engine."""
+        pairs, taken = [], []
         for p in self._streamed_params([i]):
+            if id(p) in self.taken:
+                taken.append(p)  # .grad handed over as it is (the engine sets it to None)
+                continue
             g = p.grad
             if g is not None:
                 p.grad = None
                 pairs.append((p, g))
         self.grads.land_many(pairs)
+        if taken:
+            self.hand_over(taken)
 
     def drop_device_grads(self) -> None:
         """A failed chunk-major backward: gradients not yet sent home are dropped."""

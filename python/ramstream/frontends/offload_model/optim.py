@@ -51,52 +51,50 @@ class OffloadModelAdamW(OffloadAdamW):
         super().close()
 
 
-def param_groups(model, params) -> list[dict]:
+def param_groups(model, params, where: str = "OffloadModel.optimizer") -> list[dict]:
     """The param groups of model.optimizer(params): None means every parameter of the model
     (one group; frozen ones get no state); otherwise parameters or param-group dicts, as
-    torch.optim.AdamW takes them, all of the model."""
+    torch.optim.AdamW takes them, all of the model. where: the caller's name in the errors."""
     if params is None:
         groups = [{"params": list(model.parameters())}]
     else:
         if torch.is_tensor(params) or isinstance(params, dict):
             raise TypeError(
-                "OffloadModel.optimizer: params must be an iterable of parameters or of param-group "
+                f"{where}: params must be an iterable of parameters or of param-group "
                 f"dicts (as torch.optim.AdamW takes), got {type(params).__name__}"
             )
         try:
             items = list(params)
         except TypeError:
             raise TypeError(
-                "OffloadModel.optimizer: params must be None or an iterable of parameters or of "
+                f"{where}: params must be None or an iterable of parameters or of "
                 f"param-group dicts (as torch.optim.AdamW takes), got {type(params).__name__}"
             ) from None
         if not items:
-            raise ValueError("OffloadModel.optimizer: params is empty")
+            raise ValueError(f"{where}: params is empty")
         if all(isinstance(g, dict) for g in items):
             groups = items  # the same dicts (as torch): an LR scheduler made on them keeps working
             for i, g in enumerate(groups):
                 if "params" not in g:
-                    raise ValueError(f"OffloadModel.optimizer: param group {i} has no 'params'")
+                    raise ValueError(f"{where}: param group {i} has no 'params'")
                 ps = g["params"]
                 g["params"] = [ps] if torch.is_tensor(ps) else list(ps)
         elif any(isinstance(g, dict) for g in items):
-            raise TypeError("OffloadModel.optimizer: params mixes parameters and param-group dicts")
+            raise TypeError(f"{where}: params mixes parameters and param-group dicts")
         else:
             groups = [{"params": items}]
     mine = {id(p) for p in model.parameters()}
     for i, g in enumerate(groups):
         for p in g["params"]:
             if not isinstance(p, torch.nn.Parameter):
-                raise TypeError(
-                    f"OffloadModel.optimizer: param group {i} holds a {type(p).__name__}, not an nn.Parameter"
-                )
+                raise TypeError(f"{where}: param group {i} holds a {type(p).__name__}, not an nn.Parameter")
             if id(p) not in mine:
                 raise ValueError(
-                    f"OffloadModel.optimizer: param group {i} holds a parameter of shape "
+                    f"{where}: param group {i} holds a parameter of shape "
                     f"{tuple(p.shape)} that is not one of this model's"
                 )
     if not any(p.requires_grad for g in groups for p in g["params"]):
-        raise ValueError("OffloadModel.optimizer: none of the given parameters requires grad")
+        raise ValueError(f"{where}: none of the given parameters requires grad")
     return groups
 
 

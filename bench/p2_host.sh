@@ -16,7 +16,7 @@ for v in ${VARIANTS:-pipe pipe_unfused offload eager}; do
     pipe) one pipe ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-timers ;;
     pipe_unfused) one pipe_unfused ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-timers --unfused ;;
     pipe_pinned) one pipe_pinned ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin "${PIN_ALL:-17}" --host-timers ;;
-    pipe_host) one pipe_host ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt ;;
+    pipe_host) one pipe_host ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt --host-timers ;;
     pipe_host8) one pipe_host8 ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt --host-opt-threads 8 ;;
     offload) one offload offload --devices cuda:0 --pin 0 ;;
     offload_host) one offload_host offload --devices cuda:0 --pin 0 --host-opt ;;

@@ -5,7 +5,7 @@
 # chunk pinned (pin $PIN_ALL: the same pipeline without weight streaming; out of memory at the cap),
 # without cast_grads.py's fused cast gradients (pipe_unfused), with the host optimizer
 # (pipe_host, offload_host: .optimizer(), each chunk updated during the backward; pipe_host8: its
-# AdamW on 8 threads), beside OffloadModel and
+# AdamW on 8 threads; pipe_host_at_step: eager_updates=False), beside OffloadModel and
 # the eager floor (stock PyTorch, the same 8 microbatches, resident) in the same call.
 OUT="${OUT:-/tmp/ramstream-out}"; mkdir -p "$OUT"; cd "$(dirname "$0")/train" || exit 1
 A="--model 1.8b --batch 8 --seq 512 --window 2 --steps ${STEPS:-5} --warmup 1 --cap-gib 24"
@@ -18,6 +18,7 @@ for v in ${VARIANTS:-pipe pipe_unfused offload eager}; do
     pipe_pinned) one pipe_pinned ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin "${PIN_ALL:-17}" --host-timers ;;
     pipe_host) one pipe_host ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt --host-timers ;;
     pipe_host8) one pipe_host8 ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt --host-opt-threads 8 ;;
+    pipe_host_at_step) one pipe_host_at_step ramstream --devices cuda:0,cuda:0 --schedule gpipe --microbatches 8 --pin 0 --host-opt --host-opt-at-step --host-timers ;;
     offload) one offload offload --devices cuda:0 --pin 0 ;;
     offload_host) one offload_host offload --devices cuda:0 --pin 0 --host-opt ;;
     eager) one eager eager --devices cuda:0 --microbatches 8 --pin 0 ;;

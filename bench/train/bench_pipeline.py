@@ -128,7 +128,7 @@ def child(args) -> dict:
             **off,
         )
     if args.host_opt and args.impl in ("ramstream", "offload"):  # ramstream's host AdamW, in the backward
-        opt = model.optimizer(lr=1e-4, threads=args.host_opt_threads)
+        opt = model.optimizer(lr=1e-4, threads=args.host_opt_threads, eager_updates=not args.host_opt_at_step)
     else:
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # streamed stages: home copies on the host
     build_s = time.perf_counter() - t0
@@ -255,6 +255,9 @@ def _parser():
         action="store_true",
         help="child (ramstream, offload): the model's host optimizer (.optimizer(): each chunk updated "
         "during the backward) instead of torch's fused AdamW on the home copies",
+    )
+    ap.add_argument(
+        "--host-opt-at-step", action="store_true", help="child: --host-opt with eager_updates=False"
     )
     ap.add_argument("--host-opt-threads", type=int, help="child: --host-opt's threads (default: all cores)")
     ap.add_argument(

@@ -157,3 +157,28 @@ def test_a_failing_step_leaves_weights_and_state_and_the_next_is_exact(where):
     _ref_step(ref, *data[2])
     _assert_equal(ref, chunks, opt)
     pipe.close()
+
+
+def test_eager_updates_that_ran_before_a_backward_raised_are_kept_and_said():
+    """Default eager_updates: the second stage's chunks are updated during the backward before the
+    first stage's backward raises; those updates stay (the engine cannot undo them), a
+    RuntimeWarning says so, the rest is dropped and the next step runs."""
+    chunks = make_chunks()
+    boom = Boom()
+    chunks[0].append(boom)  # the first stage's first chunk: its backward runs last
+    pipe = _pipe(chunks, "cpu")
+    opt = pipe.optimizer(lr=1e-2)
+    x, y = (torch.cat([t, t]) for t in make_data(1, seed=11)[0])
+    first = [p.detach().clone() for p in chunks[0].parameters()]
+    last = [p.detach().clone() for p in chunks[4].parameters()]
+    boom.backward_armed = True
+    with pytest.warns(RuntimeWarning, match="already taken their update"):
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            _step(pipe, opt, x, y)
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, chunks[0].parameters()))  # dropped
+    assert not all(torch.equal(a, b) for a, b in zip(last, chunks[4].parameters()))  # kept
+    boom.backward_armed = False
+    _step(pipe, opt, x, y)
+    assert opt.stats()["steps"] == 1
+    pipe.close()

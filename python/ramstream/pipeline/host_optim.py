@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from ..frontends.offload_model.optim import _OPTIONS, param_groups
+from ..frontends.offload_model.optim import _OPTIONS, param_groups, streamed_optimizer
 from ..optim import OffloadAdamW
 from . import schedule as schedules
 from .streamed import StreamedStage
@@ -93,28 +93,16 @@ def build(pipe, params, *, lr, betas, eps, weight_decay, **options) -> PipelineA
     ahead = {st: st.streamer.ahead for st in stages}
     for st in stages:
         st.unbuild()  # the trained parameters' slabs become the engine's buckets
+    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     try:
-        opt = PipelineAdamW(
-            groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            device=pipe.devices[0],
-            mode="cpu",
-            offload=True,
-            guard_params=True,
-            _order=list(pipe.parameters()),
-            _streamed=streamed,
-            **options,
+        opt = streamed_optimizer(
+            PipelineAdamW, groups, hyper, pipe.devices[0], list(pipe.parameters()), streamed, options
         )
     except BaseException:
         for st in stages:
             st.build(ahead[st])  # as it was: its own slabs and write-back
         raise
     engine = opt._engine
-    for s in engine.slots:
-        s.param.grad = None  # the optimizer starts with no gradient gathered
     where = {}
     for st in stages:
         for i in range(len(st.parts)):

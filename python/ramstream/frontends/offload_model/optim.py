@@ -98,6 +98,27 @@ def param_groups(model, params, where: str = "OffloadModel.optimizer") -> list[d
     return groups
 
 
+def streamed_optimizer(cls, groups, hyper: dict, device, order: list, streamed: dict, options: dict):
+    """The host optimizer (cls: an OffloadAdamW subclass) whose engine's buckets of the `streamed`
+    parameters ({id(parameter): block number}) are slabs at home in pinned memory, updated on the
+    host; no gradient gathered yet (each parameter's `.grad` None). Shared by OffloadModel's and
+    the Pipeline's optimizer()."""
+    opt = cls(
+        groups,
+        **hyper,
+        device=device,
+        mode="cpu",
+        offload=True,
+        guard_params=True,
+        _order=order,
+        _streamed=streamed,
+        **options,
+    )
+    for s in opt._engine.slots:
+        s.param.grad = None  # the optimizer starts with no gradient gathered
+    return opt
+
+
 def build(model, params, *, lr, betas, eps, weight_decay, **options) -> OffloadModelAdamW:
     """model.optimizer(...): the engine over the model's chunks, wired into its streamer."""
     unknown = sorted(set(options) - set(_OPTIONS))
@@ -115,28 +136,16 @@ def build(model, params, *, lr, betas, eps, weight_decay, **options) -> OffloadM
         if p.requires_grad and p.numel() > 0 and chunk_of[id(p)] not in pinned
     }
     model._teardown()  # the trained parameters' slabs become the engine's buckets
+    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     try:
-        opt = OffloadModelAdamW(
-            groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            device=model.device,
-            mode="cpu",
-            offload=True,
-            guard_params=True,
-            _order=list(model.parameters()),
-            _streamed=streamed,
-            **options,
+        opt = streamed_optimizer(
+            OffloadModelAdamW, groups, hyper, model.device, list(model.parameters()), streamed, options
         )
     except BaseException:
         model._build(pinned)  # as it was: its own slabs and gradient write-back
         raise
     engine = opt._engine
     opt._model_ref = weakref.ref(model)
-    for s in engine.slots:
-        s.param.grad = None  # the optimizer starts with no gradient gathered
     model._build(pinned, engine=engine)
     engine.attach_forward_waits(model)
     model._hooks.host_opt = opt

@@ -182,3 +182,51 @@ def test_eager_updates_that_ran_before_a_backward_raised_are_kept_and_said():
     _step(pipe, opt, x, y)
     assert opt.stats()["steps"] == 1
     pipe.close()
+
+
+def test_accumulation_and_clipping_as_torch():
+    """accumulation_steps=2: two pipe.step()s per opt.step(), each step's gradient (the sum over its
+    microbatches) added on the host in fp32, as torch adds the two steps' sums: bit-identical.
+    max_grad_norm: the updates wait for the global norm, as torch's clip_grad_norm_ scales them
+    (the norm summed in another order: within 1e-6). The state dict goes back in."""
+    data = [(torch.cat([x, x.flip(0)]), torch.cat([y, -y])) for x, y in make_data(4, seed=3)]
+    chunks = make_chunks()
+    ref = Reference(chunks, "cpu")
+    pipe = _pipe(chunks, "cpu")
+    opt = pipe.optimizer(two_groups(list(pipe.parameters())), lr=1e-2, accumulation_steps=2)
+    for pair in (data[:2], data[2:]):
+        sums = []
+        for x, y in pair:
+            run_with_timeout(
+                lambda: pipe.step(x, targets=y, loss_fn=F.mse_loss, n_microbatches=N, schedule="gpipe")
+            )
+            for xm, ym in zip(x.tensor_split(N), y.tensor_split(N)):
+                (F.mse_loss(ref.model(xm), ym) / N).backward()
+            sums.append([p.grad for p in ref.params])
+            for p in ref.params:
+                p.grad = None
+        for p, a, b in zip(ref.params, *sums):
+            p.grad = None if a is None else a.add_(b)
+        opt.step()
+        ref.step()
+    _assert_equal(ref, chunks, opt)
+    pipe.close()
+
+    chunks = make_chunks()
+    ref = Reference(chunks, "cpu", clip=0.05)
+    pipe = _pipe(chunks, "cpu")
+    opt = pipe.optimizer(two_groups(list(pipe.parameters())), lr=1e-2, max_grad_norm=0.05)
+    for x, y in data[:3]:
+        _step(pipe, opt, x, y)
+        _ref_step(ref, x, y)
+    opt.synchronize()
+    assert opt.stats()["eager_updates"] == 0 and opt._engine.last_grad_norm > 0.05
+    for a, b in zip(ref.params, (p for c in chunks for p in c.parameters())):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    again = opt.state_dict()
+    assert state["state"].keys() == again["state"].keys()
+    for k, v in state["state"].items():
+        assert all(torch.equal(v[n], again["state"][k][n]) for n in ("exp_avg", "exp_avg_sq", "step"))
+    pipe.close()

@@ -104,6 +104,10 @@ def test_what_it_refuses_names_the_way_out():
         pipe.optimizer(bogus=1)
     with pytest.raises(TypeError, match="Pipeline.optimizer: params must be"):
         pipe.optimizer(torch.zeros(3))
+    stream = pipe.infer_open()  # holds the pipeline: the stages are not rebuilt under it
+    with pytest.raises(RuntimeError, match="between steps"):
+        pipe.optimizer()
+    stream.close()
     opt = pipe.optimizer(lr=1e-2)
     with pytest.raises(ValueError, match="already has a host optimizer"):
         pipe.optimizer()

@@ -18,6 +18,7 @@ stages (offload_chunk_major "auto" or True), where each chunk's gradient is fina
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -90,10 +91,36 @@ def build(pipe, params, *, lr, betas, eps, weight_decay, **options) -> PipelineA
         raise ValueError("Pipeline.optimizer: this pipeline already has a host optimizer; close it first")
     groups = param_groups(pipe, params, "Pipeline.optimizer")
     stages, streamed = _scope(pipe, groups)
+    with _between_steps(pipe, "Pipeline.optimizer"):
+        return _attach(
+            pipe,
+            groups,
+            stages,
+            streamed,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            options,
+        )
+
+
+@contextlib.contextmanager
+def _between_steps(pipe, where: str):
+    """Holds the pipeline's lock: no step(), infer() or stream runs while the stages are rebuilt."""
+    if not pipe._lock.acquire(blocking=False):
+        raise RuntimeError(
+            f"{where}: a step() or infer() is running, or an infer_open() stream or a train_session() is "
+            "open; call it between steps"
+        )
+    try:
+        yield
+    finally:
+        pipe._lock.release()
+
+
+def _attach(pipe, groups, stages, streamed, hyper: dict, options: dict) -> PipelineAdamW:
+    """The engine built over the stages' streamed chunks (their slabs become its buckets)."""
     ahead = {st: st.streamer.ahead for st in stages}
     for st in stages:
         st.unbuild()  # the trained parameters' slabs become the engine's buckets
-    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     try:
         opt = streamed_optimizer(
             PipelineAdamW, groups, hyper, pipe.devices[0], list(pipe.parameters()), streamed, options
@@ -131,14 +158,15 @@ def build(pipe, params, *, lr, betas, eps, weight_decay, **options) -> PipelineA
 def release(pipe) -> None:
     """opt.close(): the engine waits for its updates and unhooks; the stages stream with slabs of
     their own again, holding the current weights."""
-    opt, pipe._host_opt = pipe._host_opt, None
-    OffloadAdamW.close(opt)
-    for st in pipe._streamed:
-        ahead = st.streamer.ahead
-        st.unbuild()
-        st.copier = getattr(st, "own_copier", st.copier)
-        st.hand_over = None
-        st.build(ahead)
+    with _between_steps(pipe, "PipelineAdamW.close"):
+        opt, pipe._host_opt = pipe._host_opt, None
+        OffloadAdamW.close(opt)
+        for st in pipe._streamed:
+            ahead = st.streamer.ahead
+            st.unbuild()
+            st.copier = getattr(st, "own_copier", st.copier)
+            st.hand_over = None
+            st.build(ahead)
 
 
 def check_step(pipe, schedule: str, n: int) -> None:

@@ -481,13 +481,13 @@ class Pipeline:
             self._stream.close()
         if self._session is not None:
             self._session.close()
-        if self._host_opt is not None:
-            self._host_opt.close()  # its updates end; the stages get slabs of their own back
         self._closed = True
         self._finalizer.detach()
         for t in self._threads:
             t.stop(wait=True)
         self._threads = []
+        if self._host_opt is not None:
+            self._host_opt.close()  # its updates end; the stages get slabs of their own back
         for st in self._streamed:
             st.close()
         for pg in self._pagers or []:

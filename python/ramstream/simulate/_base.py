@@ -79,21 +79,50 @@ class PipelinePrediction:
         }
 
 
-def _times(name: str, value, n: int, what: str) -> list[float]:
-    """`value` (a number, or one per `what`) as n finite floats >= 0; ValueError naming `name`."""
+def _times(name: str, value, n: int, what: str, where: str = "simulate_pipeline") -> list[float]:
+    """`value` (a number, or one per `what`) as n finite floats >= 0; ValueError naming `where`
+    and `name`."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         vals = [float(value)] * n
     else:
         try:
             vals = [float(v) for v in value]
         except (TypeError, ValueError):
-            raise ValueError(f"simulate_pipeline: {name} must be a number or one per {what}") from None
+            raise ValueError(f"{where}: {name} must be a number or one per {what}") from None
         if len(vals) != n:
-            raise ValueError(f"simulate_pipeline: {name} has {len(vals)} values for {n} {what}s")
+            raise ValueError(f"{where}: {name} has {len(vals)} values for {n} {what}s")
     bad = [v for v in vals if not 0.0 <= v < float("inf")]
     if bad:
-        raise ValueError(f"simulate_pipeline: {name} must be finite and >= 0, got {bad[0]!r}")
+        raise ValueError(f"{where}: {name} must be finite and >= 0, got {bad[0]!r}")
     return vals
+
+
+def prediction(
+    name: str,
+    stages: int,
+    microbatches: int,
+    chunks_per_stage: int,
+    spans: list,
+    busy: list,
+    ops: list,
+    devices: int,
+    makespan: float,
+    **extra,
+) -> PipelinePrediction:
+    """A PipelinePrediction of a simulated step: the bubble is the idle share of `devices` devices
+    (one per stage, or fewer where stages share one) over the makespan."""  # fmt: skip
+    return PipelinePrediction(
+        schedule=name,
+        stages=stages,
+        microbatches=microbatches,
+        chunks_per_stage=chunks_per_stage,
+        makespan=makespan,
+        busy=busy,
+        bubble=1.0 - sum(busy) / (devices * makespan) if makespan > 0 else 0.0,
+        peak_in_flight=[peak_in_flight(row) for row in ops],
+        spans=spans,
+        **extra,
+    )
 
 
 def schedule_ops(schedule, stages: int, microbatches: int, chunks_per_stage: int) -> tuple[str, list]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..frontends.offload_model.checks import spaced
+from ._base import _times
 
 KEEP = (False, True, "checkpoint")
 
@@ -71,21 +72,8 @@ class Prediction:
 
 
 def _per_chunk(name: str, value, n: int) -> list[float]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        vals = [float(value)] * n
-    else:
-        try:
-            vals = [float(v) for v in value]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"simulate_offload: {name} must be seconds (a number or one per chunk)"
-            ) from None
-        if len(vals) != n:
-            raise ValueError(f"simulate_offload: {name} has {len(vals)} values for {n} chunks (layers)")
-    bad = [v for v in vals if not v >= 0.0 or v == float("inf")]
-    if bad:
-        raise ValueError(f"simulate_offload: {name} must be finite seconds >= 0, got {bad[0]!r}")
-    return vals
+    """Seconds (or bytes) per chunk: simulate/_base.py's parser, its errors naming simulate_offload."""
+    return _times(name, value, n, "chunk", "simulate_offload")
 
 
 def _layers(layers, *vals) -> int:

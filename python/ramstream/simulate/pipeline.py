@@ -30,7 +30,16 @@ from __future__ import annotations
 
 from ..pipeline.chunk_major import batches
 from ..pipeline.schedule import Op, dependencies, execution_order
-from ._base import CopySpan, OpSpan, PipelinePrediction, _times, check_comm, peak_in_flight, schedule_ops
+from ._base import (
+    CopySpan,
+    OpSpan,
+    PipelinePrediction,
+    _times,
+    check_comm,
+    peak_in_flight,
+    prediction,
+    schedule_ops,
+)
 from .offload import pinned_chunks
 from .shared import shared_devices, simulate_shared
 
@@ -217,20 +226,20 @@ def simulate_pipeline(
     copies = [c for lane in lanes for c in lane.copies]
     makespan = max([sp.end for sp in spans] + [c.end for c in copies])
     busy = [lane.busy for lane in lanes]
-    return PipelinePrediction(
-        schedule=name,
-        stages=stages,
-        microbatches=microbatches,
-        chunks_per_stage=chunks_per_stage,
-        makespan=makespan,
-        busy=busy,
-        bubble=1.0 - sum(busy) / (stages * makespan) if makespan > 0 else 0.0,
-        peak_in_flight=[peak_in_flight(row) for row in ops],
+    return prediction(
+        name,
+        stages,
+        microbatches,
+        chunks_per_stage,
+        spans,
+        busy,
+        ops,
+        stages,
+        makespan,
         window=window,
         layers=layers,
         pinned=tuple(sorted(pinned)),
         h2d_busy=[lane.h2d_busy for lane in lanes] if stream else [],
-        spans=spans,
         copies=copies,
         pieces=[sp for lane in lanes for sp in lane.pieces],
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..pipeline.schedule import Op, dependencies
-from ._base import OpSpan, PipelinePrediction, _times, check_comm, peak_in_flight, schedule_ops
+from ._base import OpSpan, PipelinePrediction, _times, check_comm, prediction, schedule_ops
 
 __all__ = ["exclusive_times", "shared_devices", "simulate_shared"]
 
@@ -105,18 +105,7 @@ def simulate_shared(
         t = t_next
     makespan = max((sp.end for sp in spans), default=0.0)
     busy = [sum(cost[op] for op in row) for row in ops]
-    n_dev = len(set(dev))
-    return PipelinePrediction(
-        schedule=name,
-        stages=stages,
-        microbatches=microbatches,
-        chunks_per_stage=chunks_per_stage,
-        makespan=makespan,
-        busy=busy,
-        bubble=1.0 - sum(busy) / (n_dev * makespan) if makespan > 0 else 0.0,
-        peak_in_flight=[peak_in_flight(row) for row in ops],
-        spans=spans,
-    )
+    return prediction(name, stages, microbatches, chunks_per_stage, spans, busy, ops, len(set(dev)), makespan)
 
 
 def exclusive_times(spans, devices) -> list[float]:
